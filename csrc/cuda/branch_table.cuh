@@ -1,0 +1,40 @@
+// The branch sizes of the network, passed to kernels by value (kernel parameters are
+// constant-cached and need no host-to-device copy, so the launch stays capturable).
+#pragma once
+
+#include <cstdint>
+
+#include <c10/util/Exception.h>
+
+#include "layout.h"
+
+namespace dqn_ops {
+namespace cuda {
+
+constexpr int kMaxBranches = 256;  // 2 KiB of kernel parameters
+
+struct BranchTable {
+  int32_t count;
+  int32_t size[kMaxBranches];
+  int32_t action_offset[kMaxBranches];
+};
+
+inline BranchTable make_branch_table(const NetLayout& L, const char* op) {
+  TORCH_CHECK(L.num_branches() <= kMaxBranches, op, ": the CUDA kernels take at most ", kMaxBranches,
+              " branches, got ", L.num_branches());
+  BranchTable t{};
+  t.count = static_cast<int32_t>(L.num_branches());
+  for (int64_t d = 0; d < L.num_branches(); ++d) {
+    t.size[d] = static_cast<int32_t>(L.branch_sizes[d]);
+    t.action_offset[d] = static_cast<int32_t>(L.action_offsets[d]);
+  }
+  return t;
+}
+
+inline unsigned blocks_for(int64_t n, int threads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned>(b < 65535 * 32 ? b : 65535 * 32);  // kernels grid-stride past this
+}
+
+}  // namespace cuda
+}  // namespace dqn_ops

@@ -1,0 +1,128 @@
+// bf16_dueling_forward on CUDA: BF16 x BF16 -> F32 GEMMs (COMPUTE_32F) on torch's cuBLAS
+// handle, with bias + ReLU + BF16 cast fused into one pass after each hidden GEMM.
+//
+// Launches for D branches: 1 (states -> BF16) + 3 x (GEMM + bias/ReLU) + (D + 1) output GEMMs
+// + 1 (output bias + dueling aggregation) = D + 9; 12 for the reference config. The value
+// head's and all branches' first layers run as one GEMM over the adjacent rows of W_h1.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <torch/library.h>
+
+#include "branch_table.cuh"
+#include "gemm.cuh"
+#include "network_args.h"
+
+namespace dqn_ops {
+namespace cuda {
+namespace {
+
+using at::Tensor;
+constexpr int kThreads = 256;
+
+__global__ void cast_to_bf16_kernel(const float* __restrict__ in, __nv_bfloat16* __restrict__ out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16_rn(in[i]);
+}
+
+// out = bf16(relu(z + bias)), z [rows, cols] row-major. `v < 0 ? 0 : v` keeps a NaN a NaN
+// (as torch.relu does) so a non-finite input stays visible downstream.
+__global__ void bias_relu_bf16_kernel(const float* __restrict__ z, const float* __restrict__ bias,
+                                      __nv_bfloat16* __restrict__ out, int64_t rows, int64_t cols) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = z[i] + bias[i % cols];
+    out[i] = __float2bfloat16_rn(v < 0.f ? 0.f : v);
+  }
+}
+
+// Adds the output biases to head [B, head_out] in place and writes the dueling aggregate
+// q[b, action, z] = v[b, z] + a[b, action, z] - mean over the branch's actions. One thread
+// per (row, atom); consecutive threads read consecutive atoms, so loads coalesce.
+__global__ void head_bias_dueling_kernel(float* __restrict__ head, const float* __restrict__ b_out,
+                                         float* __restrict__ q, int64_t rows, int atoms, int64_t head_out,
+                                         int total_actions, BranchTable branches) {
+  const int64_t n = rows * atoms;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / atoms;
+    const int z = static_cast<int>(i % atoms);
+    float* row = head + b * head_out;
+    float* q_row = q + b * int64_t(total_actions) * atoms;
+    const float v = row[z] + b_out[z];
+    row[z] = v;
+    for (int d = 0; d < branches.count; ++d) {
+      const int size = branches.size[d], first = branches.action_offset[d];
+      float sum = 0.f;
+      for (int k = 0; k < size; ++k) {
+        const int64_t col = int64_t(atoms) * (1 + first + k) + z;
+        const float a = row[col] + b_out[col];
+        row[col] = a;
+        sum += a;
+      }
+      const float mean = sum / size;
+      for (int k = 0; k < size; ++k)
+        q_row[int64_t(first + k) * atoms + z] = v + row[int64_t(atoms) * (1 + first + k) + z] - mean;
+    }
+  }
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
+    const Tensor& states, const Tensor& params, const Tensor& params_bf16, c10::IntArrayRef layout,
+    c10::string_view backward_precision) {
+  const NetLayout L = parse_layout(layout, kForwardOp);
+  check_forward_args(states, params, params_bf16, L, std::string(backward_precision));
+  const BranchTable branches = make_branch_table(L, kForwardOp);
+  // Kernels and cuBLAS must run on the tensors' device, whichever device is current.
+  const c10::cuda::CUDAGuard guard(states.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t B = states.size(0);
+  const auto bf16 = params_bf16.options();
+  const auto f32 = params.options();
+  const auto* w = static_cast<const __nv_bfloat16*>(params_bf16.data_ptr());
+  const float* p = params.data_ptr<float>();
+
+  Tensor x = at::empty({B, L.state_dim}, bf16);
+  cast_to_bf16_kernel<<<blocks_for(x.numel(), kThreads), kThreads, 0, stream>>>(
+      states.data_ptr<float>(), static_cast<__nv_bfloat16*>(x.data_ptr()), x.numel());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  // One F32 scratch for the pre-activations of all three hidden GEMMs (stream-ordered reuse).
+  Tensor z = at::empty({B * std::max({L.trunk1, L.trunk2, L.head_hidden})}, f32);
+  auto hidden = [&](const Tensor& in, int64_t in_width, int64_t w_off, int64_t b_off, int64_t out, const char* what) {
+    Tensor h = at::empty({B, out}, bf16);
+    gemm(kForwardOp, what, B, out, in_width, Operand{in.data_ptr(), CUDA_R_16BF, in_width, false},
+         Operand{w + w_off, CUDA_R_16BF, in_width, true}, z.data_ptr(), CUDA_R_32F, out, CUBLAS_COMPUTE_32F);
+    bias_relu_bf16_kernel<<<blocks_for(B * out, kThreads), kThreads, 0, stream>>>(
+        z.data_ptr<float>(), p + b_off, static_cast<__nv_bfloat16*>(h.data_ptr()), B, out);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return h;
+  };
+  Tensor h1 = hidden(x, L.state_dim, L.w_s1, L.b_s1, L.trunk1, "trunk layer 1");
+  Tensor h2 = hidden(h1, L.trunk1, L.w_s2, L.b_s2, L.trunk2, "trunk layer 2");
+  Tensor hh = hidden(h2, L.trunk2, L.w_h1, L.b_h1, L.head_hidden, "merged head layer 1");
+
+  // Block-diagonal output layer: each head reads its column slice of hh and writes its
+  // column slice of head (leading dimensions head_hidden and head_out).
+  Tensor head = at::empty({B, L.head_out}, f32);
+  const auto* hh_ptr = static_cast<const __nv_bfloat16*>(hh.data_ptr());
+  for (const HeadSlice& s : L.heads) {
+    gemm(kForwardOp, "output head", B, s.out_width, s.in_width, Operand{hh_ptr + s.in_col, CUDA_R_16BF, L.head_hidden, false},
+         Operand{w + s.w_off, CUDA_R_16BF, s.in_width, true}, head.data_ptr<float>() + s.out_col, CUDA_R_32F,
+         L.head_out, CUBLAS_COMPUTE_32F);
+  }
+  Tensor q = at::empty({B, L.total_actions, L.atoms}, f32);
+  head_bias_dueling_kernel<<<blocks_for(B * L.atoms, kThreads), kThreads, 0, stream>>>(
+      head.data_ptr<float>(), p + L.b_out, q.data_ptr<float>(), B, static_cast<int>(L.atoms), L.head_out,
+      static_cast<int>(L.total_actions), branches);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, head, x, h1, h2, hh};
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) { m.impl("bf16_dueling_forward", &cuda::dueling_forward_cuda); }
+
+}  // namespace dqn_ops

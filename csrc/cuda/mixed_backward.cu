@@ -1,0 +1,245 @@
+// mixed_backward on CUDA: the network's backward pass into one flat F32 gradient buffer.
+//
+// cuBLAS takes no F32 x BF16 operand mix (DESIGN.md fact 1), so each precision is a pair of
+// operand types it accepts:
+//   bf16: dY rounded to BF16 where it is produced; BF16 x BF16 -> F32, COMPUTE_32F;
+//         dX reads the BF16 mirror (the weights the forward used).
+//   tf32: F32 dY x F32 operands on TF32 tensor cores (COMPUTE_32F_FAST_TF32); dX reads the
+//         F32 master weights, dW the saved BF16 activations upcast to F32 (exact).
+//   fp32: as tf32 with COMPUTE_32F_PEDANTIC (full-precision FMA, for checks).
+// Bias gradients are column sums of the unrounded F32 dZ, all four layer groups in one
+// deterministic launch (fixed summation order: graph replays and eager calls agree bitwise).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <torch/library.h>
+
+#include "branch_table.cuh"
+#include "gemm.cuh"
+#include "network_args.h"
+
+namespace dqn_ops {
+namespace cuda {
+namespace {
+
+using at::Tensor;
+constexpr int kThreads = 256;
+
+// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q, one thread per (row, atom):
+//   dv = sum over every action of dq;  da[k] = dq[k] - mean over the branch's actions of dq.
+// Also writes the BF16 copy the `bf16` GEMMs read (d_head_bf16 may be null).
+__global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const float* __restrict__ grad_head,
+                                        float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
+                                        int64_t rows, int atoms, int64_t head_out, int total_actions,
+                                        BranchTable branches) {
+  const int64_t n = rows * atoms;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / atoms;
+    const int z = static_cast<int>(i % atoms);
+    const float* gh = grad_head ? grad_head + b * head_out : nullptr;
+    float* dh = d_head + b * head_out;
+    float dv = gh ? gh[z] : 0.f;
+    for (int d = 0; d < branches.count; ++d) {
+      const int size = branches.size[d], first = branches.action_offset[d];
+      const float* dq = grad_q ? grad_q + (b * total_actions + first) * int64_t(atoms) + z : nullptr;
+      float sum = 0.f;
+      if (dq)
+        for (int k = 0; k < size; ++k) sum += dq[int64_t(k) * atoms];
+      dv += sum;
+      const float mean = sum / size;
+      for (int k = 0; k < size; ++k) {
+        const int64_t col = int64_t(atoms) * (1 + first + k) + z;
+        const float g = (dq ? dq[int64_t(k) * atoms] - mean : 0.f) + (gh ? gh[col] : 0.f);
+        dh[col] = g;
+        if (d_head_bf16) d_head_bf16[b * head_out + col] = __float2bfloat16_rn(g);
+      }
+    }
+    dh[z] = dv;
+    if (d_head_bf16) d_head_bf16[b * head_out + z] = __float2bfloat16_rn(dv);
+  }
+}
+
+// In place: d = (h > 0) ? d : 0, the ReLU mask read off the saved BF16 activation (BF16 keeps
+// F32's exponent range, so h > 0 exactly where the F32 pre-activation was). Writes the BF16
+// copy for the `bf16` GEMMs when d_bf16 is not null.
+__global__ void relu_backward_kernel(float* __restrict__ d, const __nv_bfloat16* __restrict__ h,
+                                     __nv_bfloat16* __restrict__ d_bf16, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float g = __bfloat162float(h[i]) > 0.f ? d[i] : 0.f;
+    d[i] = g;
+    if (d_bf16) d_bf16[i] = __float2bfloat16_rn(g);
+  }
+}
+
+// Up to 4 BF16 -> F32 copies in one launch (blockIdx.y picks the tensor).
+struct UpcastJobs {
+  const __nv_bfloat16* src[4];
+  float* dst[4];
+  int64_t n[4];
+};
+
+__global__ void upcast_kernel(UpcastJobs jobs) {
+  const int j = blockIdx.y;
+  const __nv_bfloat16* src = jobs.src[j];
+  float* dst = jobs.dst[j];
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < jobs.n[j]; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = __bfloat162float(src[i]);
+}
+
+// Column sums of up to 4 row-major F32 matrices [rows, cols_j] into dst_j: the bias
+// gradients. A block sums kColTile columns over all rows: kRowLanes threads per column
+// stride down the rows, then one fixed-order reduction in shared memory.
+constexpr int kColTile = 32, kRowLanes = 16;
+struct ColumnSumJobs {
+  const float* src[4];
+  float* dst[4];
+  int64_t cols[4];
+  int64_t first_block[5];  // job j owns blocks [first_block[j], first_block[j+1])
+  int count;
+  int64_t rows;
+};
+
+__global__ void column_sum_kernel(ColumnSumJobs jobs) {
+  int j = 0;
+  while (j + 1 < jobs.count && blockIdx.x >= jobs.first_block[j + 1]) ++j;
+  const int64_t cols = jobs.cols[j];
+  const int64_t c = (blockIdx.x - jobs.first_block[j]) * kColTile + threadIdx.x;
+  float s = 0.f;
+  if (c < cols)
+    for (int64_t r = threadIdx.y; r < jobs.rows; r += kRowLanes) s += jobs.src[j][r * cols + c];
+  __shared__ float part[kRowLanes][kColTile];
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float t = 0.f;
+    for (int i = 0; i < kRowLanes; ++i) t += part[i][threadIdx.x];
+    jobs.dst[j][c] = t;
+  }
+}
+
+std::tuple<Tensor, Tensor> mixed_backward_cuda(
+    const c10::optional<Tensor>& grad_q, const c10::optional<Tensor>& grad_head, const Tensor& states_bf16,
+    const Tensor& h1, const Tensor& h2, const Tensor& hh, const Tensor& params, const Tensor& params_bf16,
+    c10::IntArrayRef layout, c10::string_view precision_str, bool need_grad_states) {
+  const char* op = kBackwardOp;
+  const NetLayout L = parse_layout(layout, op);
+  const std::string precision_s(precision_str);
+  check_backward_args(grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, L, precision_s);
+  const BackwardPrecision precision = parse_precision(precision_s, op);
+  const BranchTable branches = make_branch_table(L, op);
+  // Kernels and cuBLAS must run on the tensors' device, whichever device is current.
+  const c10::cuda::CUDAGuard guard(params.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t B = states_bf16.size(0);
+  const auto f32 = params.options();
+  const auto bf16opt = params_bf16.options();
+  const bool bf16 = precision == BackwardPrecision::kBF16;
+  const cublasComputeType_t compute = bf16 ? CUBLAS_COMPUTE_32F
+                                      : precision == BackwardPrecision::kTF32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                                               : CUBLAS_COMPUTE_32F_PEDANTIC;
+  const cudaDataType_t op_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  const size_t op_bytes = bf16 ? 2 : 4;
+  auto at_elem = [&](const void* base, int64_t elem) {
+    return static_cast<const void*>(static_cast<const char*>(base) + elem * op_bytes);
+  };
+  // GEMM operands of the chosen precision: dX reads the mirror (bf16) or the master (F32).
+  const void* weights = bf16 ? params_bf16.data_ptr() : params.data_ptr();
+
+  // Saved activations as GEMM operands: as saved (bf16) or upcast to F32 in one launch.
+  const Tensor* acts[4] = {&states_bf16, &h1, &h2, &hh};
+  Tensor acts_f32[4];
+  if (!bf16) {
+    UpcastJobs jobs{};
+    int64_t most = 0;
+    for (int i = 0; i < 4; ++i) {
+      acts_f32[i] = at::empty(acts[i]->sizes(), f32);
+      jobs.src[i] = static_cast<const __nv_bfloat16*>(acts[i]->data_ptr());
+      jobs.dst[i] = acts_f32[i].data_ptr<float>();
+      jobs.n[i] = acts[i]->numel();
+      most = std::max(most, jobs.n[i]);
+    }
+    upcast_kernel<<<dim3(blocks_for(most, kThreads), 4), kThreads, 0, stream>>>(jobs);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  auto act = [&](int i) { return bf16 ? acts[i]->data_ptr() : acts_f32[i].data_ptr(); };
+
+  // F32 gradient of a layer's output and, in bf16 mode, its BF16 copy (the GEMM operand).
+  struct Grad {
+    Tensor f32, low;
+    const void* operand(bool bf16) const { return bf16 ? low.data_ptr() : f32.data_ptr(); }
+    __nv_bfloat16* low_ptr() const { return low.defined() ? static_cast<__nv_bfloat16*>(low.data_ptr()) : nullptr; }
+  };
+  auto make_grad = [&](int64_t cols) {
+    return Grad{at::empty({B, cols}, f32), bf16 ? at::empty({B, cols}, bf16opt) : Tensor()};
+  };
+
+  Tensor grad = at::zeros({L.numel}, f32);  // padding between segments stays 0
+  float* g = grad.data_ptr<float>();
+
+  Grad d_head = make_grad(L.head_out);
+  dueling_backward_kernel<<<blocks_for(B * L.atoms, kThreads), kThreads, 0, stream>>>(
+      grad_q.has_value() ? grad_q->data_ptr<float>() : nullptr,
+      grad_head.has_value() ? grad_head->data_ptr<float>() : nullptr, d_head.f32.data_ptr<float>(), d_head.low_ptr(),
+      B, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  // Output heads: dW_j = dY_j^T hh_j and d(hh)_j = dY_j W_j, each on its column slices.
+  Grad d_hh = make_grad(L.head_hidden);
+  for (const HeadSlice& s : L.heads) {
+    const Operand dy{at_elem(d_head.operand(bf16), s.out_col), op_type, L.head_out, false};
+    const Operand dy_t{dy.ptr, op_type, L.head_out, true};
+    gemm(op, "output head dW", s.out_width, s.in_width, B, dy_t, Operand{at_elem(act(3), s.in_col), op_type, L.head_hidden, false},
+         g + s.w_off, CUDA_R_32F, s.in_width, compute);
+    gemm(op, "output head dX", B, s.in_width, s.out_width, dy, Operand{at_elem(weights, s.w_off), op_type, s.in_width, false},
+         d_hh.f32.data_ptr<float>() + s.in_col, CUDA_R_32F, L.head_hidden, compute);
+  }
+
+  // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W.
+  auto hidden_backward = [&](Grad& d_out, int saved_out, int saved_in, int64_t w_off, int64_t out, int64_t in,
+                             bool need_dx, const char* what) {
+    relu_backward_kernel<<<blocks_for(B * out, kThreads), kThreads, 0, stream>>>(
+        d_out.f32.data_ptr<float>(), static_cast<const __nv_bfloat16*>(acts[saved_out]->data_ptr()), d_out.low_ptr(),
+        B * out);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const Operand dz{d_out.operand(bf16), op_type, out, false};
+    gemm(op, what, out, in, B, Operand{dz.ptr, op_type, out, true}, Operand{act(saved_in), op_type, in, false}, g + w_off,
+         CUDA_R_32F, in, compute);
+    if (!need_dx) return Grad{};
+    Grad d_in = make_grad(in);
+    gemm(op, what, B, in, out, dz, Operand{at_elem(weights, w_off), op_type, in, false}, d_in.f32.data_ptr<float>(),
+         CUDA_R_32F, in, compute);
+    return d_in;
+  };
+  // The BF16 copy of a dX is written by the next relu_backward, not by the GEMM.
+  Grad d_h2 = hidden_backward(d_hh, 3, 2, L.w_h1, L.head_hidden, L.trunk2, true, "merged head layer 1");
+  Grad d_h1 = hidden_backward(d_h2, 2, 1, L.w_s2, L.trunk2, L.trunk1, true, "trunk layer 2");
+  Grad d_x = hidden_backward(d_h1, 1, 0, L.w_s1, L.trunk1, L.state_dim, need_grad_states, "trunk layer 1");
+
+  // Bias gradients of the four groups (b_out, b_h1, b_s2, b_s1) in one launch.
+  ColumnSumJobs jobs{};
+  const std::pair<const Tensor*, int64_t> bias_groups[4] = {
+      {&d_head.f32, L.b_out}, {&d_hh.f32, L.b_h1}, {&d_h2.f32, L.b_s2}, {&d_h1.f32, L.b_s1}};
+  jobs.count = 4;
+  jobs.rows = B;
+  jobs.first_block[0] = 0;
+  for (int j = 0; j < 4; ++j) {
+    jobs.src[j] = bias_groups[j].first->data_ptr<float>();
+    jobs.cols[j] = bias_groups[j].first->size(1);
+    jobs.dst[j] = g + bias_groups[j].second;
+    jobs.first_block[j + 1] = jobs.first_block[j] + (jobs.cols[j] + kColTile - 1) / kColTile;
+  }
+  column_sum_kernel<<<static_cast<unsigned>(jobs.first_block[4]), dim3(kColTile, kRowLanes), 0, stream>>>(jobs);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  Tensor grad_states = need_grad_states ? d_x.f32 : at::empty({0}, f32);
+  return {grad, grad_states};
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) { m.impl("mixed_backward", &cuda::mixed_backward_cuda); }
+
+}  // namespace dqn_ops

@@ -1,0 +1,37 @@
+// Every schema of the package, in one block. Kernels register per backend:
+// csrc/*_cpu.cpp (CPU reference) and csrc/cuda/*.cu (CUDA). Fake (meta) kernels and autograd
+// formulas are registered from Python, beside the wrappers (dqn_ops/ops.py).
+//
+// How to add an op:
+//   1. its schema here (mutable arguments as Tensor(a!), documented below);
+//   2. argument checks shared by both backends in a csrc/*_args.h header;
+//   3. the CPU reference kernel in csrc/, the CUDA kernel in csrc/cuda/;
+//   4. in dqn_ops/ops.py: a typed wrapper, register_fake, and register_autograd if differentiable;
+//   5. tests/test_<op>.py: reference comparison, opcheck, bad inputs, CUDA graph + no-sync on GPU.
+#include <Python.h>
+#include <torch/library.h>
+
+// `import dqn_ops._C` loads this library, whose static initialisers register the ops.
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(dqn_ops, m) {
+  // states [B, SD] -> q_logits [B, sum n_d, NA] (dueling-aggregated), head_logits [B, NA*(1+sum n_d)]
+  // (raw value then advantage logits), and the activations the backward reads: the states
+  // and hidden layers at the mirror's precision (BF16 on CUDA). backward_precision is read
+  // only by autograd (it chooses mixed_backward's precision) and is validated here.
+  m.def(
+      "bf16_dueling_forward(Tensor states, Tensor params, Tensor params_bf16, int[] layout, "
+      "str backward_precision=\"tf32\") -> (Tensor q_logits, Tensor head_logits, Tensor states_bf16, "
+      "Tensor h1, Tensor h2, Tensor hh)");
+  // d(q_logits) and/or d(head_logits) -> the flat gradient (every dW and db, in the layout of
+  // params, padding zero) and, when need_grad_states, d(states) [B, SD] (else an empty tensor).
+  m.def(
+      "mixed_backward(Tensor? grad_q, Tensor? grad_head, Tensor states_bf16, Tensor h1, Tensor h2, "
+      "Tensor hh, Tensor params, Tensor params_bf16, int[] layout, str precision=\"tf32\", "
+      "bool need_grad_states=False) -> (Tensor grad_params, Tensor grad_states)");
+}

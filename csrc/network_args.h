@@ -1,0 +1,113 @@
+// Argument validation of bf16_dueling_forward and mixed_backward, shared by the CPU and
+// CUDA kernels so both reject the same inputs with the same messages.
+#pragma once
+
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include "checks.h"
+#include "layout.h"
+
+namespace dqn_ops {
+
+constexpr const char* kForwardOp = "dqn_ops.bf16_dueling_forward";
+constexpr const char* kBackwardOp = "dqn_ops.mixed_backward";
+
+// Operand types of the backward GEMMs (DESIGN.md fact 1: cuBLAS takes no F32 x BF16 mix).
+enum class BackwardPrecision {
+  kBF16,  // dY cast to BF16 where produced; BF16 x BF16 -> F32
+  kTF32,  // F32 dY x F32 master weights / upcast activations on TF32 tensor cores
+  kFP32,  // F32 x F32, full-precision FMA (for checks)
+};
+
+inline BackwardPrecision parse_precision(const std::string& s, const char* op) {
+  if (s == "bf16") return BackwardPrecision::kBF16;
+  if (s == "tf32") return BackwardPrecision::kTF32;
+  if (s == "fp32") return BackwardPrecision::kFP32;
+  TORCH_CHECK(false, op, ": precision: expected one of 'tf32', 'bf16', 'fp32', got '", s, "'");
+}
+
+// params / params_bf16: the flat master buffer and its low-precision mirror.
+// On CUDA they must be F32 / BF16. On the CPU (the reference path) params may be F32 or F64
+// and the mirror BF16 (rounding emulated exactly as on the GPU) or params' own dtype (no
+// rounding at all: the float64 path gradcheck uses).
+inline void check_params(const at::Tensor& params, const at::Tensor& params_bf16, const NetLayout& L, const char* op) {
+  check_shape(params, op, "params", {L.numel});
+  check_shape(params_bf16, op, "params_bf16", {L.numel});
+  check_contiguous(params, op, "params");
+  check_contiguous(params_bf16, op, "params_bf16");
+  check_device(params_bf16, op, "params_bf16", params.device());
+  if (params.is_cuda()) {
+    check_dtype(params, op, "params", at::kFloat);
+    check_dtype(params_bf16, op, "params_bf16", at::kBFloat16);
+    check_aligned(params, op, "params", 32);
+    check_aligned(params_bf16, op, "params_bf16", 16);
+  } else {
+    TORCH_CHECK(params.device().is_cpu(), op, ": params: expected a CPU or CUDA tensor, got one on ", params.device());
+    TORCH_CHECK(params.scalar_type() == at::kFloat || params.scalar_type() == at::kDouble, op,
+                ": params: expected dtype Float (or Double on the CPU), got ", params.scalar_type());
+    TORCH_CHECK(params_bf16.scalar_type() == at::kBFloat16 || params_bf16.scalar_type() == params.scalar_type(), op,
+                ": params_bf16: expected dtype BFloat16 (or params' dtype ", params.scalar_type(),
+                " on the CPU), got ", params_bf16.scalar_type());
+    TORCH_CHECK(params_bf16.scalar_type() != at::kBFloat16 || params.scalar_type() == at::kFloat, op,
+                ": params: a BFloat16 mirror needs Float params, got ", params.scalar_type());
+  }
+}
+
+inline void check_forward_args(const at::Tensor& states, const at::Tensor& params, const at::Tensor& params_bf16,
+                               const NetLayout& L, const std::string& backward_precision) {
+  const char* op = kForwardOp;
+  parse_precision(backward_precision, op);
+  check_params(params, params_bf16, L, op);
+  check_device(states, op, "states", params.device());
+  check_dtype(states, op, "states", params.scalar_type());
+  check_shape(states, op, "states", {-1, L.state_dim});
+  TORCH_CHECK(states.size(0) >= 1, op, ": states: expected a batch of at least 1 row, got 0");
+  check_contiguous(states, op, "states");
+}
+
+// The saved activations must be the ones bf16_dueling_forward returned for this layout.
+inline int64_t check_saved_activations(const at::Tensor& states_bf16, const at::Tensor& h1, const at::Tensor& h2,
+                                       const at::Tensor& hh, const at::Tensor& params_bf16, const NetLayout& L,
+                                       const char* op) {
+  check_shape(states_bf16, op, "states_bf16", {-1, L.state_dim});
+  const int64_t B = states_bf16.size(0);
+  TORCH_CHECK(B >= 1, op, ": states_bf16: expected a batch of at least 1 row, got 0");
+  check_shape(h1, op, "h1", {B, L.trunk1});
+  check_shape(h2, op, "h2", {B, L.trunk2});
+  check_shape(hh, op, "hh", {B, L.head_hidden});
+  const std::pair<const at::Tensor*, const char*> acts[] = {{&states_bf16, "states_bf16"}, {&h1, "h1"}, {&h2, "h2"}, {&hh, "hh"}};
+  for (const auto& a : acts) {
+    check_dtype(*a.first, op, a.second, params_bf16.scalar_type());
+    check_device(*a.first, op, a.second, params_bf16.device());
+    check_contiguous(*a.first, op, a.second);
+  }
+  return B;
+}
+
+inline void check_backward_args(const c10::optional<at::Tensor>& grad_q, const c10::optional<at::Tensor>& grad_head,
+                                const at::Tensor& states_bf16, const at::Tensor& h1, const at::Tensor& h2,
+                                const at::Tensor& hh, const at::Tensor& params, const at::Tensor& params_bf16,
+                                const NetLayout& L, const std::string& precision) {
+  const char* op = kBackwardOp;
+  parse_precision(precision, op);
+  check_params(params, params_bf16, L, op);
+  const int64_t B = check_saved_activations(states_bf16, h1, h2, hh, params_bf16, L, op);
+  TORCH_CHECK(grad_q.has_value() || grad_head.has_value(), op, ": grad_q and grad_head are both None; give at least one");
+  if (grad_q.has_value()) {
+    check_shape(*grad_q, op, "grad_q", {B, L.total_actions, L.atoms});
+    check_dtype(*grad_q, op, "grad_q", params.scalar_type());
+    check_device(*grad_q, op, "grad_q", params.device());
+    check_contiguous(*grad_q, op, "grad_q");
+  }
+  if (grad_head.has_value()) {
+    check_shape(*grad_head, op, "grad_head", {B, L.head_out});
+    check_dtype(*grad_head, op, "grad_head", params.scalar_type());
+    check_device(*grad_head, op, "grad_head", params.device());
+    check_contiguous(*grad_head, op, "grad_head");
+  }
+}
+
+}  // namespace dqn_ops

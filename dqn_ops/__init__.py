@@ -1,0 +1,19 @@
+"""dqn_ops: the training step of a dueling, branching, distributional (C51) DQN on BF16
+tensor cores, as PyTorch custom ops (``torch.ops.dqn_ops.*``) with thin Python wrappers."""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C  # noqa: F401  (registers the ops with the dispatcher)
+from . import ops
+from .layout import DQNConfig, ParamLayout
+from .network import DuelingBranchQNet
+from .ops import bf16_dueling_forward, mixed_backward
+
+
+def cuda_kernels_built() -> bool:
+    """True when this build of the extension has its CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("dqn_ops::bf16_dueling_forward", "CUDA")
+
+
+__all__ = ["DQNConfig", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward", "ops",
+           "cuda_kernels_built"]
+__version__ = "0.1.0"

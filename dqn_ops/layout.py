@@ -1,0 +1,155 @@
+"""Network configuration and the flat parameter layout every op of the package shares.
+
+The network (DESIGN.md):
+
+    trunk   h1 = relu(s  W_s1^T + b_s1)          [B, SH1]
+            h2 = relu(h1 W_s2^T + b_s2)          [B, SH2]
+    heads   hh = relu(h2 W_h1^T + b_h1)          [B, VH + D*AH]    value and every branch's
+                                                                  first layer as ONE matrix
+    outputs v  = hh[:, value] W_v2^T + b_v2      [B, NA]
+            a_d = hh[:, branch d] W_a2d^T + b_a2d [B, n_d*NA]
+    dueling q_d[b, k, :] = v[b, :] + a_d[b, k, :] - mean_k a_d[b, k, :]
+
+All parameters live in one flat buffer (F32 master, same offsets in the BF16 mirror, the
+gradient and the Adam moments). Each segment starts at a multiple of ``ALIGN`` elements, so
+every weight matrix is 16-byte aligned in the BF16 mirror and 32-byte aligned in F32. The
+value head's and the branches' first-layer weights are adjacent rows of one matrix W_h1, and
+all output biases are one vector b_out, so the CUDA path runs them as one GEMM / one pass.
+
+The per-layer names (``s1.weight``, ``v1.bias``, ``a1.0.weight``, ``a2.2.bias`` ...) are
+those of a plain ``nn.Linear`` network (../shared/anchor/torch_step.py), so state dicts move
+between the two.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Tuple
+
+ALIGN = 8  # elements; 16 bytes of BF16
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class DQNConfig:
+    """Sizes of a dueling, branching, distributional Q-network.
+
+    The defaults are the reference configuration of DESIGN.md (287,998 parameters).
+    ``atoms=1`` gives plain (non-distributional) Q-values.
+    """
+
+    state_dim: int = 96
+    trunk_hidden: Tuple[int, int] = (256, 256)
+    value_hidden: int = 128
+    adv_hidden: int = 128
+    atoms: int = 51
+    branches: Tuple[int, ...] = (3, 3, 3)
+
+    def __post_init__(self):
+        object.__setattr__(self, "trunk_hidden", tuple(int(x) for x in self.trunk_hidden))
+        object.__setattr__(self, "branches", tuple(int(x) for x in self.branches))
+        if len(self.trunk_hidden) != 2:
+            raise ValueError(f"DQNConfig: trunk_hidden must have 2 widths, got {self.trunk_hidden}")
+        for name, v in [("state_dim", self.state_dim), ("value_hidden", self.value_hidden),
+                        ("adv_hidden", self.adv_hidden), ("atoms", self.atoms)]:
+            if int(v) < 1:
+                raise ValueError(f"DQNConfig: {name} must be >= 1, got {v}")
+        if any(w < 1 for w in self.trunk_hidden):
+            raise ValueError(f"DQNConfig: trunk widths must be >= 1, got {self.trunk_hidden}")
+        if not self.branches or any(n < 1 for n in self.branches):
+            raise ValueError(f"DQNConfig: branches must be a non-empty tuple of action counts >= 1, got {self.branches}")
+
+    @property
+    def num_branches(self) -> int:
+        return len(self.branches)
+
+    @property
+    def total_actions(self) -> int:
+        return sum(self.branches)
+
+    @property
+    def head_hidden(self) -> int:
+        """Width of the merged first head layer: value hidden + every branch's hidden."""
+        return self.value_hidden + self.num_branches * self.adv_hidden
+
+    @property
+    def head_out(self) -> int:
+        """Width of the raw output logits: NA value logits + n_d*NA per branch."""
+        return self.atoms * (1 + self.total_actions)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(shape_numel(s) for _, s, _ in ParamLayout(self).tensors)
+
+
+def shape_numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class ParamLayout:
+    """Offsets of every segment of the flat parameter buffer.
+
+    ``encode()`` gives the ``int[] layout`` argument of the ops: the sizes, then the segment
+    offsets, then the buffer length. The C++ side validates it (csrc/layout.h) rather than
+    recomputing it, so this class is the one source of truth.
+    """
+
+    def __init__(self, config: DQNConfig):
+        self.config = c = config
+        sd, (sh1, sh2), vh, ah, na = c.state_dim, c.trunk_hidden, c.value_hidden, c.adv_hidden, c.atoms
+        segments = [("W_s1", (sh1, sd)), ("W_s2", (sh2, sh1)), ("W_h1", (c.head_hidden, sh2)),
+                    ("W_out0", (na, vh))]
+        segments += [(f"W_out{d + 1}", (n * na, ah)) for d, n in enumerate(c.branches)]
+        segments += [("b_s1", (sh1,)), ("b_s2", (sh2,)), ("b_h1", (c.head_hidden,)), ("b_out", (c.head_out,))]
+        self.segments: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
+        off = 0
+        for name, shape in segments:
+            self.segments[name] = (off, shape)
+            off = _align(off + shape_numel(shape))
+        self.numel = off
+
+        # Per-layer views, named as in a plain nn.Linear network: (name, shape, offset).
+        t: List[Tuple[str, Tuple[int, ...], int]] = []
+        w_s1, b_s1 = self.segments["W_s1"][0], self.segments["b_s1"][0]
+        w_s2, b_s2 = self.segments["W_s2"][0], self.segments["b_s2"][0]
+        w_h1, b_h1 = self.segments["W_h1"][0], self.segments["b_h1"][0]
+        b_out = self.segments["b_out"][0]
+        t += [("s1.weight", (sh1, sd), w_s1), ("s1.bias", (sh1,), b_s1)]
+        t += [("s2.weight", (sh2, sh1), w_s2), ("s2.bias", (sh2,), b_s2)]
+        t += [("v1.weight", (vh, sh2), w_h1), ("v1.bias", (vh,), b_h1)]
+        t += [("v2.weight", (na, vh), self.segments["W_out0"][0]), ("v2.bias", (na,), b_out)]
+        action_off = 0
+        for d, n in enumerate(c.branches):
+            row = vh + d * ah
+            t += [(f"a1.{d}.weight", (ah, sh2), w_h1 + row * sh2), (f"a1.{d}.bias", (ah,), b_h1 + row)]
+            t += [(f"a2.{d}.weight", (n * na, ah), self.segments[f"W_out{d + 1}"][0]),
+                  (f"a2.{d}.bias", (n * na,), b_out + na * (1 + action_off))]
+            action_off += n
+        self.tensors = t
+
+    def weight_matrices(self) -> List[Tuple[str, Tuple[int, int], int]]:
+        """The per-layer weight matrices (10 for the reference config): (name, shape, offset)."""
+        return [(n, s, o) for n, s, o in self.tensors if n.endswith(".weight")]
+
+    def encode(self) -> List[int]:
+        c = self.config
+        sizes = [c.state_dim, *c.trunk_hidden, c.value_hidden, c.adv_hidden, c.atoms, c.num_branches, *c.branches]
+        offsets = [self.segments["W_s1"][0], self.segments["W_s2"][0], self.segments["W_h1"][0]]
+        offsets += [self.segments[f"W_out{j}"][0] for j in range(c.num_branches + 1)]
+        offsets += [self.segments[k][0] for k in ("b_s1", "b_s2", "b_h1", "b_out")]
+        return sizes + offsets + [self.numel]
+
+
+def decode_config(layout: List[int]) -> DQNConfig:
+    """The DQNConfig whose ``ParamLayout(...).encode()`` starts with these sizes."""
+    if len(layout) < 8:
+        raise ValueError(f"layout: expected at least 8 entries, got {len(layout)}")
+    d = int(layout[6])
+    return DQNConfig(state_dim=int(layout[0]), trunk_hidden=(int(layout[1]), int(layout[2])),
+                     value_hidden=int(layout[3]), adv_hidden=int(layout[4]), atoms=int(layout[5]),
+                     branches=tuple(int(x) for x in layout[7:7 + d]))

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Build the extension on a GPU machine, run the whole test suite (GPU tests included) and a
+# quick benchmark. Logs and result files go under $OUT (default ./gpu_out).
+#
+#   bash scripts/gpu_check.sh            # everything
+#   SKIP_BENCH=1 bash scripts/gpu_check.sh
+#
+# This is exactly what runs on the H200 through the device tool (its python3 has torch,
+# nvcc, pytest and ninja; nothing can be downloaded there, hence --no-build-isolation).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+{
+  date -u +"%Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -2
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+echo "== build"
+if ! $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+$PY -c "import dqn_ops; assert dqn_ops.cuda_kernels_built(), 'built without CUDA kernels'; print('CUDA kernels built')" || exit 1
+
+echo "== tests"
+$PY -m pytest tests -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
+test_rc=${PIPESTATUS[0]}
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  echo "== benchmark"
+  $PY scripts/bench_network.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
+exit "$test_rc"

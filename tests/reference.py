@@ -1,0 +1,114 @@
+"""Independent references for the tests: the network as a plain stack of ``nn.Linear``
+layers (as in ../shared/anchor/torch_step.py) and a hand-written float64 backward."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dqn_ops import DQNConfig
+
+CONFIGS = {
+    "reference": DQNConfig(),
+    "odd_widths": DQNConfig(state_dim=37, trunk_hidden=(61, 45), value_hidden=29, adv_hidden=23, atoms=11, branches=(3, 2)),
+    "one_branch": DQNConfig(state_dim=16, trunk_hidden=(64, 32), value_hidden=24, adv_hidden=16, atoms=51, branches=(4,)),
+    "five_branches": DQNConfig(state_dim=24, trunk_hidden=(64, 64), value_hidden=32, adv_hidden=16, atoms=21,
+                               branches=(2, 3, 4, 5, 7)),
+    "one_atom": DQNConfig(atoms=1),
+}
+TINY = DQNConfig(state_dim=5, trunk_hidden=(7, 6), value_hidden=3, adv_hidden=4, atoms=3, branches=(2, 3))
+
+
+class ReferenceNet(nn.Module):
+    """The same network from nn.Linear layers; its state-dict names are DuelingBranchQNet's."""
+
+    def __init__(self, c: DQNConfig):
+        super().__init__()
+        self.c = c
+        self.s1, self.s2 = nn.Linear(c.state_dim, c.trunk_hidden[0]), nn.Linear(*c.trunk_hidden)
+        self.v1, self.v2 = nn.Linear(c.trunk_hidden[1], c.value_hidden), nn.Linear(c.value_hidden, c.atoms)
+        self.a1 = nn.ModuleList(nn.Linear(c.trunk_hidden[1], c.adv_hidden) for _ in c.branches)
+        self.a2 = nn.ModuleList(nn.Linear(c.adv_hidden, n * c.atoms) for n in c.branches)
+
+    def forward(self, s):
+        """Returns (q [B, sum n_d, NA], head [B, NA * (1 + sum n_d)])."""
+        na = self.c.atoms
+        h = F.relu(self.s2(F.relu(self.s1(s))))
+        v = self.v2(F.relu(self.v1(h)))
+        heads, qs = [v], []
+        for a1, a2, n in zip(self.a1, self.a2, self.c.branches):
+            a = a2(F.relu(a1(h)))
+            heads.append(a)
+            a = a.view(-1, n, na)
+            qs.append(v.view(-1, 1, na) + a - a.mean(1, keepdim=True))
+        return torch.cat(qs, 1), torch.cat(heads, 1)
+
+
+def reference_net_like(net, dtype=torch.float64, device="cpu") -> ReferenceNet:
+    ref = ReferenceNet(net.config).to(dtype=dtype, device=device)
+    ref.load_state_dict({k: v.to(dtype) for k, v in net.state_dict().items()})
+    return ref
+
+
+def dueling_head_grad(c: DQNConfig, grad_q: torch.Tensor) -> torch.Tensor:
+    """d(loss)/d(head) for a given d(loss)/d(q), by autograd of the dueling aggregation."""
+    B = grad_q.shape[0]
+    head = torch.zeros(B, c.head_out, dtype=torch.float64, requires_grad=True)
+    v = head[:, :c.atoms].view(B, 1, c.atoms)
+    qs, col = [], c.atoms
+    for n in c.branches:
+        a = head[:, col:col + n * c.atoms].view(B, n, c.atoms)
+        qs.append(v + a - a.mean(1, keepdim=True))
+        col += n * c.atoms
+    torch.cat(qs, 1).backward(grad_q.double().cpu())
+    return head.grad
+
+
+@torch.no_grad()
+def reference_backward(net, saved, d_head, dx_weights: str):
+    """Hand-written float64 backward of the computed forward.
+
+    saved: (states_bf16, h1, h2, hh) as the forward returned them; ReLU masks are read off
+    them and dW uses them, as the kernels do. dx_weights: 'mirror' or 'master' — which
+    weights the d(input) products use. Returns (flat grad float64 on CPU, d_states).
+    """
+    c, L = net.config, net.layout
+    x, h1, h2, hh = (t.double().cpu() for t in saved)
+    d_head = d_head.double().cpu()
+    W = net.layer_views(net.params_bf16.double().cpu() if dx_weights == "mirror" else net.flat_params.detach().double().cpu())
+    grad = torch.zeros(L.numel, dtype=torch.float64)
+    G = net.layer_views(grad)
+
+    names = [("v1", "v2", 0, c.value_hidden, 0, c.atoms)]
+    col_in, col_out = c.value_hidden, c.atoms
+    for d, n in enumerate(c.branches):
+        names.append((f"a1.{d}", f"a2.{d}", col_in, c.adv_hidden, col_out, n * c.atoms))
+        col_in, col_out = col_in + c.adv_hidden, col_out + n * c.atoms
+    d_hh = torch.zeros_like(hh)
+    for first, second, ci, wi, co, wo in names:
+        dy = d_head[:, co:co + wo]
+        G[second + ".weight"].copy_(dy.T @ hh[:, ci:ci + wi])
+        G[second + ".bias"].copy_(dy.sum(0))
+        d_hh[:, ci:ci + wi] = dy @ W[second + ".weight"]
+    d_hh = d_hh * (hh > 0)
+    d_h2 = torch.zeros_like(h2)
+    for first, _, ci, wi, _, _ in names:
+        dz = d_hh[:, ci:ci + wi]
+        G[first + ".weight"].copy_(dz.T @ h2)
+        G[first + ".bias"].copy_(dz.sum(0))
+        d_h2 += dz @ W[first + ".weight"]
+    dz2 = d_h2 * (h2 > 0)
+    G["s2.weight"].copy_(dz2.T @ h1)
+    G["s2.bias"].copy_(dz2.sum(0))
+    dz1 = (dz2 @ W["s2.weight"]) * (h1 > 0)
+    G["s1.weight"].copy_(dz1.T @ x)
+    G["s1.bias"].copy_(dz1.sum(0))
+    return grad, dz1 @ W["s1.weight"]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (inf if a has a NaN)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
