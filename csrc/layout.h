@@ -12,6 +12,8 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
+#include "checks.h"
+
 namespace dqn_ops {
 
 constexpr int64_t kLayoutAlign = 8;  // elements: 16 bytes of BF16, 32 bytes of F32
@@ -41,7 +43,7 @@ struct NetLayout {
 };
 
 inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
-  TORCH_CHECK(v.size() >= 8, op, ": layout: expected the int[] from dqn_ops.ParamLayout.encode(), got ",
+  DQN_CHECK(v.size() >= 8, op, ": layout: expected the int[] from dqn_ops.ParamLayout.encode(), got ",
               v.size(), " entries");
   NetLayout L;
   L.state_dim = v[0];
@@ -51,16 +53,16 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   L.adv_hidden = v[4];
   L.atoms = v[5];
   const int64_t D = v[6];
-  TORCH_CHECK(D >= 1, op, ": layout: expected at least 1 branch, got ", D);
+  DQN_CHECK(D >= 1, op, ": layout: expected at least 1 branch, got ", D);
   const size_t expected_len = 7 + D + 3 + (D + 1) + 4 + 1;
-  TORCH_CHECK(v.size() == expected_len, op, ": layout: ", D, " branches need ", expected_len,
+  DQN_CHECK(v.size() == expected_len, op, ": layout: ", D, " branches need ", expected_len,
               " entries, got ", v.size());
   const char* names[] = {"state_dim", "trunk_hidden[0]", "trunk_hidden[1]", "value_hidden", "adv_hidden", "atoms"};
-  for (int i = 0; i < 6; ++i) TORCH_CHECK(v[i] >= 1, op, ": layout: ", names[i], " must be >= 1, got ", v[i]);
+  for (int i = 0; i < 6; ++i) DQN_CHECK(v[i] >= 1, op, ": layout: ", names[i], " must be >= 1, got ", v[i]);
   size_t p = 7;
   L.total_actions = 0;
   for (int64_t d = 0; d < D; ++d, ++p) {
-    TORCH_CHECK(v[p] >= 1, op, ": layout: branch ", d, " must have >= 1 action, got ", v[p]);
+    DQN_CHECK(v[p] >= 1, op, ": layout: branch ", d, " must have >= 1 action, got ", v[p]);
     L.action_offsets.push_back(L.total_actions);
     L.branch_sizes.push_back(v[p]);
     L.total_actions += v[p];
@@ -92,14 +94,14 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
       {L.b_out, L.head_out}};
   for (const auto& h : L.heads) seg.emplace_back(h.w_off, h.out_width * h.in_width);
   for (const auto& s : seg) {
-    TORCH_CHECK(s.first >= 0 && s.first % kLayoutAlign == 0, op, ": layout: segment offset ", s.first,
+    DQN_CHECK(s.first >= 0 && s.first % kLayoutAlign == 0, op, ": layout: segment offset ", s.first,
                 " is not a non-negative multiple of ", kLayoutAlign);
-    TORCH_CHECK(s.first + s.second <= L.numel, op, ": layout: segment [", s.first, ", ", s.first + s.second,
+    DQN_CHECK(s.first + s.second <= L.numel, op, ": layout: segment [", s.first, ", ", s.first + s.second,
                 ") lies outside the buffer of ", L.numel, " elements");
   }
   std::sort(seg.begin(), seg.end());
   for (size_t i = 1; i < seg.size(); ++i)
-    TORCH_CHECK(seg[i - 1].first + seg[i - 1].second <= seg[i].first, op, ": layout: segments at ",
+    DQN_CHECK(seg[i - 1].first + seg[i - 1].second <= seg[i].first, op, ": layout: segments at ",
                 seg[i - 1].first, " and ", seg[i].first, " overlap");
   return L;
 }

@@ -26,7 +26,7 @@ inline BackwardPrecision parse_precision(const std::string& s, const char* op) {
   if (s == "bf16") return BackwardPrecision::kBF16;
   if (s == "tf32") return BackwardPrecision::kTF32;
   if (s == "fp32") return BackwardPrecision::kFP32;
-  TORCH_CHECK(false, op, ": precision: expected one of 'tf32', 'bf16', 'fp32', got '", s, "'");
+  DQN_CHECK(false, op, ": precision: expected one of 'tf32', 'bf16', 'fp32', got '", s, "'");
 }
 
 // params / params_bf16: the flat master buffer and its low-precision mirror.
@@ -45,13 +45,13 @@ inline void check_params(const at::Tensor& params, const at::Tensor& params_bf16
     check_aligned(params, op, "params", 32);
     check_aligned(params_bf16, op, "params_bf16", 16);
   } else {
-    TORCH_CHECK(params.device().is_cpu(), op, ": params: expected a CPU or CUDA tensor, got one on ", params.device());
-    TORCH_CHECK(params.scalar_type() == at::kFloat || params.scalar_type() == at::kDouble, op,
+    DQN_CHECK(params.device().is_cpu(), op, ": params: expected a CPU or CUDA tensor, got one on ", params.device());
+    DQN_CHECK(params.scalar_type() == at::kFloat || params.scalar_type() == at::kDouble, op,
                 ": params: expected dtype Float (or Double on the CPU), got ", params.scalar_type());
-    TORCH_CHECK(params_bf16.scalar_type() == at::kBFloat16 || params_bf16.scalar_type() == params.scalar_type(), op,
+    DQN_CHECK(params_bf16.scalar_type() == at::kBFloat16 || params_bf16.scalar_type() == params.scalar_type(), op,
                 ": params_bf16: expected dtype BFloat16 (or params' dtype ", params.scalar_type(),
                 " on the CPU), got ", params_bf16.scalar_type());
-    TORCH_CHECK(params_bf16.scalar_type() != at::kBFloat16 || params.scalar_type() == at::kFloat, op,
+    DQN_CHECK(params_bf16.scalar_type() != at::kBFloat16 || params.scalar_type() == at::kFloat, op,
                 ": params: a BFloat16 mirror needs Float params, got ", params.scalar_type());
   }
 }
@@ -64,7 +64,7 @@ inline void check_forward_args(const at::Tensor& states, const at::Tensor& param
   check_device(states, op, "states", params.device());
   check_dtype(states, op, "states", params.scalar_type());
   check_shape(states, op, "states", {-1, L.state_dim});
-  TORCH_CHECK(states.size(0) >= 1, op, ": states: expected a batch of at least 1 row, got 0");
+  DQN_CHECK(states.size(0) >= 1, op, ": states: expected a batch of at least 1 row, got 0");
   check_contiguous(states, op, "states");
 }
 
@@ -74,7 +74,7 @@ inline int64_t check_saved_activations(const at::Tensor& states_bf16, const at::
                                        const char* op) {
   check_shape(states_bf16, op, "states_bf16", {-1, L.state_dim});
   const int64_t B = states_bf16.size(0);
-  TORCH_CHECK(B >= 1, op, ": states_bf16: expected a batch of at least 1 row, got 0");
+  DQN_CHECK(B >= 1, op, ": states_bf16: expected a batch of at least 1 row, got 0");
   check_shape(h1, op, "h1", {B, L.trunk1});
   check_shape(h2, op, "h2", {B, L.trunk2});
   check_shape(hh, op, "hh", {B, L.head_hidden});
@@ -95,7 +95,7 @@ inline void check_backward_args(const c10::optional<at::Tensor>& grad_q, const c
   parse_precision(precision, op);
   check_params(params, params_bf16, L, op);
   const int64_t B = check_saved_activations(states_bf16, h1, h2, hh, params_bf16, L, op);
-  TORCH_CHECK(grad_q.has_value() || grad_head.has_value(), op, ": grad_q and grad_head are both None; give at least one");
+  DQN_CHECK(grad_q.has_value() || grad_head.has_value(), op, ": grad_q and grad_head are both None; give at least one");
   if (grad_q.has_value()) {
     check_shape(*grad_q, op, "grad_q", {B, L.total_actions, L.atoms});
     check_dtype(*grad_q, op, "grad_q", params.scalar_type());

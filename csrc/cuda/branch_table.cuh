@@ -20,7 +20,7 @@ struct BranchTable {
 };
 
 inline BranchTable make_branch_table(const NetLayout& L, const char* op) {
-  TORCH_CHECK(L.num_branches() <= kMaxBranches, op, ": the CUDA kernels take at most ", kMaxBranches,
+  DQN_CHECK(L.num_branches() <= kMaxBranches, op, ": the CUDA kernels take at most ", kMaxBranches,
               " branches, got ", L.num_branches());
   BranchTable t{};
   t.count = static_cast<int32_t>(L.num_branches());

@@ -5,6 +5,8 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
+
+#include "checks.h"
 #include <cublas_v2.h>
 
 namespace dqn_ops {
@@ -26,7 +28,7 @@ struct Operand {
 // Both operands must have one type (DESIGN.md fact 1: cuBLAS refuses F32 x BF16).
 inline void gemm(const char* op, const char* what, int64_t M, int64_t N, int64_t K, const Operand& A,
                  const Operand& B, void* C, cudaDataType_t c_type, int64_t ldc, cublasComputeType_t compute) {
-  TORCH_CHECK(M <= INT_MAX && N <= INT_MAX && K <= INT_MAX && A.ld <= INT_MAX && B.ld <= INT_MAX && ldc <= INT_MAX, op,
+  DQN_CHECK(M <= INT_MAX && N <= INT_MAX && K <= INT_MAX && A.ld <= INT_MAX && B.ld <= INT_MAX && ldc <= INT_MAX, op,
               ": GEMM ", what, " too large for cuBLAS's int sizes (M=", M, ", N=", N, ", K=", K, ")");
   // getCurrentCUDABlasHandle binds torch's current stream and its workspace to the handle.
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
@@ -35,7 +37,7 @@ inline void gemm(const char* op, const char* what, int64_t M, int64_t N, int64_t
       handle, B.trans ? CUBLAS_OP_T : CUBLAS_OP_N, A.trans ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(N),
       static_cast<int>(M), static_cast<int>(K), &alpha, B.ptr, B.type, static_cast<int>(B.ld), A.ptr, A.type,
       static_cast<int>(A.ld), &beta, C, c_type, static_cast<int>(ldc), compute, CUBLAS_GEMM_DEFAULT);
-  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, op, ": cublasGemmEx for ", what, " (M=", M, ", N=", N, ", K=", K,
+  DQN_CHECK(st == CUBLAS_STATUS_SUCCESS, op, ": cublasGemmEx for ", what, " (M=", M, ", N=", N, ", K=", K,
               ") failed: ", cublasGetStatusString(st));
 }
 
