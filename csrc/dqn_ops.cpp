@@ -34,4 +34,16 @@ TORCH_LIBRARY(dqn_ops, m) {
       "mixed_backward(Tensor? grad_q, Tensor? grad_head, Tensor states_bf16, Tensor h1, Tensor h2, "
       "Tensor hh, Tensor params, Tensor params_bf16, int[] layout, str precision=\"tf32\", "
       "bool need_grad_states=False) -> (Tensor grad_params, Tensor grad_states)");
+  // One Adam (AdamW when decoupled_weight_decay) step over a flat F32 buffer that also writes
+  // its BF16 mirror. step and lr are one-element device tensors, so a captured graph replays
+  // with a changing lr and step. grad_norm receives the global gradient norm (before
+  // clipping); max_grad_norm clips to it. A non-finite norm skips the step on the device
+  // (params, moments, mirror and step unchanged) and sets found_inf to 1 (else 0).
+  m.def(
+      "fused_adam_bf16(Tensor(a!) params, Tensor grads, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!) params_bf16, Tensor(e!) step, Tensor lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool decoupled_weight_decay, float? max_grad_norm, Tensor(f!) grad_norm, "
+      "Tensor(g!) found_inf) -> ()");
+  // Polyak averaging target = lerp(target, online, tau), writing the target's BF16 mirror in the same pass.
+  m.def("ema_update(Tensor(a!) target, Tensor(b!) target_bf16, Tensor online, float tau) -> ()");
 }

@@ -7,6 +7,7 @@ from . import ops
 from .layout import DQNConfig, ParamLayout
 from .network import DuelingBranchQNet
 from .ops import bf16_dueling_forward, mixed_backward
+from .optim import FusedAdamBF16, ema_update, ema_update_, fused_adam_bf16
 
 
 def cuda_kernels_built() -> bool:
@@ -15,5 +16,6 @@ def cuda_kernels_built() -> bool:
 
 
 __all__ = ["DQNConfig", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward", "ops",
-           "cuda_kernels_built"]
+           "cuda_kernels_built",
+           "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_"]
 __version__ = "0.1.0"

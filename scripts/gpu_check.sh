@@ -36,6 +36,6 @@ test_rc=${PIPESTATUS[0]}
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmark"
-  $PY scripts/bench_network.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30
+  { $PY scripts/bench_network.py --out "$OUT" && $PY scripts/bench_optim.py --out "$OUT"; } 2>&1 | tee "$OUT/bench.log" | tail -40
 fi
 exit "$test_rc"

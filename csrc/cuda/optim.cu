@@ -1,0 +1,175 @@
+// fused_adam_bf16 and ema_update on CUDA.
+//
+// Adam is two launches: (1) per-block partial sums of g^2 into a scratch buffer (a fixed grid
+// for a given size, so the summation order and the norm are deterministic); (2) the update:
+// every block reduces the same partials in the same order to the global norm, decides skip /
+// clip on the device, and runs the element update with 16-byte loads, writing the F32 master,
+// both moments and the BF16 mirror in one pass. Launch (1) also copies the step count into
+// the scratch so that launch (2) reads the old count there while its block 0 writes the new
+// one: no block reads a value another block of the same launch writes.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <torch/library.h>
+
+#include "optim_args.h"
+#include "optim_math.h"
+
+namespace dqn_ops {
+namespace cuda {
+namespace {
+
+using at::Tensor;
+constexpr int kThreads = 256;
+constexpr int kMaxNormBlocks = 1024;  // = partials; each update block folds them in 4 per thread
+
+template <int N>
+__device__ float block_sum(float v, float* smem) {
+  smem[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = N / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) smem[threadIdx.x] += smem[threadIdx.x + s];
+    __syncthreads();
+  }
+  const float r = smem[0];
+  __syncthreads();
+  return r;
+}
+
+__global__ void __launch_bounds__(kThreads) sq_norm_partials_kernel(const float* __restrict__ g, int64_t n,
+                                                                    float* __restrict__ scratch,
+                                                                    const float* __restrict__ step) {
+  __shared__ float smem[kThreads];
+  float s = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
+    const float x = g[i];
+    s += x * x;
+  }
+  s = block_sum<kThreads>(s, smem);
+  if (threadIdx.x == 0) {
+    scratch[blockIdx.x] = s;
+    if (blockIdx.x == 0) scratch[kMaxNormBlocks] = step[0];
+  }
+}
+
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 p) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(p.x, p.y), hi = __floats2bfloat162_rn(p.z, p.w);
+  uint2 u;
+  u.x = *reinterpret_cast<uint32_t*>(&lo);
+  u.y = *reinterpret_cast<uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(dst) = u;
+}
+
+__global__ void __launch_bounds__(kThreads) adam_update_kernel(
+    float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+    __nv_bfloat16* __restrict__ mirror, int64_t n, const float* __restrict__ scratch, int num_partials,
+    float* __restrict__ step, const float* __restrict__ lr, float beta1, float beta2, float eps, float weight_decay,
+    bool decoupled, float max_grad_norm, float* __restrict__ grad_norm, float* __restrict__ found_inf) {
+  __shared__ float smem[kThreads];
+  float s = 0.f;
+  for (int i = threadIdx.x; i < num_partials; i += kThreads) s += scratch[i];
+  const float norm = sqrtf(block_sum<kThreads>(s, smem));
+  const bool finite = isfinite(norm);
+  const float new_step = scratch[kMaxNormBlocks] + 1.f;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    grad_norm[0] = norm;
+    found_inf[0] = finite ? 0.f : 1.f;
+    if (finite) step[0] = new_step;
+  }
+  if (!finite) return;  // skip: nothing else is written
+  const AdamStep st = make_adam_step(lr[0], new_step, beta1, beta2, eps, weight_decay, decoupled,
+                                     clip_coefficient(norm, max_grad_norm));
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  const int64_t n4 = n / 4;  // every buffer is 16-byte aligned (checked)
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n4; i += stride) {
+    float4 pp = reinterpret_cast<float4*>(p)[i];
+    const float4 gg = reinterpret_cast<const float4*>(g)[i];
+    float4 mm = reinterpret_cast<float4*>(m)[i];
+    float4 vv = reinterpret_cast<float4*>(v)[i];
+    adam_element(pp.x, gg.x, mm.x, vv.x, st);
+    adam_element(pp.y, gg.y, mm.y, vv.y, st);
+    adam_element(pp.z, gg.z, mm.z, vv.z, st);
+    adam_element(pp.w, gg.w, mm.w, vv.w, st);
+    reinterpret_cast<float4*>(p)[i] = pp;
+    reinterpret_cast<float4*>(m)[i] = mm;
+    reinterpret_cast<float4*>(v)[i] = vv;
+    store_bf16x4(mirror + 4 * i, pp);
+  }
+  for (int64_t i = 4 * n4 + blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += stride) {
+    adam_element(p[i], g[i], m[i], v[i], st);
+    mirror[i] = __float2bfloat16_rn(p[i]);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) ema_kernel(float* __restrict__ t, __nv_bfloat16* __restrict__ mirror,
+                                                       const float* __restrict__ o, int64_t n, float tau) {
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  const int64_t n4 = n / 4;
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n4; i += stride) {
+    float4 tt = reinterpret_cast<float4*>(t)[i];
+    const float4 oo = reinterpret_cast<const float4*>(o)[i];
+    tt.x = lerp_like_torch(tt.x, oo.x, tau);
+    tt.y = lerp_like_torch(tt.y, oo.y, tau);
+    tt.z = lerp_like_torch(tt.z, oo.z, tau);
+    tt.w = lerp_like_torch(tt.w, oo.w, tau);
+    reinterpret_cast<float4*>(t)[i] = tt;
+    store_bf16x4(mirror + 4 * i, tt);
+  }
+  for (int64_t i = 4 * n4 + blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += stride) {
+    t[i] = lerp_like_torch(t[i], o[i], tau);
+    mirror[i] = __float2bfloat16_rn(t[i]);
+  }
+}
+
+// Enough blocks to fill the device several times over, no more (the loops grid-stride).
+unsigned update_blocks(int64_t n) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want = (n / 4 + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(sms) * 8)));
+}
+
+void fused_adam_bf16_cuda(Tensor& params, const Tensor& grads, Tensor& exp_avg, Tensor& exp_avg_sq,
+                          Tensor& params_bf16, Tensor& step, const Tensor& lr, double beta1, double beta2, double eps,
+                          double weight_decay, bool decoupled_weight_decay, c10::optional<double> max_grad_norm,
+                          Tensor& grad_norm, Tensor& found_inf) {
+  check_adam_args(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, eps, weight_decay,
+                  max_grad_norm, grad_norm, found_inf);
+  // Kernels must run on the tensors' device, whichever device is current.
+  const c10::cuda::CUDAGuard guard(params.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t n = params.numel();
+  const int partials = static_cast<int>(std::min<int64_t>(kMaxNormBlocks, (n + kThreads - 1) / kThreads));
+  Tensor scratch = at::empty({kMaxNormBlocks + 1}, params.options());
+  sq_norm_partials_kernel<<<partials, kThreads, 0, stream>>>(grads.data_ptr<float>(), n, scratch.data_ptr<float>(),
+                                                              step.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  adam_update_kernel<<<update_blocks(n), kThreads, 0, stream>>>(
+      params.data_ptr<float>(), grads.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+      static_cast<__nv_bfloat16*>(params_bf16.data_ptr()), n, scratch.data_ptr<float>(), partials,
+      step.data_ptr<float>(), lr.data_ptr<float>(), float(beta1), float(beta2), float(eps), float(weight_decay),
+      decoupled_weight_decay, float(max_grad_norm.value_or(0)), grad_norm.data_ptr<float>(),
+      found_inf.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void ema_update_cuda(Tensor& target, Tensor& target_bf16, const Tensor& online, double tau) {
+  check_ema_args(target, target_bf16, online, tau);
+  const c10::cuda::CUDAGuard guard(target.device());
+  const int64_t n = target.numel();
+  ema_kernel<<<update_blocks(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      target.data_ptr<float>(), static_cast<__nv_bfloat16*>(target_bf16.data_ptr()), online.data_ptr<float>(), n,
+      float(tau));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {
+  m.impl("fused_adam_bf16", &cuda::fused_adam_bf16_cuda);
+  m.impl("ema_update", &cuda::ema_update_cuda);
+}
+
+}  // namespace dqn_ops

@@ -1,0 +1,55 @@
+// The per-element arithmetic of fused_adam_bf16 and ema_update, shared by the CPU reference
+// and the CUDA kernels so both compute the same formula in the same order (torch.optim.Adam's).
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define DQN_HD __host__ __device__ __forceinline__
+#else
+#define DQN_HD inline
+#endif
+
+namespace dqn_ops {
+
+// torch.lerp's formula (the one torch.optim.Adam's exp_avg.lerp_ and torch._foreach_lerp_ use).
+DQN_HD float lerp_like_torch(float start, float end, float weight) {
+  return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.f - weight);
+}
+
+struct AdamStep {
+  float lr, beta1, beta2, eps, weight_decay;
+  bool decoupled;   // AdamW: params *= 1 - lr * weight_decay, instead of grad += weight_decay * params
+  float coef;       // gradient clipping coefficient (1 when not clipping)
+  float step_size;  // lr / (1 - beta1^step)
+  float bc2_sqrt;   // sqrt(1 - beta2^step)
+};
+
+// max_grad_norm <= 0 means no clipping; then coef is 1. As torch.nn.utils.clip_grad_norm_.
+DQN_HD float clip_coefficient(float norm, float max_grad_norm) {
+  if (!(max_grad_norm > 0.f)) return 1.f;
+  const float c = max_grad_norm / (norm + 1e-6f);
+  return c < 1.f ? c : 1.f;
+}
+
+DQN_HD AdamStep make_adam_step(float lr, float step, float beta1, float beta2, float eps, float weight_decay,
+                               bool decoupled, float coef) {
+  AdamStep s{lr, beta1, beta2, eps, weight_decay, decoupled, coef, 0.f, 0.f};
+  s.step_size = lr / (1.f - powf(beta1, step));
+  s.bc2_sqrt = sqrtf(1.f - powf(beta2, step));
+  return s;
+}
+
+// One element of torch.optim.Adam(W) (F32, not amsgrad, not maximize) on a clipped gradient.
+DQN_HD void adam_element(float& p, float g, float& m, float& v, const AdamStep& s) {
+  g *= s.coef;
+  if (s.weight_decay != 0.f) {
+    if (s.decoupled) p *= 1.f - s.lr * s.weight_decay;
+    else g += s.weight_decay * p;
+  }
+  m = lerp_like_torch(m, g, 1.f - s.beta1);
+  v = v * s.beta2 + (1.f - s.beta2) * g * g;
+  p = p - s.step_size * (m / (sqrtf(v) / s.bc2_sqrt + s.eps));
+}
+
+}  // namespace dqn_ops
