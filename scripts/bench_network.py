@@ -14,66 +14,13 @@ import datetime
 import json
 import os
 import platform
-import statistics
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import dqn_ops
+from bench_common import graphed, time_us
 from dqn_ops import DQNConfig, DuelingBranchQNet
-
-
-class TorchNet(nn.Module):
-    """The same network from nn.Linear layers (as ../shared/anchor/torch_step.py builds it)."""
-
-    def __init__(self, c: DQNConfig):
-        super().__init__()
-        self.c = c
-        self.s1, self.s2 = nn.Linear(c.state_dim, c.trunk_hidden[0]), nn.Linear(*c.trunk_hidden)
-        self.v1, self.v2 = nn.Linear(c.trunk_hidden[1], c.value_hidden), nn.Linear(c.value_hidden, c.atoms)
-        self.a1 = nn.ModuleList(nn.Linear(c.trunk_hidden[1], c.adv_hidden) for _ in c.branches)
-        self.a2 = nn.ModuleList(nn.Linear(c.adv_hidden, n * c.atoms) for n in c.branches)
-
-    def forward(self, s):
-        na = self.c.atoms
-        h = F.relu(self.s2(F.relu(self.s1(s))))
-        v = self.v2(F.relu(self.v1(h))).view(-1, 1, na)
-        qs = []
-        for a1, a2, n in zip(self.a1, self.a2, self.c.branches):
-            a = a2(F.relu(a1(h))).view(-1, n, na)
-            qs.append(v + a - a.mean(1, keepdim=True))
-        return torch.cat(qs, 1)
-
-
-def time_us(fn, iters, repeats):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        e0.record()
-        for _ in range(iters):
-            fn()
-        e1.record()
-        e1.synchronize()
-        samples.append(e0.elapsed_time(e1) * 1000 / iters)
-    return statistics.median(samples)
-
-
-def graphed(fn):
-    """Capture fn once (after warm-up on a side stream, as torch.cuda.graphs requires)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+from dqn_ops.baseline import TorchDuelingBranchNet
 
 
 def bench_batch(c, B, iters, repeats):
@@ -104,19 +51,19 @@ def bench_batch(c, B, iters, repeats):
     for p in ("tf32", "bf16"):
         cases.append((f"dqn_ops forward + backward ({p})", "forward+backward", ours_step(p)))
 
-    torch_net = TorchNet(c).to(dev)
+    torch_net = TorchDuelingBranchNet(c).to(dev)
     x = s.clone()
 
     def torch_fwd(amp):
         def f():
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-                torch_net(x)
+                torch_net(x)[0]
         return f
 
     def torch_step(amp):
         def f():
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-                q = torch_net(x)
+                q = torch_net(x)[0]
             q.float().backward(gq)
         return f
 

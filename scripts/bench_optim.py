@@ -14,45 +14,16 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 
 import torch
 
 import dqn_ops
+from bench_common import graphed, time_us
 
 # Bytes dqn_ops must move per parameter: norm pass reads g (4); Adam reads p, g, m, v (16),
 # writes p, m, v (12) and the BF16 mirror (2); EMA reads target and online (8), writes the
 # target (4) and its mirror (2).
 BYTES_PER_PARAM = 4 + 16 + 12 + 2 + 8 + 4 + 2
-
-
-def time_us(fn, iters, repeats):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(repeats):
-        e0.record()
-        for _ in range(iters):
-            fn()
-        e1.record()
-        e1.synchronize()
-        out.append(e0.elapsed_time(e1) * 1000 / iters)
-    return statistics.median(out)
-
-
-def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def kernels_per_call(fn):

@@ -3,10 +3,9 @@ layers (as in ../shared/anchor/torch_step.py) and a hand-written float64 backwar
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from dqn_ops import DQNConfig
+from dqn_ops.baseline import TorchDuelingBranchNet
 
 CONFIGS = {
     "reference": DQNConfig(),
@@ -19,29 +18,7 @@ CONFIGS = {
 TINY = DQNConfig(state_dim=5, trunk_hidden=(7, 6), value_hidden=3, adv_hidden=4, atoms=3, branches=(2, 3))
 
 
-class ReferenceNet(nn.Module):
-    """The same network from nn.Linear layers; its state-dict names are DuelingBranchQNet's."""
-
-    def __init__(self, c: DQNConfig):
-        super().__init__()
-        self.c = c
-        self.s1, self.s2 = nn.Linear(c.state_dim, c.trunk_hidden[0]), nn.Linear(*c.trunk_hidden)
-        self.v1, self.v2 = nn.Linear(c.trunk_hidden[1], c.value_hidden), nn.Linear(c.value_hidden, c.atoms)
-        self.a1 = nn.ModuleList(nn.Linear(c.trunk_hidden[1], c.adv_hidden) for _ in c.branches)
-        self.a2 = nn.ModuleList(nn.Linear(c.adv_hidden, n * c.atoms) for n in c.branches)
-
-    def forward(self, s):
-        """Returns (q [B, sum n_d, NA], head [B, NA * (1 + sum n_d)])."""
-        na = self.c.atoms
-        h = F.relu(self.s2(F.relu(self.s1(s))))
-        v = self.v2(F.relu(self.v1(h)))
-        heads, qs = [v], []
-        for a1, a2, n in zip(self.a1, self.a2, self.c.branches):
-            a = a2(F.relu(a1(h)))
-            heads.append(a)
-            a = a.view(-1, n, na)
-            qs.append(v.view(-1, 1, na) + a - a.mean(1, keepdim=True))
-        return torch.cat(qs, 1), torch.cat(heads, 1)
+ReferenceNet = TorchDuelingBranchNet  # plain nn.Linear layers, independent of the kernels
 
 
 def reference_net_like(net, dtype=torch.float64, device="cpu") -> ReferenceNet:
