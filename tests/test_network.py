@@ -230,10 +230,11 @@ def test_module_to_double_and_back_keeps_values():
     assert "parameters=" in repr(net)
 
 
-def test_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
     c = TINY
-    net = make_net(c, "cpu")
-    s = random_states(c, 8, "cpu")
+    net = make_net(c, device)
+    s = random_states(c, 8, device)
     compiled = torch.compile(net, fullgraph=True)
     q_c = compiled(s)
     q_c.square().sum().backward()
