@@ -33,3 +33,26 @@ def graphed(fn):
     with torch.cuda.graph(g):
         fn()
     return g.replay
+
+
+def run_meta(**extra):
+    """What every result file records: date, device, torch and CUDA versions, plus `extra`."""
+    import datetime
+
+    return dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                cuda=torch.version.cuda, **extra)
+
+
+def write_results(out_dir, kind, meta, rows, markdown_lines):
+    """Writes <out_dir>/<date>-<device>-<kind>.json (meta + rows) and .md; returns the path stem."""
+    import json
+    import os
+
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{meta['date']}-{meta['device'].replace(' ', '_')}-{kind}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(markdown_lines) + "\n")
+    print(f"wrote {stem}.json and {stem}.md")
+    return stem

@@ -10,15 +10,13 @@ events; graphed rows capture one call in a torch.cuda.CUDAGraph and time its rep
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 
 import torch
 
 import dqn_ops
-from bench_common import graphed, time_us
+from bench_common import graphed, run_meta, time_us, write_results
 from dqn_ops import DQNConfig, DuelingBranchQNet
 from dqn_ops.baseline import TorchDuelingBranchNet
 
@@ -95,22 +93,14 @@ def main():
     for B in args.batch:
         rows += bench_batch(c, B, args.iters, args.repeats)
 
-    device = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    meta = dict(date=date, device=device, torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-                config=dict(c.__dict__), parameters=c.num_parameters, iters=args.iters, repeats=args.repeats,
-                method="median over repeats of the mean time per call of iters back-to-back calls (CUDA events)")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{date}-{device.replace(' ', '_')}-network")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"# Network ops vs PyTorch nn.Linear — {device}, torch {torch.__version__}, {date}", "",
+    meta = run_meta(python=platform.python_version(), config=dict(c.__dict__), parameters=c.num_parameters,
+                    iters=args.iters, repeats=args.repeats,
+                    method="median over repeats of the mean time per call of iters back-to-back calls (CUDA events)")
+    lines = [f"# Network ops vs PyTorch nn.Linear — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
              f"Reference config ({c.num_parameters:,} parameters). {meta['method']}.", "",
              "| B | case | eager µs | CUDA graph µs |", "|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['case']} | {r['eager_us']:.1f} | {r['graph_us']:.1f} |" for r in rows]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json and {stem}.md")
+    write_results(args.out, "network", meta, rows, lines)
 
 
 if __name__ == "__main__":

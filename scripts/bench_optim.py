@@ -11,14 +11,12 @@ Writes <out>/<date>-<device>-optim.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 
 import torch
 
 import dqn_ops
-from bench_common import graphed, time_us
+from bench_common import graphed, run_meta, time_us, write_results
 
 # Bytes dqn_ops must move per parameter: norm pass reads g (4); Adam reads p, g, m, v (16),
 # writes p, m, v (12) and the BF16 mirror (2); EMA reads target and online (8), writes the
@@ -91,24 +89,15 @@ def main():
                              dqn_ops_bytes_per_s=achieved, fraction_of_copy=achieved / bw))
             print(f"n={n:>11,}  {name:44s} kernels {k:3d}  eager {eager:9.1f} us  graph {graph:9.1f} us  "
                   f"({BYTES_PER_PARAM} B/param: {achieved / 1e12:.2f} TB/s, {achieved / bw:.0%} of copy)", flush=True)
-    device = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    meta = dict(date=date, device=device, torch=torch.__version__, cuda=torch.version.cuda, copy_bytes_per_s=bw,
-                bytes_per_param=BYTES_PER_PARAM,
-                note="bytes/s counts the bytes dqn_ops must move (BYTES_PER_PARAM) over each row's graphed time")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{date}-{device.replace(' ', '_')}-optim")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"# Optimizer + EMA step — {device}, torch {torch.__version__}, {date}", "",
+    meta = run_meta(copy_bytes_per_s=bw, bytes_per_param=BYTES_PER_PARAM,
+                    note="bytes/s counts the bytes dqn_ops must move (BYTES_PER_PARAM) over each row's graphed time")
+    lines = [f"# Optimizer + EMA step — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
              f"Measured copy bandwidth {bw / 1e12:.2f} TB/s. Bytes/s = {BYTES_PER_PARAM} B/param "
              "(what dqn_ops must move) over the graphed time.", "",
              "| params | case | kernels | eager µs | graph µs | TB/s | of copy |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['params']:,} | {r['case']} | {r['kernels']} | {r['eager_us']:.1f} | {r['graph_us']:.1f} | "
               f"{r['dqn_ops_bytes_per_s'] / 1e12:.2f} | {r['fraction_of_copy']:.0%} |" for r in rows]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json and {stem}.md")
+    write_results(args.out, "optim", meta, rows, lines)
 
 
 if __name__ == "__main__":
