@@ -46,4 +46,14 @@ TORCH_LIBRARY(dqn_ops, m) {
       "Tensor(g!) found_inf) -> ()");
   // Polyak averaging target = lerp(target, online, tau), writing the target's BF16 mirror in the same pass.
   m.def("ema_update(Tensor(a!) target, Tensor(b!) target_bf16, Tensor online, float tau) -> ()");
+  // Spectral norm of every weight matrix at once: n_power_iterations of power iteration from
+  // each matrix's persistent u / v (updated in place), sigma[m] = the estimate of its largest
+  // singular value, then W <- W * min(1, sigma_max[m] / sigma[m]) in params, with the rescaled
+  // rows rewritten in params_bf16. matrices: (offset, rows, cols) per matrix in params (see
+  // csrc/spectral_args.h). One kernel launch for all of them; one_launch_per_matrix runs the
+  // same kernel once per matrix instead (the equivalence test's reference).
+  m.def(
+      "batched_spectral_norm(Tensor(a!) params, Tensor(b!) params_bf16, Tensor(c!) u, Tensor(d!) v, "
+      "Tensor(e!) sigma, int[] matrices, float[] sigma_max, int n_power_iterations=1, float eps=1e-12, "
+      "bool one_launch_per_matrix=False) -> ()");
 }

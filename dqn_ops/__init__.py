@@ -8,6 +8,7 @@ from .layout import DQNConfig, ParamLayout
 from .network import DuelingBranchQNet
 from .ops import bf16_dueling_forward, mixed_backward
 from .optim import FusedAdamBF16, ema_update, ema_update_, fused_adam_bf16
+from .spectral import SpectralNorm, batched_spectral_norm, spectral_norm_
 
 
 def cuda_kernels_built() -> bool:
@@ -17,5 +18,6 @@ def cuda_kernels_built() -> bool:
 
 __all__ = ["DQNConfig", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward", "ops",
            "cuda_kernels_built",
-           "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_"]
+           "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_",
+           "SpectralNorm", "batched_spectral_norm", "spectral_norm_"]
 __version__ = "0.1.0"

@@ -1,0 +1,152 @@
+"""Spectral norm of every weight matrix of a network in one kernel launch.
+
+``SpectralNorm(net, sigma_max=1.0)`` builds the descriptor list of the network's weight
+matrices once (offset, rows, cols in the flat parameter buffer) and owns each matrix's
+persistent power-iteration vectors u and v; calling it runs ``batched_spectral_norm``: power
+iteration on all matrices, sigma estimates into ``self.sigma`` (a device tensor, read without a
+sync only when you ask), and W <- W * min(1, sigma_max / sigma) in place, BF16 mirror included.
+
+``spectral_norm_(net, ...)`` is the one-line form: it keeps a ``SpectralNorm`` on the network
+(created on first use) and calls it.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+
+def batched_spectral_norm(params: Tensor, params_bf16: Tensor, u: Tensor, v: Tensor, sigma: Tensor,
+                          matrices: Sequence[int], sigma_max: Sequence[float], n_power_iterations: int = 1,
+                          eps: float = 1e-12, one_launch_per_matrix: bool = False) -> None:
+    """Power iteration and sigma clamp on several matrices of a flat F32 buffer, in place.
+
+    Args:
+        params: flat F32 buffer holding the matrices (rescaled in place).
+        params_bf16: its BF16 mirror; the rescaled matrices' elements are rewritten.
+        u, v: flat F32 buffers of every matrix's left (rows) and right (cols) vector, one
+            matrix after the other in the order of ``matrices``; updated in place.
+        sigma: F32 [num_matrices], receives each matrix's sigma estimate (before the clamp).
+        matrices: (offset, rows, cols) of each row-major matrix in ``params``, flattened.
+        sigma_max: the clamp of each matrix.
+        n_power_iterations: power iterations per call (>= 1).
+        eps: floor of the norms when normalising u and v (as ``F.normalize``).
+        one_launch_per_matrix: run the same kernel once per matrix (for comparisons).
+    """
+    torch.ops.dqn_ops.batched_spectral_norm.default(params, params_bf16, u, v, sigma, list(matrices),
+                                                    [float(s) for s in sigma_max], n_power_iterations, eps,
+                                                    one_launch_per_matrix)
+
+
+@torch.library.register_fake("dqn_ops::batched_spectral_norm")
+def _(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations=1, eps=1e-12,
+      one_launch_per_matrix=False):
+    op = "dqn_ops.batched_spectral_norm"
+    torch._check(len(matrices) % 3 == 0 and len(matrices) > 0,
+                 lambda: f"{op}: matrices: expected (offset, rows, cols) per matrix, got {len(matrices)} entries")
+    m = len(matrices) // 3
+    torch._check(len(sigma_max) == m, lambda: f"{op}: sigma_max: expected {m} values, got {len(sigma_max)}")
+    rows = sum(matrices[1::3])
+    cols = sum(matrices[2::3])
+    torch._check(u.shape == (rows,), lambda: f"{op}: u: expected shape [{rows}], got {list(u.shape)}")
+    torch._check(v.shape == (cols,), lambda: f"{op}: v: expected shape [{cols}], got {list(v.shape)}")
+    torch._check(sigma.shape == (m,), lambda: f"{op}: sigma: expected shape [{m}], got {list(sigma.shape)}")
+    torch._check(params_bf16.shape == params.shape,
+                 lambda: f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
+    return None
+
+
+class SpectralNorm(nn.Module):
+    """Spectral-norm clamp of a ``DuelingBranchQNet``'s weight matrices, in one launch.
+
+    Args:
+        net: the network (its ``flat_params`` and ``params_bf16`` are updated in place).
+        sigma_max: the largest singular value a matrix may keep; a float for all, or one per
+            matrix in the order of ``net.weight_matrices()``.
+        n_power_iterations: power iterations per call.
+        eps: floor of the norms when normalising u and v.
+        generator: seeds the initial u and v (random unit vectors, as ``torch.nn.utils.spectral_norm``).
+
+    Buffers: ``u`` and ``v`` (persistent, in the state dict: a checkpoint resumes the power
+    iteration where it was) and ``sigma`` (the latest estimates, [num_matrices]). ``.to()``
+    moves them; they must be on the network's device when called.
+    """
+
+    def __init__(self, net, sigma_max: Union[float, Sequence[float]] = 1.0, n_power_iterations: int = 1,
+                 eps: float = 1e-12, generator: Optional[torch.Generator] = None):
+        super().__init__()
+        mats = net.layout.weight_matrices()
+        self.names: List[str] = [name for name, _, _ in mats]
+        self.matrices: List[int] = [x for _, (rows, cols), off in mats for x in (off, rows, cols)]
+        if isinstance(sigma_max, (int, float)):
+            sigma_max = [float(sigma_max)] * len(mats)
+        if len(sigma_max) != len(mats) or any(not s > 0 for s in sigma_max):
+            raise ValueError(f"SpectralNorm: sigma_max must be a positive float or {len(mats)} positive floats, "
+                             f"got {sigma_max}")
+        if int(n_power_iterations) < 1:
+            raise ValueError(f"SpectralNorm: n_power_iterations must be >= 1, got {n_power_iterations}")
+        self.sigma_max = [float(s) for s in sigma_max]
+        self.n_power_iterations = int(n_power_iterations)
+        self.eps = float(eps)
+        self._net = [net]  # a plain reference: not a submodule, so not in this module's state dict
+        rows = sum(r for _, (r, _), _ in mats)
+        cols = sum(c for _, (_, c), _ in mats)
+        device = net.flat_params.device
+        u = torch.randn(rows, generator=generator, dtype=torch.float32)
+        v = torch.randn(cols, generator=generator, dtype=torch.float32)
+        self.register_buffer("u", _normalize_segments(u, [r for _, (r, _), _ in mats]).to(device))
+        self.register_buffer("v", _normalize_segments(v, [c for _, (_, c), _ in mats]).to(device))
+        self.register_buffer("sigma", torch.zeros(len(mats), device=device), persistent=False)
+
+    @property
+    def net(self):
+        return self._net[0]
+
+    @torch.no_grad()
+    def forward(self, one_launch_per_matrix: bool = False) -> Tensor:
+        """Runs the power iteration and the clamp; returns ``self.sigma`` (no host sync)."""
+        net = self.net
+        if net.flat_params.dtype != torch.float32 or net.params_bf16.dtype != torch.bfloat16:
+            raise TypeError(f"SpectralNorm: the network must hold float32 parameters with a bfloat16 mirror, "
+                            f"got {net.flat_params.dtype} / {net.params_bf16.dtype}")
+        batched_spectral_norm(net.flat_params.data, net.params_bf16, self.u, self.v, self.sigma, self.matrices,
+                              self.sigma_max, self.n_power_iterations, self.eps, one_launch_per_matrix)
+        return self.sigma
+
+    def sigmas(self) -> dict:
+        """The latest sigma estimates by matrix name (reads back: syncs)."""
+        return dict(zip(self.names, self.sigma.tolist()))
+
+    def extra_repr(self) -> str:
+        return (f"matrices={len(self.names)}, sigma_max={self.sigma_max if len(set(self.sigma_max)) > 1 else self.sigma_max[0]}, "
+                f"n_power_iterations={self.n_power_iterations}")
+
+
+def _normalize_segments(x: Tensor, lengths: Sequence[int]) -> Tensor:
+    return torch.cat([torch.nn.functional.normalize(seg, dim=0) for seg in torch.split(x, list(lengths))])
+
+
+def spectral_norm_(net, sigma_max: Union[float, Sequence[float]] = 1.0, n_power_iterations: int = 1,
+                   eps: float = 1e-12) -> Tensor:
+    """Clamps the spectral norm of every weight matrix of ``net`` to ``sigma_max``, in place.
+
+    The power-iteration state lives on the network as a plain attribute (``net._spectral_norm``,
+    a ``SpectralNorm`` created on the first call, rebuilt with the same vectors when the
+    arguments change, not part of the network's state dict). Returns the sigma estimates as a
+    device tensor (no host sync). A trainer that checkpoints should own a ``SpectralNorm``.
+    """
+    sn = net.__dict__.get("_spectral_norm")
+    want = [float(sigma_max)] * len(net.layout.weight_matrices()) if isinstance(sigma_max, (int, float)) \
+        else [float(s) for s in sigma_max]
+    if not isinstance(sn, SpectralNorm) or sn.sigma_max != want or sn.n_power_iterations != n_power_iterations \
+            or sn.eps != eps:
+        old = sn
+        sn = SpectralNorm(net, want, n_power_iterations, eps)
+        if isinstance(old, SpectralNorm):  # keep the converged vectors
+            sn.u.copy_(old.u)
+            sn.v.copy_(old.v)
+        object.__setattr__(net, "_spectral_norm", sn)  # bypasses nn.Module: no submodule, no state-dict keys
+    if sn.u.device != net.flat_params.device:
+        sn.to(net.flat_params.device)
+    return sn()
