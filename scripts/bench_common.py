@@ -35,6 +35,15 @@ def graphed(fn):
     return g.replay
 
 
+def kernels_per_call(fn):
+    """GPU kernels (and memcpy/memset) one eager call of fn runs, from the torch profiler."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def run_meta(**extra):
     """What every result file records: date, device, torch and CUDA versions, plus `extra`."""
     import datetime

@@ -16,20 +16,12 @@ import os
 import torch
 
 import dqn_ops
-from bench_common import graphed, run_meta, time_us, write_results
+from bench_common import graphed, kernels_per_call, run_meta, time_us, write_results
 
 # Bytes dqn_ops must move per parameter: norm pass reads g (4); Adam reads p, g, m, v (16),
 # writes p, m, v (12) and the BF16 mirror (2); EMA reads target and online (8), writes the
 # target (4) and its mirror (2).
 BYTES_PER_PARAM = 4 + 16 + 12 + 2 + 8 + 4 + 2
-
-
-def kernels_per_call(fn):
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def copy_bandwidth():

@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_check.sh            # everything
 #   SKIP_BENCH=1 bash scripts/gpu_check.sh
+#   PYTEST_ARGS=tests/test_spectral_norm.py BENCHES="spectral" bash scripts/gpu_check.sh
 #
 # This is exactly what runs on the H200 through the device tool (its python3 has torch,
 # nvcc, pytest and ninja; nothing can be downloaded there).
@@ -31,11 +32,13 @@ fi
 $PY -c "import dqn_ops; assert dqn_ops.cuda_kernels_built(), 'built without CUDA kernels'; print('CUDA kernels built')" || exit 1
 
 echo "== tests"
-$PY -m pytest tests -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
+$PY -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
 test_rc=${PIPESTATUS[0]}
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmark"
-  { $PY scripts/bench_network.py --out "$OUT" && $PY scripts/bench_optim.py --out "$OUT"; } 2>&1 | tee "$OUT/bench.log" | tail -40
+  for b in ${BENCHES:-network optim spectral}; do
+    $PY "scripts/bench_$b.py" --out "$OUT" || echo "BENCHMARK $b FAILED"
+  done 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 exit "$test_rc"
