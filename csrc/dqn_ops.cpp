@@ -56,4 +56,20 @@ TORCH_LIBRARY(dqn_ops, m) {
       "batched_spectral_norm(Tensor(a!) params, Tensor(b!) params_bf16, Tensor(c!) u, Tensor(d!) v, "
       "Tensor(e!) sigma, int[] matrices, float[] sigma_max, int n_power_iterations=1, float eps=1e-12, "
       "bool one_launch_per_matrix=False) -> ()");
+  // The DQN loss on dueling-aggregated logits [B, sum n_d, atoms] (q: online on s;
+  // q_next_online: online on s', which picks the next action per branch (double DQN);
+  // q_next_target: target on s'). actions [B, D] int64; rewards, dones [B] F32 (dones 1 = terminal);
+  // gamma is the discount of the stored return (gamma^n for n-step returns); weights [B]:
+  // importance weights (prioritized replay), 1 when None.
+  //   'c51': projection of r + gamma (1 - done) z onto the support [v_min, v_max], cross-entropy
+  //          on the taken action, mean over branches; td_error = that per-sample cross-entropy.
+  //   'mse' / 'huber' (atoms == 1): BDQ target y = r + gamma (1 - done) mean_d Q_target_d(s', a*_d),
+  //          loss mean_d (y - Q_d(s, a_d))^2 or Huber(delta 1); td_error = mean_d |y - Q_d|.
+  // loss = mean_b w_b loss_b; grad_q = d(loss)/d(q), computed in the same pass; mean_q = mean over
+  // samples and branches of the expected Q of the taken action. Out-of-range actions: an error on
+  // the CPU; on CUDA (no host sync to report it) the loss, td_error and mean_q become NaN.
+  m.def(
+      "dqn_loss(Tensor q, Tensor q_next_online, Tensor q_next_target, Tensor actions, Tensor rewards, "
+      "Tensor dones, Tensor? weights, int[] branches, float v_min, float v_max, float gamma, "
+      "str loss_type=\"c51\") -> (Tensor loss, Tensor grad_q, Tensor td_error, Tensor mean_q)");
 }

@@ -5,6 +5,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers the ops with the dispatcher)
 from . import ops
 from .layout import DQNConfig, ParamLayout
+from .loss import LossOutput, dqn_loss
 from .network import DuelingBranchQNet
 from .ops import bf16_dueling_forward, mixed_backward
 from .optim import FusedAdamBF16, ema_update, ema_update_, fused_adam_bf16
@@ -19,5 +20,5 @@ def cuda_kernels_built() -> bool:
 __all__ = ["DQNConfig", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward", "ops",
            "cuda_kernels_built",
            "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_",
-           "SpectralNorm", "batched_spectral_norm", "spectral_norm_"]
+           "SpectralNorm", "batched_spectral_norm", "spectral_norm_", "dqn_loss", "LossOutput"]
 __version__ = "0.1.0"

@@ -31,6 +31,20 @@ inline BranchTable make_branch_table(const NetLayout& L, const char* op) {
   return t;
 }
 
+inline BranchTable make_branch_table(c10::IntArrayRef sizes, const char* op) {
+  DQN_CHECK(static_cast<int64_t>(sizes.size()) <= kMaxBranches, op, ": the CUDA kernels take at most ", kMaxBranches,
+            " branches, got ", sizes.size());
+  BranchTable t{};
+  t.count = static_cast<int32_t>(sizes.size());
+  int32_t offset = 0;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    t.size[d] = static_cast<int32_t>(sizes[d]);
+    t.action_offset[d] = offset;
+    offset += t.size[d];
+  }
+  return t;
+}
+
 inline unsigned blocks_for(int64_t n, int threads) {
   const int64_t b = (n + threads - 1) / threads;
   return static_cast<unsigned>(b < 65535 * 32 ? b : 65535 * 32);  // kernels grid-stride past this

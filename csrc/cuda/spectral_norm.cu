@@ -22,10 +22,14 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <torch/library.h>
+
+#include <mutex>
+#include <unordered_map>
 
 #include "spectral_args.h"
 
@@ -39,6 +43,12 @@ using at::Tensor;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kElemsPerVirtualBlock = 16384;
+// At most this many virtual blocks per matrix: each column of v~ sums K partials, and a
+// larger K would make that reduction, not the reads of W, the long pole.
+constexpr int64_t kMaxVirtualBlocks = 64;
+// Phase A covers 128 columns a pass: 32 lanes x 4 columns, with every warp on its own rows.
+constexpr int kColsPerLane = 4;
+constexpr int kChunkCols = 32 * kColsPerLane;
 // Kernel parameters are limited to 4 KiB; 48 descriptors of 64 bytes leave room for the rest.
 constexpr int kMaxMatricesPerLaunch = 48;
 
@@ -63,7 +73,7 @@ static_assert(sizeof(Batch) <= 3584, "kernel parameters must stay under 4 KiB");
 // The number of virtual blocks of a [rows, cols] matrix: a function of its shape alone.
 int virtual_blocks(int64_t rows, int64_t cols) {
   const int64_t k = (rows * cols + kElemsPerVirtualBlock - 1) / kElemsPerVirtualBlock;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(k, rows)));
+  return static_cast<int>(std::max<int64_t>(1, std::min({k, rows, kMaxVirtualBlocks})));
 }
 
 __device__ __forceinline__ int find_matrix(const Batch& b, int vb) {
@@ -103,51 +113,71 @@ __global__ void __launch_bounds__(kThreads)
                          __nv_bfloat16* __restrict__ mirror, float* __restrict__ u, float* __restrict__ v,
                          float* __restrict__ sigma, float* __restrict__ partial, float* __restrict__ sq_v,
                          float* __restrict__ sq_u, int iterations, float eps) {
-  __shared__ float smem[kThreads];
+  __shared__ float smem[kWarps * kChunkCols];  // >= kThreads
   cg::grid_group grid = cg::this_grid();
   const int tid = threadIdx.x;
 
   for (int it = 0; it < iterations; ++it) {
-    // A: partial[k, c] = sum over the slice's rows of W[r, c] u[r]. Threads cover CT columns
-    // and G = kThreads / CT row groups (several groups when the matrix is narrow); the groups'
-    // sums are added in group order.
+    // A: partial[k, c] = sum over the slice's rows of W[r, c] u[r]. Each warp takes every
+    // kWarps-th row of the slice; a lane keeps kColsPerLane independent sums (columns 32
+    // apart, coalesced), so many loads are in flight; the warps' sums are added in warp order.
     for (int vb = blockIdx.x; vb < b.total_vblocks; vb += gridDim.x) {
       const MatrixDesc& d = b.m[find_matrix(b, vb)];
       const int k = vb - d.first_vblock;
       const int r0 = int(int64_t(k) * d.rows / d.vblocks), r1 = int(int64_t(k + 1) * d.rows / d.vblocks);
       const float* W = params + d.w_off;
       const float* um = u + d.u_off;
-      const int ct = min(kThreads, (d.cols + 31) / 32 * 32);
-      const int groups = kThreads / ct;
-      const int tc = tid % ct, g = tid / ct;
-      for (int c0 = 0; c0 < d.cols; c0 += ct) {
-        const int c = c0 + tc;
-        float acc = 0.f;
-        if (c < d.cols && g < groups)
-          for (int r = r0 + g; r < r1; r += groups) acc = fmaf(W[int64_t(r) * d.cols + c], um[r], acc);
-        smem[tid] = acc;
+      const int warp = tid / 32, lane = tid % 32;
+      for (int c0 = 0; c0 < d.cols; c0 += kChunkCols) {
+        float acc[kColsPerLane] = {};
+#pragma unroll 2
+        for (int r = r0 + warp; r < r1; r += kWarps) {
+          const float ur = um[r];
+          const float* row = W + int64_t(r) * d.cols;
+#pragma unroll
+          for (int j = 0; j < kColsPerLane; ++j) {
+            const int c = c0 + lane + 32 * j;
+            if (c < d.cols) acc[j] = fmaf(row[c], ur, acc[j]);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kColsPerLane; ++j) smem[warp * kChunkCols + lane + 32 * j] = acc[j];
         __syncthreads();
-        if (g == 0 && c < d.cols) {
-          float s = smem[tc];
-          for (int j = 1; j < groups; ++j) s += smem[j * ct + tc];
-          partial[d.partial_off + int64_t(k) * d.cols + c] = s;
+        if (tid < kChunkCols && c0 + tid < d.cols) {
+          float sum = smem[tid];
+          for (int w = 1; w < kWarps; ++w) sum += smem[w * kChunkCols + tid];
+          partial[d.partial_off + int64_t(k) * d.cols + c0 + tid] = sum;
         }
         __syncthreads();
       }
     }
     grid.sync();
 
-    // A2: v~ over the slice's columns, in partial order; its share of |v~|^2.
+    // A2: v~ over the slice's columns: CT columns a pass, G = kThreads / CT groups each
+    // summing every G-th partial, then the groups' sums in group order; its share of |v~|^2.
     for (int vb = blockIdx.x; vb < b.total_vblocks; vb += gridDim.x) {
       const MatrixDesc& d = b.m[find_matrix(b, vb)];
       const int k = vb - d.first_vblock;
       const int c0 = int(int64_t(k) * d.cols / d.vblocks), c1 = int(int64_t(k + 1) * d.cols / d.vblocks);
+      const int ct = min(kThreads, max(32, (c1 - c0 + 31) / 32 * 32));
+      const int groups = kThreads / ct;
+      const int tc = tid % ct, g = tid / ct;
+      const float* part = partial + d.partial_off;
       float sq = 0.f;
-      for (int c = c0 + tid; c < c1; c += kThreads) {
+      for (int cc = c0; cc < c1; cc += ct) {
+        const int c = cc + tc;
         float s = 0.f;
-        for (int j = 0; j < d.vblocks; ++j) s += partial[d.partial_off + int64_t(j) * d.cols + c];
-        v[d.v_off + c] = s;
-        sq = fmaf(s, s, sq);
+        if (c < c1 && g < groups)
+          for (int j = g; j < d.vblocks; j += groups) s += part[int64_t(j) * d.cols + c];
+        smem[tid] = s;
+        __syncthreads();
+        if (g == 0 && c < c1) {
+          float total = smem[tc];
+          for (int j = 1; j < groups; ++j) total += smem[j * ct + tc];
+          v[d.v_off + c] = total;
+          sq = fmaf(total, total, sq);
+        }
+        __syncthreads();
       }
       sq = block_sum(sq, smem);
       if (tid == 0) sq_v[d.norm_off + k] = sq;
@@ -165,9 +195,17 @@ __global__ void __launch_bounds__(kThreads)
       const int warp = tid / 32, lane = tid % 32;
       float sq = 0.f;
       for (int r = r0 + warp; r < r1; r += kWarps) {
-        float dot = 0.f;
-        for (int c = lane; c < d.cols; c += 32) dot = fmaf(W[int64_t(r) * d.cols + c], vm[c], dot);
-        dot = warp_sum(dot) * inv_v;
+        const float* row = W + int64_t(r) * d.cols;
+        float acc[4] = {};  // independent sums: four loads in flight per lane
+        int c = lane;
+        for (; c + 96 < d.cols; c += 128) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[j] = fmaf(row[c + 32 * j], vm[c + 32 * j], acc[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < 3; ++j)  // the tail: fewer than 4 x 32 columns are left
+          if (c + 32 * j < d.cols) acc[j] = fmaf(row[c + 32 * j], vm[c + 32 * j], acc[j]);
+        const float dot = warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3])) * inv_v;
         if (lane == 0) {
           u[d.u_off + r] = dot;
           sq = fmaf(dot, dot, sq);
@@ -209,10 +247,19 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Blocks of spectral_norm_kernel that fit on the device at once (a cooperative launch's cap).
+// Asked once per device: the answer depends on the kernel and the device alone.
 int max_coresident_blocks() {
+  static std::mutex mutex;
+  static std::unordered_map<int, int> cache;
+  const int device = c10::cuda::current_device();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, spectral_norm_kernel, kThreads, 0));
-  return per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int cap = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  cache.emplace(device, cap);
+  return cap;
 }
 
 void launch(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma, float* partial,

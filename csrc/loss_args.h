@@ -1,0 +1,96 @@
+// Argument validation of dqn_loss, shared by the CPU and CUDA kernels.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Optional.h>
+
+#include "checks.h"
+
+namespace dqn_ops {
+
+constexpr const char* kLossOp = "dqn_ops.dqn_loss";
+
+enum class LossType {
+  kC51,    // distributional: projection of r + gamma z onto the support, cross-entropy (atoms > 1)
+  kMSE,    // (y - Q)^2 on the BDQ target (atoms == 1)
+  kHuber,  // Huber, delta 1, on the BDQ target (atoms == 1)
+};
+
+struct LossShape {
+  int64_t batch, total_actions, atoms;
+  std::vector<int64_t> branch_sizes, action_offsets;
+  LossType type;
+};
+
+inline LossType parse_loss_type(const std::string& s) {
+  if (s == "c51") return LossType::kC51;
+  if (s == "mse") return LossType::kMSE;
+  if (s == "huber") return LossType::kHuber;
+  DQN_CHECK(false, kLossOp, ": loss_type: expected one of 'c51', 'mse', 'huber', got '", s, "'");
+}
+
+inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_online, const at::Tensor& q_next_target,
+                                 const at::Tensor& actions, const at::Tensor& rewards, const at::Tensor& dones,
+                                 const c10::optional<at::Tensor>& weights, c10::IntArrayRef branches, double v_min,
+                                 double v_max, double gamma, const std::string& loss_type) {
+  const char* op = kLossOp;
+  LossShape s;
+  s.type = parse_loss_type(loss_type);
+  DQN_CHECK(!branches.empty(), op, ": branches: expected at least one branch, got none");
+  s.total_actions = 0;
+  for (size_t d = 0; d < branches.size(); ++d) {
+    DQN_CHECK(branches[d] >= 1, op, ": branches: branch ", d, " must have >= 1 action, got ", branches[d]);
+    s.action_offsets.push_back(s.total_actions);
+    s.branch_sizes.push_back(branches[d]);
+    s.total_actions += branches[d];
+  }
+  DQN_CHECK(q.dim() == 3, op, ": q: expected shape [B, ", s.total_actions, ", atoms], got ", shape_str(q.sizes()));
+  s.batch = q.size(0);
+  s.atoms = q.size(2);
+  const at::Device dev = q.device();
+  DQN_CHECK(dev.is_cpu() || dev.is_cuda(), op, ": q: expected a CPU or CUDA tensor, got one on ", dev);
+  const int64_t D = static_cast<int64_t>(branches.size());
+  const std::pair<const at::Tensor*, const char*> logits[] = {
+      {&q, "q"}, {&q_next_online, "q_next_online"}, {&q_next_target, "q_next_target"}};
+  for (const auto& t : logits) {
+    check_device(*t.first, op, t.second, dev);
+    check_dtype(*t.first, op, t.second, at::kFloat);
+    check_shape(*t.first, op, t.second, {s.batch, s.total_actions, s.atoms});
+    check_contiguous(*t.first, op, t.second);
+  }
+  check_device(actions, op, "actions", dev);
+  check_dtype(actions, op, "actions", at::kLong);
+  check_shape(actions, op, "actions", {s.batch, D});
+  check_contiguous(actions, op, "actions");
+  const std::pair<const at::Tensor*, const char*> per_sample[] = {{&rewards, "rewards"}, {&dones, "dones"}};
+  for (const auto& t : per_sample) {
+    check_device(*t.first, op, t.second, dev);
+    check_dtype(*t.first, op, t.second, at::kFloat);
+    check_shape(*t.first, op, t.second, {s.batch});
+    check_contiguous(*t.first, op, t.second);
+  }
+  if (weights.has_value()) {
+    check_device(*weights, op, "weights", dev);
+    check_dtype(*weights, op, "weights", at::kFloat);
+    check_shape(*weights, op, "weights", {s.batch});
+    check_contiguous(*weights, op, "weights");
+  }
+  DQN_CHECK(s.batch >= 1, op, ": q: expected a batch of at least 1 sample, got 0");
+  if (s.type == LossType::kC51) {
+    DQN_CHECK(s.atoms >= 2, op, ": loss_type 'c51' needs at least 2 atoms, got ", s.atoms,
+              " (use 'mse' or 'huber' for plain Q-values)");
+    DQN_CHECK(v_min < v_max, op, ": v_min must be below v_max, got v_min=", std::to_string(v_min), ", v_max=",
+              std::to_string(v_max));
+  } else {
+    DQN_CHECK(s.atoms == 1, op, ": loss_type '", loss_type, "' takes plain Q-values (1 atom), got ", s.atoms,
+              " atoms (use 'c51')");
+  }
+  DQN_CHECK(gamma >= 0 && gamma <= 1, op, ": gamma: expected a value in [0, 1], got ", std::to_string(gamma));
+  return s;
+}
+
+}  // namespace dqn_ops

@@ -1,0 +1,153 @@
+// CPU reference kernel of dqn_loss: one sample after the other, in double precision.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "loss_args.h"
+
+namespace dqn_ops {
+namespace {
+
+using at::Tensor;
+
+// softmax of x[0..n) into p (max-shifted); returns log-sum-exp.
+double softmax(const float* x, int64_t n, std::vector<double>& p) {
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, double(x[j]));
+  double s = 0;
+  for (int64_t j = 0; j < n; ++j) s += (p[j] = std::exp(double(x[j]) - m));
+  for (int64_t j = 0; j < n; ++j) p[j] /= s;
+  return m + std::log(s);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cpu(const Tensor& q, const Tensor& q_next_online,
+                                                        const Tensor& q_next_target, const Tensor& actions,
+                                                        const Tensor& rewards, const Tensor& dones,
+                                                        const c10::optional<Tensor>& weights, c10::IntArrayRef branches,
+                                                        double v_min, double v_max, double gamma,
+                                                        c10::string_view loss_type) {
+  const LossShape S = check_loss_args(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches,
+                                      v_min, v_max, gamma, std::string(loss_type));
+  const int64_t B = S.batch, A = S.total_actions, NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
+  Tensor loss = at::empty({}, q.options());
+  Tensor grad_q = at::zeros_like(q);
+  Tensor td_error = at::empty({B}, q.options());
+  Tensor mean_q = at::empty({}, q.options());
+  const float* x = q.data_ptr<float>();
+  const float* xo = q_next_online.data_ptr<float>();
+  const float* xt = q_next_target.data_ptr<float>();
+  const int64_t* act = actions.data_ptr<int64_t>();
+  const float* r = rewards.data_ptr<float>();
+  const float* dn = dones.data_ptr<float>();
+  const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  float* g = grad_q.data_ptr<float>();
+  float* td = td_error.data_ptr<float>();
+
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t d = 0; d < D; ++d)
+      DQN_CHECK(act[b * D + d] >= 0 && act[b * D + d] < S.branch_sizes[d], kLossOp, ": actions: sample ", b,
+                " takes action ", act[b * D + d], " in branch ", d, ", which has ", S.branch_sizes[d], " actions");
+
+  const double dz = S.type == LossType::kC51 ? (v_max - v_min) / double(NA - 1) : 0.0;
+  std::vector<double> p(NA), pt(NA), m(NA), bj(NA);
+  double loss_sum = 0, q_sum = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const double discount = gamma * (1.0 - dn[b]);
+    const double wb = w ? w[b] : 1.0;
+    double sample_loss = 0, sample_td = 0;
+    if (S.type == LossType::kC51) {
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+        // double-DQN: the online network picks the next action (first of equal maxima)
+        int64_t a_star = 0;
+        double best = -std::numeric_limits<double>::infinity();
+        for (int64_t a = 0; a < n; ++a) {
+          softmax(xo + ((b * A) + off + a) * NA, NA, p);
+          double qv = 0;
+          for (int64_t j = 0; j < NA; ++j) qv += p[j] * (v_min + j * dz);
+          if (qv > best || std::isnan(qv)) {
+            best = qv;
+            a_star = a;
+            if (std::isnan(qv)) break;
+          }
+        }
+        softmax(xt + ((b * A) + off + a_star) * NA, NA, pt);
+        // projection of r + discount * z onto the support
+        std::fill(m.begin(), m.end(), 0.0);
+        for (int64_t i = 0; i < NA; ++i) {
+          const double tz = std::min(v_max, std::max(v_min, r[b] + discount * (v_min + i * dz)));
+          const double bi = std::min(double(NA - 1), std::max(0.0, (tz - v_min) / dz));
+          int64_t l = static_cast<int64_t>(std::floor(bi)), u = static_cast<int64_t>(std::ceil(bi));
+          if (l == u) {  // the atom lands exactly on a support point: give it all its mass
+            if (u > 0) --l; else ++u;
+          }
+          m[l] += pt[i] * (u - bi);
+          m[u] += pt[i] * (bi - l);
+        }
+        const int64_t a = act[b * D + d];
+        const float* xc = x + ((b * A) + off + a) * NA;
+        const double lse = softmax(xc, NA, p);
+        double ce = 0, qv = 0;
+        for (int64_t j = 0; j < NA; ++j) {
+          ce -= m[j] * (xc[j] - lse);
+          qv += p[j] * (v_min + j * dz);
+          g[((b * A) + off + a) * NA + j] = static_cast<float>((p[j] - m[j]) * wb / double(B * D));
+        }
+        sample_loss += ce / D;
+        q_sum += qv / D;
+      }
+      sample_td = sample_loss;
+    } else {
+      // BDQ target: every branch's target-network value at the online network's greedy action, averaged
+      double target = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+        int64_t a_star = 0;
+        double best = -std::numeric_limits<double>::infinity();
+        for (int64_t a = 0; a < n; ++a) {
+          const double qv = xo[b * A + off + a];
+          if (qv > best || std::isnan(qv)) {
+            best = qv;
+            a_star = a;
+            if (std::isnan(qv)) break;
+          }
+        }
+        target += xt[b * A + off + a_star] / double(D);
+      }
+      const double y = r[b] + discount * target;
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t idx = b * A + S.action_offsets[d] + act[b * D + d];
+        const double delta = y - x[idx];
+        double l, dl;  // loss and d(loss)/d(q)
+        if (S.type == LossType::kMSE) {
+          l = delta * delta;
+          dl = -2 * delta;
+        } else {
+          const double ad = std::abs(delta);
+          l = ad <= 1 ? 0.5 * delta * delta : ad - 0.5;
+          dl = -std::max(-1.0, std::min(1.0, delta));
+        }
+        sample_loss += l / D;
+        sample_td += std::abs(delta) / D;
+        q_sum += x[idx] / double(D);
+        g[idx] = static_cast<float>(dl * wb / double(B * D));
+      }
+    }
+    td[b] = static_cast<float>(sample_td);
+    loss_sum += wb * sample_loss;
+  }
+  loss.fill_(loss_sum / B);
+  mean_q.fill_(q_sum / B);
+  return {loss, grad_q, td_error, mean_q};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dqn_ops, CPU, m) { m.impl("dqn_loss", &dqn_loss_cpu); }
+
+}  // namespace dqn_ops

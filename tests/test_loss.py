@@ -1,0 +1,227 @@
+"""dqn_loss against a plain-PyTorch float64 implementation written here (CleanRL-style)."""
+import pytest
+import torch
+
+from conftest import DEVICES, requires_cuda
+from dqn_ops import dqn_loss
+from poison import poison_cuda_cache
+
+
+def reference_c51(q, q_next_online, q_next_target, actions, rewards, dones, branches, v_min, v_max, gamma,
+                  weights=None):
+    """C51 double-DQN loss per branch, mean over branches, in float64; gradient by autograd."""
+    B, _, NA = q.shape
+    q = q.detach().double().cpu().requires_grad_()
+    qo, qt = q_next_online.double().cpu(), q_next_target.double().cpu()
+    a, r, d = actions.cpu(), rewards.double().cpu(), dones.double().cpu()
+    support = torch.linspace(v_min, v_max, NA, dtype=torch.float64)
+    dz = (v_max - v_min) / (NA - 1)
+    rows = torch.arange(B)
+    per_branch, q_taken, off = [], [], 0
+    for i, n in enumerate(branches):
+        with torch.no_grad():
+            a_star = (qo[:, off:off + n].softmax(-1) * support).sum(-1).argmax(1)
+            p_next = qt[:, off:off + n].softmax(-1)[rows, a_star]
+            tz = (r[:, None] + gamma * (1 - d[:, None]) * support).clamp(v_min, v_max)
+            bj = ((tz - v_min) / dz).clamp(0, NA - 1)
+            lo, hi = bj.floor().long(), bj.ceil().long()
+            lo = torch.where((hi > 0) & (lo == hi), lo - 1, lo)
+            hi = torch.where((lo < NA - 1) & (lo == hi), hi + 1, hi)
+            m = torch.zeros(B, NA, dtype=torch.float64)
+            m.scatter_add_(1, lo, p_next * (hi.double() - bj))
+            m.scatter_add_(1, hi, p_next * (bj - lo.double()))
+        logits = q[:, off:off + n][rows, a[:, i]]
+        per_branch.append(-(m * logits.log_softmax(-1)).sum(-1))
+        q_taken.append((logits.softmax(-1) * support).sum(-1).detach())
+        off += n
+    per_sample = torch.stack(per_branch, 1).mean(1)
+    w = torch.ones(B, dtype=torch.float64) if weights is None else weights.double().cpu()
+    loss = (w * per_sample).mean()
+    loss.backward()
+    return loss.detach(), q.grad, per_sample.detach(), torch.stack(q_taken, 1).mean()
+
+
+def reference_bdq(q, q_next_online, q_next_target, actions, rewards, dones, branches, gamma, loss_type, weights=None):
+    """BDQ: y = r + gamma (1 - done) mean_d Q_target_d(s', argmax Q_online_d(s')); MSE or Huber per branch."""
+    B = q.shape[0]
+    q = q.detach().double().cpu().requires_grad_()
+    qo, qt = q_next_online.double().cpu()[..., 0], q_next_target.double().cpu()[..., 0]
+    a, r, d = actions.cpu(), rewards.double().cpu(), dones.double().cpu()
+    rows = torch.arange(B)
+    targets, taken, off = [], [], 0
+    for i, n in enumerate(branches):
+        targets.append(qt[:, off:off + n][rows, qo[:, off:off + n].argmax(1)])
+        taken.append(q[:, off:off + n, 0][rows, a[:, i]])
+        off += n
+    y = r + gamma * (1 - d) * torch.stack(targets, 1).mean(1)
+    qa = torch.stack(taken, 1)
+    delta = y[:, None] - qa
+    if loss_type == "mse":
+        per = delta ** 2
+    else:
+        per = torch.nn.functional.huber_loss(qa, y[:, None].expand_as(qa), reduction="none", delta=1.0)
+    w = torch.ones(B, dtype=torch.float64) if weights is None else weights.double().cpu()
+    loss = (w * per.mean(1)).mean()
+    loss.backward()
+    return loss.detach(), q.grad, delta.abs().mean(1).detach(), qa.detach().mean()
+
+
+def sample_batch(B, branches, atoms, device, v_max=10.0, terminal_fraction=0.2):
+    A, D = sum(branches), len(branches)
+    g = torch.Generator().manual_seed(B * 7 + atoms)
+    q, qo, qt = (torch.randn(B, A, atoms, generator=g) * 2 for _ in range(3))
+    actions = torch.stack([torch.randint(0, n, (B,), generator=g) for n in branches], 1)
+    # rewards up to 1.5x the support: r + gamma z clips at v_min / v_max for many atoms
+    rewards = (torch.rand(B, generator=g) * 2 - 1) * 1.5 * v_max
+    dones = (torch.rand(B, generator=g) < terminal_fraction).float()
+    weights = torch.rand(B, generator=g) + 0.5
+    return [t.to(device) for t in (q, qo, qt, actions, rewards, dones, weights)]
+
+
+C51_CASES = [((3, 3, 3), 51, -10.0, 10.0), ((2, 5), 11, -3.0, 7.0), ((4,), 21, -1.0, 1.0), ((1, 1), 2, 0.0, 1.0)]
+
+
+def _check(out, ref):
+    loss, grad, td, mean_q = ref
+    torch.testing.assert_close(out.loss.double().cpu(), loss, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(out.grad_q.double().cpu(), grad, rtol=1e-4, atol=1e-8)
+    torch.testing.assert_close(out.td_error.double().cpu(), td, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.mean_q.double().cpu(), mean_q, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("branches,atoms,v_min,v_max", C51_CASES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_c51_matches_float64_reference(device, branches, atoms, v_min, v_max, weighted):
+    if device == "cuda":
+        poison_cuda_cache()
+    q, qo, qt, actions, rewards, dones, weights = sample_batch(300, branches, atoms, device, v_max)
+    w = weights if weighted else None
+    out = dqn_loss(q, qo, qt, actions, rewards, dones, branches, v_min=v_min, v_max=v_max, gamma=0.97, weights=w,
+                   loss_type="c51")
+    assert dones.sum() > 0 and (rewards.abs() > v_max).any()  # terminal transitions and clipping happen
+    _check(out, reference_c51(q, qo, qt, actions, rewards, dones, branches, v_min, v_max, 0.97, w))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_c51_returns_landing_exactly_on_atoms(device):
+    # support -10..10 step 1: a reward of 2 with gamma 1 moves every atom onto another atom
+    # (floor == ceil, the case the projection must handle); terminal transitions put all the
+    # mass on the reward's atom, including the ends of the support.
+    branches, atoms = (3, 2), 21
+    q, qo, qt, actions, _, _, _ = sample_batch(8, branches, atoms, device)
+    rewards = torch.tensor([2.0, -3.0, 0.0, 10.0, -10.0, 4.0, 0.0, -10.0], device=device)
+    dones = torch.tensor([0, 0, 1, 1, 1, 0, 0, 0], dtype=torch.float32, device=device)
+    out = dqn_loss(q, qo, qt, actions, rewards, dones, branches, v_min=-10, v_max=10, gamma=1.0)
+    _check(out, reference_c51(q, qo, qt, actions, rewards, dones, branches, -10.0, 10.0, 1.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_type", ["mse", "huber"])
+@pytest.mark.parametrize("branches", [(3, 3, 3), (5,), (2, 4, 1, 6)])
+def test_bdq_losses_match_float64_reference(device, loss_type, branches):
+    q, qo, qt, actions, rewards, dones, weights = sample_batch(257, branches, 1, device)
+    rewards = rewards / 5  # |delta| on both sides of Huber's delta = 1
+    for w in (None, weights):
+        out = dqn_loss(q, qo, qt, actions, rewards, dones, branches, gamma=0.9, weights=w, loss_type=loss_type)
+        _check(out, reference_bdq(q, qo, qt, actions, rewards, dones, branches, 0.9, loss_type, w))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loss_backward_through_autograd_is_grad_q(device):
+    q, qo, qt, actions, rewards, dones, _ = sample_batch(64, (3, 3), 11, device)
+    q.requires_grad_()
+    out = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3))
+    (3 * out.loss).backward()
+    torch.testing.assert_close(q.grad, 3 * out.grad_q)
+
+
+def _op_args(device, atoms=5, loss_type="c51"):
+    q, qo, qt, actions, rewards, dones, weights = sample_batch(16, (2, 3), atoms, device)
+    return (q, qo, qt, actions, rewards, dones, weights, [2, 3], -2.0, 2.0, 0.9, loss_type)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("atoms,loss_type", [(5, "c51"), (1, "huber")])
+def test_opcheck(device, atoms, loss_type):
+    torch.library.opcheck(torch.ops.dqn_ops.dqn_loss.default, _op_args(device, atoms, loss_type))
+
+
+BAD = [
+    (0, lambda t: t.double(), "q: expected dtype Float, got Double"),
+    (1, lambda t: t[:, :4], r"q_next_online: expected shape \[16, 5, 5\], got \[16, 4, 5\]"),
+    (2, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1), "q_next_target: expected a contiguous tensor"),
+    (3, lambda t: t.int(), "actions: expected dtype Long, got Int"),
+    (3, lambda t: t[:, :1], r"actions: expected shape \[16, 2\], got \[16, 1\]"),
+    (4, lambda t: t[:8], r"rewards: expected shape \[16\], got \[8\]"),
+    (5, lambda t: t.bool(), "dones: expected dtype Float, got Bool"),
+    (6, lambda t: t[None], r"weights: expected shape \[16\], got \[1, 16\]"),
+    (7, [2, 2], r"q: expected shape \[16, 4, 5\], got \[16, 5, 5\]"),
+    (7, [2, 0, 3], "branches: branch 1 must have >= 1 action, got 0"),
+    (8, 5.0, "v_min must be below v_max"),
+    (10, 1.5, r"gamma: expected a value in \[0, 1\]"),
+    (11, "mse", "loss_type 'mse' takes plain Q-values \\(1 atom\\), got 5 atoms"),
+    (11, "quantile", "loss_type: expected one of 'c51', 'mse', 'huber', got 'quantile'"),
+]
+
+
+@pytest.mark.parametrize("index,value,match", BAD)
+def test_bad_input(index, value, match):
+    args = list(_op_args("cpu"))
+    args[index] = value(args[index]) if callable(value) else value
+    with pytest.raises(RuntimeError, match="dqn_ops.dqn_loss: " + match):
+        torch.ops.dqn_ops.dqn_loss.default(*args)
+
+
+def test_c51_needs_two_atoms():
+    args = list(_op_args("cpu", atoms=1))
+    with pytest.raises(RuntimeError, match="loss_type 'c51' needs at least 2 atoms, got 1"):
+        torch.ops.dqn_ops.dqn_loss.default(*args)
+
+
+def test_out_of_range_action_raises_on_cpu():
+    args = list(_op_args("cpu"))
+    args[3][5, 1] = 3
+    with pytest.raises(RuntimeError, match="actions: sample 5 takes action 3 in branch 1, which has 3 actions"):
+        torch.ops.dqn_ops.dqn_loss.default(*args)
+
+
+@requires_cuda
+@pytest.mark.parametrize("atoms,loss_type", [(5, "c51"), (1, "mse")])
+def test_out_of_range_action_poisons_the_loss_on_cuda(atoms, loss_type):
+    args = list(_op_args("cuda", atoms, loss_type))
+    args[3][5, 1] = -1
+    loss, grad_q, td, mean_q = torch.ops.dqn_ops.dqn_loss.default(*args)
+    assert loss.isnan() and mean_q.isnan() and td[5].isnan()
+    assert torch.isfinite(td[torch.arange(16) != 5]).all() and torch.isfinite(grad_q).all()
+
+
+@requires_cuda
+def test_non_finite_inputs_give_a_non_finite_loss():
+    q, qo, qt, actions, rewards, dones, _ = sample_batch(32, (3, 3), 11, "cuda")
+    rewards[7] = float("nan")
+    assert dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3)).loss.isnan()
+
+
+@requires_cuda
+def test_cuda_graph_replay_equals_eager_and_never_syncs():
+    q, qo, qt, actions, rewards, dones, weights = sample_batch(1000, (3, 3, 3), 51, "cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            q.normal_()
+            rewards.uniform_(-12, 12)
+            g.replay()
+            eager = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights)
+            for x, y in zip(static, eager):
+                assert torch.equal(x, y)  # deterministic: the same bits
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
