@@ -66,8 +66,10 @@ TORCH_LIBRARY(dqn_ops, m) {
   //   'mse' / 'huber' (atoms == 1): BDQ target y = r + gamma (1 - done) mean_d Q_target_d(s', a*_d),
   //          loss mean_d (y - Q_d(s, a_d))^2 or Huber(delta 1); td_error = mean_d |y - Q_d|.
   // loss = mean_b w_b loss_b; grad_q = d(loss)/d(q), computed in the same pass; mean_q = mean over
-  // samples and branches of the expected Q of the taken action. Out-of-range actions: an error on
-  // the CPU; on CUDA (no host sync to report it) the loss, td_error and mean_q become NaN.
+  // samples and branches of the expected Q of the taken action. A NaN/Inf reward or done (which
+  // clamping onto the support would hide) makes that sample's loss and gradient NaN, so that an
+  // optimizer skips the step; so does an out-of-range action on CUDA (no host sync can report
+  // it), while the CPU kernel raises.
   m.def(
       "dqn_loss(Tensor q, Tensor q_next_online, Tensor q_next_target, Tensor actions, Tensor rewards, "
       "Tensor dones, Tensor? weights, int[] branches, float v_min, float v_max, float gamma, "

@@ -60,6 +60,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cpu(const Tensor& q, const T
     const double discount = gamma * (1.0 - dn[b]);
     const double wb = w ? w[b] : 1.0;
     double sample_loss = 0, sample_td = 0;
+    if (!std::isfinite(r[b]) || !std::isfinite(dn[b])) {
+      // Clamping onto the support would hide a NaN or Inf reward: poison the sample instead, its
+      // gradient too, so that the optimizer skips the step (DQN_CHECK-free, as on CUDA).
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t j = 0; j < NA; ++j) g[((b * A) + S.action_offsets[d] + act[b * D + d]) * NA + j] = nan;
+      td[b] = nan;
+      loss_sum += nan;
+      q_sum += nan;
+      continue;
+    }
     if (S.type == LossType::kC51) {
       for (int64_t d = 0; d < D; ++d) {
         const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
@@ -130,7 +141,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cpu(const Tensor& q, const T
         } else {
           const double ad = std::abs(delta);
           l = ad <= 1 ? 0.5 * delta * delta : ad - 0.5;
-          dl = -std::max(-1.0, std::min(1.0, delta));
+          dl = std::isnan(delta) ? delta : -std::max(-1.0, std::min(1.0, delta));  // NaN must reach the gradient
         }
         sample_loss += l / D;
         sample_td += std::abs(delta) / D;

@@ -10,6 +10,7 @@ from .network import DuelingBranchQNet
 from .ops import bf16_dueling_forward, mixed_backward
 from .optim import FusedAdamBF16, ema_update, ema_update_, fused_adam_bf16
 from .spectral import SpectralNorm, batched_spectral_norm, spectral_norm_
+from .trainer import NonFiniteError, Trainer, TrainerConfig, greedy_actions
 
 
 def cuda_kernels_built() -> bool:
@@ -20,5 +21,6 @@ def cuda_kernels_built() -> bool:
 __all__ = ["DQNConfig", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward", "ops",
            "cuda_kernels_built",
            "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_",
-           "SpectralNorm", "batched_spectral_norm", "spectral_norm_", "dqn_loss", "LossOutput"]
+           "SpectralNorm", "batched_spectral_norm", "spectral_norm_", "dqn_loss", "LossOutput",
+           "Trainer", "TrainerConfig", "NonFiniteError", "greedy_actions"]
 __version__ = "0.1.0"

@@ -31,3 +31,167 @@ class TorchDuelingBranchNet(nn.Module):
             a = a.view(-1, n, na)
             qs.append(v.view(-1, 1, na) + a - a.mean(1, keepdim=True))
         return torch.cat(qs, 1), torch.cat(heads, 1)
+
+
+def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, branches, v_min, v_max, gamma,
+                   loss_type="c51", weights=None):
+    """The loss of ``dqn_ops.dqn_loss`` in plain PyTorch ops (the anchor's C51 loop; BDQ's
+    MSE/Huber for one atom). Returns (loss, td_error [B], mean_q), differentiable w.r.t. q."""
+    B, _, NA = q.shape
+    rows = torch.arange(B, device=q.device)
+    w = torch.ones(B, device=q.device, dtype=q.dtype) if weights is None else weights
+    per_branch, q_taken, off = [], [], 0
+    if loss_type == "c51":
+        support = torch.linspace(v_min, v_max, NA, device=q.device, dtype=q.dtype)
+        dz = (v_max - v_min) / (NA - 1)
+        with torch.no_grad():
+            tz = (rewards[:, None] + gamma * (1 - dones[:, None]) * support).clamp(v_min, v_max)
+            bj = ((tz - v_min) / dz).clamp(0, NA - 1)
+            lo, hi = bj.floor().long(), bj.ceil().long()
+            lo = torch.where((hi > 0) & (lo == hi), lo - 1, lo)
+            hi = torch.where((lo < NA - 1) & (lo == hi), hi + 1, hi)
+        for i, n in enumerate(branches):
+            with torch.no_grad():
+                a_star = (q_next_online[:, off:off + n].softmax(-1) * support).sum(-1).argmax(1)
+                p_next = q_next_target[:, off:off + n].softmax(-1)[rows, a_star]
+                m = torch.zeros(B, NA, device=q.device, dtype=q.dtype)
+                m.scatter_add_(1, lo, p_next * (hi.to(q.dtype) - bj))
+                m.scatter_add_(1, hi, p_next * (bj - lo.to(q.dtype)))
+            logits = q[:, off:off + n][rows, actions[:, i]]
+            per_branch.append(-(m * logits.log_softmax(-1)).sum(-1))
+            q_taken.append((logits.detach().softmax(-1) * support).sum(-1))
+            off += n
+        per_sample = torch.stack(per_branch, 1).mean(1)
+        td = per_sample.detach()
+    else:
+        targets = []
+        with torch.no_grad():
+            for n in branches:
+                qo, qt = q_next_online[:, off:off + n, 0], q_next_target[:, off:off + n, 0]
+                targets.append(qt[rows, qo.argmax(1)])
+                off += n
+            y = rewards + gamma * (1 - dones) * torch.stack(targets, 1).mean(1)
+        off = 0
+        for i, n in enumerate(branches):
+            q_taken.append(q[:, off:off + n, 0][rows, actions[:, i]])
+            off += n
+        qa = torch.stack(q_taken, 1)
+        if loss_type == "mse":
+            per = (y[:, None] - qa) ** 2
+        else:
+            per = F.huber_loss(qa, y[:, None].expand_as(qa), reduction="none", delta=1.0)
+        per_sample = per.mean(1)
+        td = (y[:, None] - qa.detach()).abs().mean(1)
+        q_taken = [qa.detach()[:, i] for i in range(len(branches))]
+    return (w * per_sample).mean(), td, torch.stack(q_taken, 1).mean()
+
+
+class TorchTrainer:
+    """The training step of ``dqn_ops.Trainer`` in plain PyTorch, F32 (TF32 off): the F32 path
+    of the convergence-parity check and the baseline of the benchmarks. Same constructor,
+    ``step``, ``act``, ``readback`` and ``metrics``; ``amp=True`` runs the forwards under
+    autocast BF16. On CUDA with ``use_cuda_graph`` the step is captured after warm-up like
+    the dqn_ops one (``torch.optim.Adam(capturable=True)``)."""
+
+    def __init__(self, net_config=None, config=None, device="cuda", seed: int = 0, amp: bool = False):
+        from .layout import DQNConfig
+        from .readback import DeferredReadback
+        from .trainer import STAT_FIELDS, TrainerConfig
+
+        self.net_config = c = net_config or DQNConfig()
+        self.config = cfg = config or TrainerConfig()
+        self.device = torch.device(device)
+        self.amp = amp
+        self.loss_type = cfg.loss_type or ("c51" if c.atoms > 1 else "huber")
+        torch.manual_seed(seed)
+        self.online = TorchDuelingBranchNet(c).to(self.device)
+        self.target = TorchDuelingBranchNet(c).to(self.device)
+        self.target.load_state_dict(self.online.state_dict())
+        self.target.requires_grad_(False)
+        cuda = self.device.type == "cuda"
+        self.optimizer = torch.optim.Adam(self.online.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                          weight_decay=cfg.weight_decay, capturable=cuda, fused=cuda)
+        self.weights = [m.weight for m in self.online.modules() if isinstance(m, nn.Linear)]
+        self.us = [F.normalize(torch.randn(w.shape[0], device=self.device), dim=0) for w in self.weights]
+        B, D = cfg.batch_size, c.num_branches
+        dev = self.device
+        self.inputs = dict(
+            states=torch.zeros(B, c.state_dim, device=dev), actions=torch.zeros(B, D, dtype=torch.long, device=dev),
+            rewards=torch.zeros(B, device=dev), next_states=torch.zeros(B, c.state_dim, device=dev),
+            dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
+        self.td_error = torch.zeros(B, device=dev)
+        self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
+        self.steps = 0
+        self._graph = None
+        self._eager = 0
+
+    def step(self, batch=None):
+        if batch is not None:
+            for k, v in batch.items():
+                self.inputs[k].copy_(v, non_blocking=True)
+            if "weights" not in batch:
+                self.inputs["weights"].fill_(1.0)
+        use_graph = self.device.type == "cuda" and self.config.use_cuda_graph
+        if self._graph is not None:
+            self._graph.replay()
+        elif use_graph and self._eager >= self.config.warmup_steps:
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._step_body()
+            self._graph.replay()
+        elif use_graph:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._step_body()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._eager += 1
+        else:
+            self._step_body()
+            self._eager += 1
+        self.steps += 1
+        self.stats.after_step()
+
+    def _step_body(self):
+        cfg, x = self.config, self.inputs
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            with torch.no_grad():
+                q_next_online = self.online(x["next_states"])[0].float()
+                q_next_target = self.target(x["next_states"])[0].float()
+            q = self.online(x["states"])[0].float()
+        loss, td, mean_q = torch_dqn_loss(q, q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"],
+                                          self.net_config.branches, cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type,
+                                          x["weights"])
+        self.optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        params = list(self.online.parameters())
+        grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=True)
+                     if cfg.max_grad_norm is not None else torch.linalg.vector_norm(
+                         torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+        self.optimizer.step()
+        with torch.no_grad():
+            if cfg.sigma_max is not None:  # the anchor's spectral norm: power iteration, clamp
+                for w, u in zip(self.weights, self.us):
+                    for _ in range(cfg.n_power_iterations):
+                        v = F.normalize(w.t() @ u, dim=0)
+                        u.copy_(F.normalize(w @ v, dim=0))
+                    sigma = u @ w @ v
+                    w.mul_(torch.clamp(cfg.sigma_max / sigma, max=1.0))
+            torch._foreach_lerp_(list(self.target.parameters()), list(self.online.parameters()), cfg.tau)
+            self.td_error.copy_(td)
+            bad = (~torch.isfinite(grad_norm)).float()
+            self.stats.record([loss.detach(), grad_norm, mean_q, bad], bad)
+
+    def readback(self):
+        self.stats.readback()
+        return self.metrics()
+
+    def metrics(self, last=None):
+        return self.stats.summary(last)
+
+    @torch.no_grad()
+    def act(self, states):
+        from .trainer import greedy_from_logits
+
+        return greedy_from_logits(self.online(states)[0], self.net_config.branches, self.config.v_min,
+                                  self.config.v_max)

@@ -37,9 +37,10 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
     ``loss`` is differentiable w.r.t. ``q`` (its backward is ``grad_q``, already computed), so
     ``loss.backward()`` works in an autograd graph as with any PyTorch loss.
 
-    On CUDA an out-of-range action cannot be reported without a host sync: the loss, td_error
-    and mean_q come out NaN instead (the trainer's non-finite check reports it). On the CPU it
-    raises.
+    Non-finite data: a NaN/Inf reward or done (which clamping onto the support would otherwise
+    hide) makes that sample's loss, td_error and gradient NaN, so ``FusedAdamBF16`` skips the
+    step and the trainer reports it. On CUDA an out-of-range action cannot be reported without
+    a host sync, so it is treated the same way; on the CPU it raises.
     """
     return LossOutput(*torch.ops.dqn_ops.dqn_loss.default(q, q_next_online, q_next_target, actions, rewards, dones,
                                                           weights, list(branches), v_min, v_max, gamma, loss_type))

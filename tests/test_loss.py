@@ -192,15 +192,31 @@ def test_out_of_range_action_poisons_the_loss_on_cuda(atoms, loss_type):
     args = list(_op_args("cuda", atoms, loss_type))
     args[3][5, 1] = -1
     loss, grad_q, td, mean_q = torch.ops.dqn_ops.dqn_loss.default(*args)
+    others = torch.arange(16, device="cuda") != 5
     assert loss.isnan() and mean_q.isnan() and td[5].isnan()
-    assert torch.isfinite(td[torch.arange(16) != 5]).all() and torch.isfinite(grad_q).all()
+    assert grad_q[5].isnan().any()  # so that the optimizer skips the step
+    assert torch.isfinite(td[others]).all() and torch.isfinite(grad_q[others]).all()
 
 
-@requires_cuda
-def test_non_finite_inputs_give_a_non_finite_loss():
-    q, qo, qt, actions, rewards, dones, _ = sample_batch(32, (3, 3), 11, "cuda")
-    rewards[7] = float("nan")
-    assert dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3)).loss.isnan()
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("atoms,loss_type", [(11, "c51"), (1, "huber")])
+@pytest.mark.parametrize("field,value", [("rewards", float("nan")), ("rewards", float("inf")),
+                                         ("dones", float("nan")), ("states", float("nan"))])
+def test_non_finite_inputs_poison_loss_and_gradient(device, atoms, loss_type, field, value):
+    # Clamping onto the support must not hide a NaN or Inf reward: the loss and the sample's
+    # gradient become NaN (the trainer's optimizer then skips the step and reports it).
+    q, qo, qt, actions, rewards, dones, _ = sample_batch(32, (3, 3), atoms, device)
+    if field == "rewards":
+        rewards[7] = value
+    elif field == "dones":
+        dones[7] = value
+    else:
+        q[7, 0, 0] = value  # a NaN state gives NaN logits
+        actions[7, 0] = 0
+    out = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3), loss_type=loss_type)
+    assert out.loss.isnan() and out.td_error[7].isnan() and out.grad_q[7].isnan().any()
+    keep = torch.arange(32, device=device) != 7
+    assert torch.isfinite(out.td_error[keep]).all() and torch.isfinite(out.grad_q[keep]).all()
 
 
 @requires_cuda

@@ -82,6 +82,8 @@ __device__ float2 c51_sample(const BranchTable& br, const LossParams& P, int b, 
   const int NA = P.atoms;
   const float discount = P.gamma * (1.f - P.dones[b]);
   const float r = P.rewards[b];
+  // Clamping onto the support would hide a NaN or Inf reward: such a sample is poisoned instead.
+  const bool finite_return = isfinite(r) && isfinite(discount);
   float ce_sum = 0.f, q_sum = 0.f;
   for (int d = 0; d < br.count; ++d) {
     const int off = br.action_offset[d], n = br.size[d];
@@ -130,16 +132,20 @@ __device__ float2 c51_sample(const BranchTable& br, const LossParams& P, int b, 
     // cross-entropy on the taken action and its gradient (softmax - m); zero for the others
     const int64_t a = P.actions[int64_t(b) * br.count + d];
     const bool valid = a >= 0 && a < n;
-    for (int k = 0; k < n; ++k) {
-      if (valid && k == a) continue;
-      float* g = P.grad_q + (row0 + k) * NA;
-      for (int j = lane; j < NA; j += 32) g[j] = 0.f;
-    }
-    if (!valid) {  // no host sync can report it: poison the loss instead (documented)
+    if (!valid || !finite_return) {
+      // No host sync can report it: the sample's loss and gradient become NaN, so the
+      // optimizer skips the step and the trainer's non-finite check reports it (documented).
+      for (int k = 0; k < n; ++k)
+        for (int j = lane; j < NA; j += 32) P.grad_q[(row0 + k) * NA + j] = NAN;
       ce_sum = NAN;
       q_sum = NAN;
       __syncwarp();
       continue;
+    }
+    for (int k = 0; k < n; ++k) {
+      if (k == a) continue;
+      float* g = P.grad_q + (row0 + k) * NA;
+      for (int j = lane; j < NA; j += 32) g[j] = 0.f;
     }
     const float* xc = P.q + (row0 + a) * NA;
     float mc = -INFINITY;
@@ -188,12 +194,13 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
     const int off = br.action_offset[d], n = br.size[d];
     const int64_t a = P.actions[int64_t(b) * br.count + d];
     const bool valid = a >= 0 && a < n;
-    for (int k = 0; k < n; ++k)
-      if (!valid || k != a) P.grad_q[row + off + k] = 0.f;
-    if (!valid) {
+    if (!valid || !isfinite(y)) {  // poisoned sample: NaN loss and gradient (see c51_sample)
+      for (int k = 0; k < n; ++k) P.grad_q[row + off + k] = NAN;
       loss = td = qsum = NAN;
       continue;
     }
+    for (int k = 0; k < n; ++k)
+      if (k != a) P.grad_q[row + off + k] = 0.f;
     const float qv = P.q[row + off + a];
     const float delta = y - qv;
     float l, dl;
@@ -203,7 +210,7 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
     } else {
       const float ad = fabsf(delta);
       l = ad <= 1.f ? 0.5f * delta * delta : ad - 0.5f;
-      dl = -fminf(fmaxf(delta, -1.f), 1.f);
+      dl = delta != delta ? delta : -fminf(fmaxf(delta, -1.f), 1.f);  // fminf/fmaxf would drop a NaN
     }
     loss += l;
     td += fabsf(delta);

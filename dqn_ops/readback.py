@@ -1,0 +1,121 @@
+"""Deferred readback of per-step scalars.
+
+The training step writes its scalars into a ring of ``interval`` rows on the device. Every
+``interval`` steps the host enqueues an asynchronous copy of the ring into pinned memory,
+in stream order, so the copy sees exactly the steps before it whatever the host has queued
+since; the host reads a copy once its event says it has landed (an event query, not a sync).
+A sticky device flag, copied to pinned memory after every step, tells the host within a step
+or two that a step was non-finite; the caller then forces an immediate, synchronising readback.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Dict, List, Sequence
+
+import torch
+from torch import Tensor
+
+
+class DeferredReadback:
+    def __init__(self, fields: Sequence[str], interval: int, device):
+        if int(interval) < 1:
+            raise ValueError(f"readback_interval must be >= 1, got {interval}")
+        self.fields = tuple(fields)
+        self.interval = int(interval)
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self.ring = torch.zeros(self.interval, len(self.fields), device=self.device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # next ring row, on the device
+        self.flag = torch.zeros(1, device=self.device)  # sticky: 1 once a step was non-finite
+        self._host_flag = torch.zeros(1, pin_memory=self._pin)
+        self._extra: Dict[str, Tensor] = {}  # small device tensors copied with each readback
+        self._pending = deque()  # (event, first_step, count, host_ring, host_extra), in stream order
+        self._free = []          # host buffers to reuse
+        self.steps_recorded = 0  # steps the host has enqueued
+        self.steps_copied = 0    # steps covered by copies enqueued so far
+        self.rows: List[Dict[str, float]] = []  # one dict per step read back, in step order
+        self.extra: Dict[str, list] = {}         # latest read-back value of each watched tensor
+
+    def watch(self, name: str, t: Tensor):
+        """Also copy the device tensor `t` at each readback; its latest value lands in self.extra[name]."""
+        self._extra[name] = t
+
+    @property
+    def steps_read(self) -> int:
+        return len(self.rows)
+
+    # -- inside the step, on the device (capturable, no sync) ---------------------------
+    def record(self, values: Sequence[Tensor], non_finite: Tensor):
+        """Writes this step's scalars into the ring; `non_finite` (one element, 1.0 = bad) sets the flag."""
+        row = torch.stack([v.reshape(()).to(self.ring.dtype) for v in values])
+        self.ring.index_copy_(0, self.slot, row[None])
+        self.slot.add_(1).remainder_(self.interval)
+        torch.maximum(self.flag, non_finite.reshape(1).to(self.flag.dtype), out=self.flag)
+
+    # -- on the host, after each step -------------------------------------------------
+    def after_step(self) -> bool:
+        """Bookkeeping after a step was enqueued. Returns True once the non-finite flag has
+        been seen (then call readback() to get the values)."""
+        self.steps_recorded += 1
+        if self.steps_recorded - self.steps_copied >= self.interval:
+            self._enqueue_copy()
+        self._collect(block=False)
+        if not self._pin:
+            return bool(self.flag[0] > 0)
+        seen = bool(self._host_flag[0] > 0)  # a copy from a step or two ago: no sync
+        self._host_flag.copy_(self.flag, non_blocking=True)
+        return seen
+
+    def readback(self):
+        """Reads every recorded step's values now (synchronises with the device)."""
+        if self.steps_recorded > self.steps_copied:
+            self._enqueue_copy()
+        self._collect(block=True)
+
+    def summary(self, last=None) -> Dict[str, float]:
+        """Aggregates of the rows read back so far (no sync), over the last `last` or all:
+        steps, loss (mean), loss_last, grad_norm_mean, grad_norm_max, mean_q, skipped."""
+        rows = self.rows[-last:] if last else self.rows
+        out: Dict[str, float] = dict(steps=float(self.steps_read))
+        if rows:
+            n = len(rows)
+            out.update(loss=sum(r["loss"] for r in rows) / n, loss_last=rows[-1]["loss"],
+                       grad_norm_mean=sum(r["grad_norm"] for r in rows) / n,
+                       grad_norm_max=max(r["grad_norm"] for r in rows),
+                       mean_q=sum(r["mean_q"] for r in rows) / n, skipped=sum(r["skipped"] for r in rows))
+        return out
+
+    def reset_flag(self):
+        self.flag.zero_()
+        self._host_flag.zero_()
+
+    def _enqueue_copy(self):
+        first, count = self.steps_copied, self.steps_recorded - self.steps_copied
+        host_ring, host_extra = self._free.pop() if self._free else (
+            torch.empty(self.ring.shape, pin_memory=self._pin), {})
+        host_ring.copy_(self.ring, non_blocking=True)
+        for name, t in self._extra.items():
+            if name not in host_extra or host_extra[name].shape != t.shape:
+                host_extra[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin)
+            host_extra[name].copy_(t, non_blocking=True)
+        event = None
+        if self._pin:
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append((event, first, count, host_ring, host_extra))
+        self.steps_copied = self.steps_recorded
+
+    def _collect(self, block: bool):
+        while self._pending:
+            event, first, count, host_ring, host_extra = self._pending[0]
+            if event is not None and not event.query():
+                if not block:
+                    return
+                event.synchronize()
+            self._pending.popleft()
+            ring = host_ring.tolist()
+            for step in range(first, first + count):
+                self.rows.append(dict(zip(self.fields, ring[step % self.interval])))
+            for name, t in host_extra.items():
+                self.extra[name] = t.tolist()
+            self._free.append((host_ring, host_extra))

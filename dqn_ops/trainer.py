@@ -1,0 +1,306 @@
+"""``Trainer``: one DQN training step of a dueling, branching, distributional network, on the
+device, without host syncs, replayed from one CUDA graph after a short warm-up.
+
+The step: online forward on s (activations saved), online forward on s' (double-DQN action
+choice), target forward on s', ``dqn_loss`` (C51, or MSE/Huber for one atom) with its gradient,
+``mixed_backward``, global grad-norm clip + Adam writing the BF16 mirror (``fused_adam_bf16``),
+spectral norm of every weight matrix (``batched_spectral_norm``), Polyak update of the target
+and its mirror (``ema_update``). Scalars (loss, grad norm, mean Q, skipped) are read back every
+``readback_interval`` steps without a sync (``dqn_ops.readback``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .layout import DQNConfig
+from .loss import LOSS_TYPES
+from .network import DuelingBranchQNet
+from .optim import FusedAdamBF16, ema_update
+from .readback import DeferredReadback
+from .spectral import SpectralNorm
+
+BATCH_KEYS = ("states", "actions", "rewards", "next_states", "dones")
+STAT_FIELDS = ("loss", "grad_norm", "mean_q", "skipped")
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """Hyper-parameters of the training step (defaults: ../shared/anchor/torch_step.py's)."""
+
+    batch_size: int = 256
+    lr: float = 1e-4
+    betas: Tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+    max_grad_norm: Optional[float] = 10.0
+    gamma: float = 0.99            # discount of the stored return (gamma ** n for n-step returns)
+    v_min: float = -10.0
+    v_max: float = 10.0
+    tau: float = 0.005             # Polyak rate of the target network
+    sigma_max: Optional[float] = 1.0  # spectral-norm clamp; None: no spectral norm
+    n_power_iterations: int = 1
+    loss_type: Optional[str] = None   # None: 'c51' with atoms > 1, else 'huber'
+    backward_precision: str = "bf16"
+    use_cuda_graph: bool = True    # on CUDA: capture the step after warmup_steps eager steps
+    warmup_steps: int = 3
+    readback_interval: int = 100
+    on_non_finite: str = "raise"   # 'raise': NonFiniteError; 'flag': count them in non_finite_steps
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"TrainerConfig: batch_size must be >= 1, got {self.batch_size}")
+        if self.on_non_finite not in ("raise", "flag"):
+            raise ValueError(f"TrainerConfig: on_non_finite must be 'raise' or 'flag', got {self.on_non_finite!r}")
+        if self.loss_type is not None and self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"TrainerConfig: loss_type must be one of {LOSS_TYPES} or None, got {self.loss_type!r}")
+        if self.backward_precision not in ops.BACKWARD_PRECISIONS:
+            raise ValueError(f"TrainerConfig: backward_precision must be one of {ops.BACKWARD_PRECISIONS}, "
+                             f"got {self.backward_precision!r}")
+        if self.warmup_steps < 1:
+            raise ValueError(f"TrainerConfig: warmup_steps must be >= 1 (cuBLAS must be warm before a capture), "
+                             f"got {self.warmup_steps}")
+        if not 0 <= self.tau <= 1:
+            raise ValueError(f"TrainerConfig: tau must be in [0, 1], got {self.tau}")
+
+
+class NonFiniteError(RuntimeError):
+    """A training step produced a non-finite loss or gradient (the optimizer skipped it)."""
+
+
+class Trainer:
+    """Owns the online and target networks, the optimizer, spectral norm and EMA, and runs the
+    training step.
+
+    Args:
+        net_config: the network's sizes (``DQNConfig``; the reference config by default).
+        config: ``TrainerConfig``.
+        device: where everything lives. On CUDA with ``config.use_cuda_graph`` the step is
+            captured into one CUDA graph after ``warmup_steps`` eager steps; elsewhere (CPU, or
+            graphs off) the same step runs eagerly.
+        seed: seeds the initial weights and the spectral-norm vectors.
+
+    Feed a batch either by ``step(batch)`` (a mapping with states [B, SD], actions [B, D]
+    int64, rewards [B], next_states [B, SD], dones [B], optionally weights [B]: copied into the
+    static input buffers, device to device, no sync), or by writing into ``trainer.inputs``
+    yourself and calling ``step()``. ``trainer.td_error`` [B] holds the last step's per-sample
+    TD error (for prioritized replay), on the device.
+
+    Host-visible numbers: ``metrics()`` (what has been read back so far, no sync) and
+    ``readback()`` (everything up to now: syncs; call it at epoch ends).
+
+    Non-finite steps (NaN/Inf in states, rewards or dones; an out-of-range action on CUDA):
+    the gradient is non-finite, so the optimizer skips the step on the device (parameters,
+    moments and step count unchanged; the spectral clamp and the target EMA still apply). A
+    sticky device flag copied to pinned memory after each step makes the host notice within
+    a step or two; it then reads back at once and raises ``NonFiniteError`` naming the step
+    (``on_non_finite='raise'``) or appends it to ``non_finite_steps`` (``'flag'``).
+    """
+
+    def __init__(self, net_config: Optional[DQNConfig] = None, config: Optional[TrainerConfig] = None,
+                 device: Union[str, torch.device] = "cuda", seed: int = 0):
+        self.net_config = net_config or DQNConfig()
+        self.config = cfg = config or TrainerConfig()
+        self.device = torch.device(device)
+        c = self.net_config
+        self.loss_type = cfg.loss_type or ("c51" if c.atoms > 1 else "huber")
+        if (self.loss_type == "c51") != (c.atoms > 1):
+            raise ValueError(f"Trainer: loss_type {self.loss_type!r} does not fit a network of {c.atoms} atom(s)")
+        gen = torch.Generator().manual_seed(seed)
+        self.online = DuelingBranchQNet(c, backward_precision=cfg.backward_precision, generator=gen).to(self.device)
+        self.target = DuelingBranchQNet(c, backward_precision=cfg.backward_precision).to(self.device)
+        self.target.load_state_dict(self.online.state_dict())
+        self.target.sync_mirror = False
+        self.target.requires_grad_(False)
+        self.lr = torch.full((1,), float(cfg.lr), device=self.device)  # read on the device: set_lr() between replays
+        self.optimizer = FusedAdamBF16.for_network(
+            self.online, lr=self.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+            decoupled_weight_decay=cfg.decoupled_weight_decay, max_grad_norm=cfg.max_grad_norm)
+        self.spectral = (SpectralNorm(self.online, cfg.sigma_max, cfg.n_power_iterations, generator=gen).to(self.device)
+                         if cfg.sigma_max is not None else None)
+
+        B, D = cfg.batch_size, c.num_branches
+        dev = self.device
+        self.inputs: Dict[str, Tensor] = dict(
+            states=torch.zeros(B, c.state_dim, device=dev), actions=torch.zeros(B, D, dtype=torch.long, device=dev),
+            rewards=torch.zeros(B, device=dev), next_states=torch.zeros(B, c.state_dim, device=dev),
+            dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
+        self.td_error = torch.zeros(B, device=dev)
+        self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
+        if self.spectral is not None:
+            self.stats.watch("sigma", self.spectral.sigma)
+        self.steps = 0  # steps enqueued
+        self.non_finite_steps: List[int] = []
+        self._rows_checked = 0
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._eager_steps_since_reset = 0
+
+    # -- the step ---------------------------------------------------------------------
+    @property
+    def graphed(self) -> bool:
+        return self._graph is not None
+
+    def set_lr(self, lr: float):
+        """New learning rate from the next step on (a device write: no sync, graph-safe)."""
+        self.lr.fill_(float(lr))
+
+    def step(self, batch: Optional[Mapping[str, Tensor]] = None):
+        """One training step. With `batch`, copies it into ``inputs`` first."""
+        if batch is not None:
+            self._load_batch(batch)
+        use_graph = self.device.type == "cuda" and self.config.use_cuda_graph
+        if self._graph is not None:
+            self._graph.replay()
+        elif use_graph and self._eager_steps_since_reset >= self.config.warmup_steps:
+            self._capture()
+            self._graph.replay()
+        elif use_graph:
+            # warm-up on a side stream, as CUDA-graph capture wants (lazy cuBLAS state, allocator)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._step_body()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._eager_steps_since_reset += 1
+        else:
+            self._step_body()
+            self._eager_steps_since_reset += 1
+        self.steps += 1
+        if self.stats.after_step():
+            self._handle_non_finite()
+
+    def _capture(self):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self._step_body()
+        self._graph = g
+
+    @torch.no_grad()
+    def _step_body(self):
+        cfg, net, tgt, x = self.config, self.online, self.target, self.inputs
+        layout, prec = net._layout_ints, cfg.backward_precision
+        p, p_lp = net.flat_params, net.params_bf16
+        forward = torch.ops.dqn_ops.bf16_dueling_forward.default
+        out = forward(x["states"], p, p_lp, layout, prec)
+        q_next_online = forward(x["next_states"], p, p_lp, layout, prec)[0]
+        q_next_target = forward(x["next_states"], tgt.flat_params, tgt.params_bf16, layout, prec)[0]
+        loss, grad_q, td_error, mean_q = torch.ops.dqn_ops.dqn_loss.default(
+            out[0], q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"], x["weights"],
+            list(self.net_config.branches), cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type)
+        grad, _ = torch.ops.dqn_ops.mixed_backward.default(grad_q, None, out[2], out[3], out[4], out[5], p, p_lp,
+                                                           layout, prec, False)
+        p.grad = grad
+        self.optimizer.step()  # clip + Adam + BF16 mirror; skipped on the device when non-finite
+        if self.spectral is not None:
+            self.spectral()
+        ema_update(tgt.flat_params, tgt.params_bf16, p, cfg.tau)
+        self.td_error.copy_(td_error)
+        found_inf = self.optimizer.found_inf
+        self.stats.record([loss, self.optimizer.grad_norm, mean_q, found_inf], found_inf)
+
+    def _load_batch(self, batch: Mapping[str, Tensor]):
+        missing = [k for k in BATCH_KEYS if k not in batch]
+        if missing:
+            raise KeyError(f"Trainer.step: batch is missing {missing}; it needs {list(BATCH_KEYS)} (+ optional 'weights')")
+        for k in BATCH_KEYS + ("weights",):
+            if k not in batch:
+                continue
+            src, dst = batch[k], self.inputs[k]
+            if src.shape != dst.shape:
+                raise ValueError(f"Trainer.step: batch[{k!r}]: expected shape {list(dst.shape)}, got {list(src.shape)}")
+            if src.dtype != dst.dtype and not (src.is_floating_point() and dst.is_floating_point()):
+                raise TypeError(f"Trainer.step: batch[{k!r}]: expected dtype {dst.dtype}, got {src.dtype}")
+            dst.copy_(src, non_blocking=True)
+        if "weights" not in batch:
+            self.inputs["weights"].fill_(1.0)
+
+    # -- host-visible numbers -----------------------------------------------------------
+    def readback(self) -> Dict[str, float]:
+        """Reads every step's scalars up to now (synchronises) and returns metrics()."""
+        self.stats.readback()
+        self._check_rows()
+        return self.metrics()
+
+    def metrics(self, last: Optional[int] = None) -> Dict[str, float]:
+        """Aggregates of the steps read back so far (no sync): over the last `last` of them, or
+        all since the start. Keys: steps, loss (mean), loss_last, grad_norm_mean, grad_norm_max,
+        mean_q, skipped, and sigma_max_seen (largest spectral-norm estimate of the last readback)."""
+        out = self.stats.summary(last)
+        if "sigma" in self.stats.extra:
+            out["sigma_max_seen"] = max(self.stats.extra["sigma"])
+        return out
+
+    def _handle_non_finite(self):
+        self.stats.readback()
+        self.stats.reset_flag()
+        self._check_rows()
+
+    def _check_rows(self):
+        rows = self.stats.rows
+        new = [i for i in range(self._rows_checked, len(rows)) if rows[i]["skipped"] > 0 or
+               not all(v == v and abs(v) != float("inf") for v in rows[i].values())]
+        self._rows_checked = len(rows)
+        if not new:
+            return
+        self.non_finite_steps.extend(new)
+        if self.config.on_non_finite == "raise":
+            r = self.stats.rows[new[0]]
+            raise NonFiniteError(
+                f"dqn_ops.Trainer: step {new[0]} was non-finite (loss={r['loss']}, grad_norm={r['grad_norm']}, "
+                f"mean_q={r['mean_q']}); the optimizer skipped it, parameters are unchanged. "
+                f"{len(new)} such step(s) so far; look for NaN/Inf in states or rewards, or out-of-range actions. "
+                f"TrainerConfig(on_non_finite='flag') counts them in trainer.non_finite_steps instead.")
+
+    # -- acting -----------------------------------------------------------------------
+    @torch.no_grad()
+    def act(self, states: Tensor) -> Tensor:
+        """Greedy actions [B, D] of the online network (expected Q over the support for C51)."""
+        return greedy_actions(self.online, states, self.config.v_min, self.config.v_max)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return dict(online=self.online.state_dict(), target=self.target.state_dict(),
+                    optimizer=self.optimizer.state_dict(),
+                    spectral=self.spectral.state_dict() if self.spectral is not None else None,
+                    lr=self.lr.clone(), steps=self.steps, net_config=dataclasses.asdict(self.net_config),
+                    config=dataclasses.asdict(self.config))
+
+    def load_state_dict(self, state: dict):
+        """Restores a checkpoint; the next steps warm up and re-capture the graph."""
+        if DQNConfig(**state["net_config"]) != self.net_config:
+            raise ValueError(f"Trainer.load_state_dict: the checkpoint's network {state['net_config']} is not "
+                             f"this trainer's {dataclasses.asdict(self.net_config)}")
+        self.online.load_state_dict(state["online"])
+        self.target.load_state_dict(state["target"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:  # keep reading the lr from our device tensor
+            group["lr"] = self.lr
+        self.lr.copy_(state["lr"])
+        self.optimizer._mirrors = {self.online.flat_params: self.online.params_bf16}
+        if self.spectral is not None and state["spectral"] is not None:
+            self.spectral.load_state_dict(state["spectral"])
+        self.steps = int(state["steps"])
+        self._graph = None  # the optimizer's state tensors are new: capture again after warm-up
+        self._eager_steps_since_reset = 0
+
+
+@torch.no_grad()
+def greedy_actions(net: DuelingBranchQNet, states: Tensor, v_min: float = -10.0, v_max: float = 10.0) -> Tensor:
+    """argmax per branch of the expected Q (C51: softmax over atoms times the support)."""
+    return greedy_from_logits(net(states), net.config.branches, v_min, v_max)
+
+
+def greedy_from_logits(q: Tensor, branches: Sequence[int], v_min: float, v_max: float) -> Tensor:
+    """[B, sum n_d, atoms] dueling logits -> [B, D] greedy actions (first of equal maxima)."""
+    atoms = q.shape[-1]
+    if atoms > 1:
+        support = torch.linspace(v_min, v_max, atoms, device=q.device, dtype=q.dtype)
+        q = (q.softmax(-1) * support).sum(-1)
+    else:
+        q = q[..., 0]
+    return torch.stack([b.argmax(1) for b in torch.split(q, list(branches), dim=1)], 1)

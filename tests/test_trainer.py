@@ -1,0 +1,191 @@
+"""Trainer: the whole step eager on the CPU (and on CUDA), graph replay vs eager, no host
+sync, deferred readback, non-finite handling, checkpoints; against the plain-PyTorch step."""
+import io
+
+import pytest
+import torch
+
+from conftest import DEVICES, requires_cuda
+from dqn_ops import DQNConfig, NonFiniteError, Trainer, TrainerConfig
+from dqn_ops.baseline import TorchTrainer
+
+TINY_C51 = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3))
+TINY_Q = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=1, branches=(3, 3, 3))
+
+
+def batch_for(c, B, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b = dict(states=torch.randn(B, c.state_dim, generator=g), next_states=torch.randn(B, c.state_dim, generator=g),
+             actions=torch.stack([torch.randint(0, n, (B,), generator=g) for n in c.branches], 1),
+             rewards=torch.randn(B, generator=g), dones=(torch.rand(B, generator=g) < 0.2).float())
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def make(c=TINY_C51, device="cpu", B=32, **kw):
+    kw.setdefault("readback_interval", 4)
+    return Trainer(c, TrainerConfig(batch_size=B, **kw), device=device, seed=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("c", [TINY_C51, TINY_Q], ids=["c51", "huber"])
+def test_learns_a_fixed_batch(device, c):
+    t = make(c, device, use_cuda_graph=False, lr=1e-2, sigma_max=None, tau=0.0)
+    b = batch_for(c, 32, device)
+    for _ in range(60):
+        t.step(b)
+    t.readback()
+    rows = t.stats.rows
+    assert len(rows) == 60
+    # (C51's cross-entropy cannot fall below the entropy of the fixed target distribution)
+    assert sum(r["loss"] for r in rows[-5:]) < 0.9 * sum(r["loss"] for r in rows[:5])
+    assert all(r["skipped"] == 0 for r in rows)
+
+
+@pytest.mark.parametrize("c", [TINY_C51, TINY_Q], ids=["c51", "huber"])
+def test_one_step_matches_the_plain_pytorch_step(c):
+    """Same weights, same batch: loss, grad norm and mean Q of the first step agree with the
+    plain-PyTorch F32 step to BF16 forward precision, and the weights move the same way."""
+    cfg = dict(batch_size=64, sigma_max=None, readback_interval=1, lr=1e-3)  # (random spectral u differ)
+    ours = Trainer(c, TrainerConfig(**cfg), device="cpu", seed=0)
+    ref = TorchTrainer(c, TrainerConfig(**cfg), device="cpu", seed=0)
+    ref.online.load_state_dict(ours.online.state_dict())
+    ref.target.load_state_dict(ours.target.state_dict())
+    before = ours.online.flat_params.detach().clone()
+    b = batch_for(c, 64, "cpu")
+    ours.step(b)
+    ref.step(b)
+    m, r = ours.readback(), ref.readback()
+    for k in ("loss", "grad_norm_mean", "mean_q"):
+        assert abs(m[k] - r[k]) <= 2e-2 * abs(r[k]) + 1e-3, (k, m[k], r[k])
+    names = list(ours.online.layer_views())
+    ref_sd, ours_sd, before_sd = ref.online.state_dict(), ours.online.state_dict(), ours.online.layer_views(before)
+    ref_after, ours_after, ref_before = (torch.cat([sd[n].detach().flatten() for n in names])
+                                         for sd in (ref_sd, ours_sd, before_sd))
+    d_ours, d_ref = ours_after - ref_before, ref_after - ref_before
+    # Adam's first step is ~lr * sign(g): the two updates point the same way almost everywhere
+    cos = torch.nn.functional.cosine_similarity(d_ours, d_ref, dim=0)
+    assert cos > 0.95, cos
+
+
+def test_deferred_readback_reads_every_interval_and_on_demand():
+    t = make(readback_interval=4)
+    b = batch_for(TINY_C51, 32, "cpu")
+    for i in range(3):
+        t.step(b)
+    assert t.metrics()["steps"] == 0  # nothing read yet: the host has not asked
+    t.step(b)
+    assert t.metrics()["steps"] == 4
+    t.step(b)
+    assert t.metrics()["steps"] == 4
+    m = t.readback()  # forced (epoch end)
+    assert m["steps"] == 5 and len(t.stats.rows) == 5
+    assert "sigma_max_seen" in m
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_reward_raises_and_leaves_parameters(device):
+    # (spectral norm off: its clamp still applies on a skipped step, as a constraint does)
+    t = make(device=device, use_cuda_graph=False, sigma_max=None)
+    b = batch_for(TINY_C51, 32, device)
+    t.step(b)
+    before = t.online.flat_params.detach().clone()
+    bad = dict(b, rewards=b["rewards"].clone())
+    bad["rewards"][3] = float("nan")
+    with pytest.raises(NonFiniteError, match="step 1 was non-finite"):
+        for _ in range(4):  # reported within a step or two (pinned-flag copy), not at the readback
+            t.step(bad)
+    assert t.non_finite_steps[0] == 1
+    assert t.stats.steps_recorded <= 3
+    # every non-finite step was skipped by the optimizer
+    assert torch.equal(t.online.flat_params.detach(), before)
+
+
+def test_non_finite_flag_mode_counts_and_continues():
+    t = make(on_non_finite="flag")
+    b = batch_for(TINY_C51, 32, "cpu")
+    bad = dict(b, states=b["states"].clone())
+    bad["states"][0, 0] = float("inf")
+    for batch in (b, bad, b, bad, b):
+        t.step(batch)
+    t.readback()
+    assert t.non_finite_steps == [1, 3]
+    assert t.metrics()["skipped"] == 2
+
+
+def test_bad_batches():
+    t = make()
+    b = batch_for(TINY_C51, 32, "cpu")
+    with pytest.raises(KeyError, match="missing \\['dones'\\]"):
+        t.step({k: v for k, v in b.items() if k != "dones"})
+    with pytest.raises(ValueError, match=r"batch\['states'\]: expected shape \[32, 6\], got \[31, 6\]"):
+        t.step(dict(b, states=b["states"][:31]))
+    with pytest.raises(TypeError, match=r"batch\['actions'\]: expected dtype torch.int64, got torch.float32"):
+        t.step(dict(b, actions=b["actions"].float()))
+    with pytest.raises(RuntimeError, match="actions: sample .* takes action 5 in branch 0"):
+        t.step(dict(b, actions=torch.full_like(b["actions"], 5)))
+    with pytest.raises(ValueError, match="on_non_finite must be 'raise' or 'flag'"):
+        TrainerConfig(on_non_finite="ignore")
+    with pytest.raises(ValueError, match="loss_type 'c51' does not fit a network of 1 atom"):
+        Trainer(TINY_Q, TrainerConfig(loss_type="c51"), device="cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_round_trip_continues_identically(device):
+    batches = [batch_for(TINY_C51, 32, device, seed=i) for i in range(12)]
+    a = make(device=device, use_cuda_graph=False)
+    for b in batches[:6]:
+        a.step(b)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    for b in batches[6:]:
+        a.step(b)
+    c = make(device=device, use_cuda_graph=False)
+    c.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    assert c.steps == 6
+    for b in batches[6:]:
+        c.step(b)
+    for x, y in [(a.online.flat_params, c.online.flat_params), (a.target.flat_params, c.target.flat_params),
+                 (a.online.params_bf16, c.online.params_bf16), (a.spectral.u, c.spectral.u)]:
+        assert torch.equal(x, y)
+    sa, sc = a.optimizer.state[a.online.flat_params], c.optimizer.state[c.online.flat_params]
+    assert all(torch.equal(sa[k], sc[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+@requires_cuda
+@pytest.mark.parametrize("c", [DQNConfig(), TINY_Q], ids=["reference", "huber"])
+def test_graph_replay_equals_eager_and_no_host_sync(c):
+    B = 256
+    batches = [batch_for(c, B, "cuda", seed=i) for i in range(10)]
+    graphed = Trainer(c, TrainerConfig(batch_size=B, readback_interval=4), device="cuda", seed=1)
+    eager = Trainer(c, TrainerConfig(batch_size=B, readback_interval=4, use_cuda_graph=False), device="cuda", seed=1)
+    for b in batches[:3]:  # warm-up (eager on a side stream)
+        graphed.step(b)
+        eager.step(b)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in batches[3:]:
+            graphed.step(b)
+            eager.step(b)
+        assert graphed.graphed and not eager.graphed
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(graphed.online.flat_params, eager.online.flat_params, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(graphed.target.flat_params, eager.target.flat_params, rtol=1e-5, atol=1e-6)
+    mg, me = graphed.readback(), eager.readback()
+    assert mg["steps"] == me["steps"] == 10
+    for k in ("loss", "grad_norm_mean", "mean_q"):
+        assert abs(mg[k] - me[k]) <= 1e-4 * abs(me[k]) + 1e-6
+
+
+@requires_cuda
+def test_out_of_range_action_on_cuda_is_reported_as_non_finite():
+    t = make(device="cuda")
+    b = batch_for(TINY_C51, 32, "cuda")
+    for _ in range(4):
+        t.step(b)  # warm-up + capture
+    bad = dict(b, actions=b["actions"].clone())
+    bad["actions"][0, 1] = 7
+    with pytest.raises(NonFiniteError):
+        for _ in range(3):
+            t.step(bad)
