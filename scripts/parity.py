@@ -1,0 +1,105 @@
+"""Convergence parity: the BF16 dqn_ops path against the plain-PyTorch F32 path.
+
+Same task (scripts/train.py), same seeds, `--epochs` epochs of 300 steps at B=256, for each of
+`--seeds`. Compared (DESIGN.md's bars): final Sharpe within 5% relative, mean Q within 10%,
+grad-norm mean and max within 20%, no NaN/Inf, peak VRAM within 10%.
+
+RL runs diverge chaotically, so the control is measured too: the spread of each figure between
+the F32 runs of different seeds (max |x_i - mean| / |mean|). Where that spread is wider than a
+figure's band, a single-seed comparison cannot pass or fail meaningfully, and that figure is
+compared on seed-averaged values over the same seeds for both paths; the result file says which
+comparison each figure used. No band is widened.
+
+"Final Sharpe" is the mean of the last 5 epochs' held-out evaluations (each a greedy episode
+on 128 unseen markets), so that one noisy evaluation does not decide it.
+
+Writes <out>/parity.json (top-level "pass") and parity.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train import parse_args, train  # noqa: E402
+
+BANDS = dict(final_sharpe=0.05, mean_q=0.10, grad_norm_mean=0.20, grad_norm_max=0.20, peak_vram_bytes=0.10)
+FIGURE_KEYS = dict(final_sharpe="final_sharpe_mean_last5", mean_q="mean_q", grad_norm_mean="grad_norm_mean",
+                   grad_norm_max="grad_norm_max", peak_vram_bytes="peak_vram_bytes")
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--epochs", type=int, default=50)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "bench", "results"))
+    ap.add_argument("--runs", default="runs/parity")
+    args = ap.parse_args()
+
+    runs = {"f32": {}, "bf16": {}}
+    for seed in args.seeds:
+        for path, backend in (("f32", "torch"), ("bf16", "dqn_ops")):
+            targs = parse_args(["--backend", backend, "--epochs", str(args.epochs), "--seed", str(seed), "--device",
+                                args.device, "--quiet", "--out", os.path.join(args.runs, f"{path}-seed{seed}")])
+            s = train(targs)
+            runs[path][seed] = {k: s[v] for k, v in FIGURE_KEYS.items()}
+            runs[path][seed].update(non_finite=s["non_finite"], epoch_seconds_median=s["epoch_seconds_median"],
+                                    train_step_ms_per_epoch_median=s["train_step_ms_per_epoch_median"])
+            print(f"{path} seed {seed}: " + ", ".join(f"{k}={runs[path][seed][k]:.4g}" for k in FIGURE_KEYS),
+                  flush=True)
+
+    seeds = args.seeds
+    ref_seed = seeds[0]
+    figures, ok = {}, True
+    for name, band in BANDS.items():
+        f32 = [runs["f32"][s][name] for s in seeds]
+        bf16 = [runs["bf16"][s][name] for s in seeds]
+        mean_f32, mean_bf16 = sum(f32) / len(f32), sum(bf16) / len(bf16)
+        control_spread = max(rel(x, mean_f32) for x in f32) if len(f32) > 1 else 0.0
+        if control_spread <= band:
+            compared, a, b = f"seed {ref_seed}", runs["bf16"][ref_seed][name], runs["f32"][ref_seed][name]
+        else:
+            compared, a, b = f"mean over seeds {seeds}", mean_bf16, mean_f32
+        d = rel(a, b)
+        passed = d <= band
+        ok &= passed
+        figures[name] = dict(band=band, compared=compared, bf16=a, f32=b, relative_difference=d, passed=passed,
+                             f32_control_spread=control_spread, f32_per_seed=f32, bf16_per_seed=bf16)
+    no_nan = not any(r["non_finite"] for p in runs.values() for r in p.values())
+    ok &= no_nan
+    result = {"pass": ok, "no_nan_or_inf": no_nan, "figures": figures, "runs": runs,
+              "meta": dict(epochs=args.epochs, steps_per_epoch=300, batch=256, seeds=seeds, device=args.device,
+                           gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                           torch=torch.__version__, date=__import__("datetime").date.today().isoformat(),
+                           final_sharpe_definition="mean of the last 5 epochs' held-out evaluations",
+                           f32_path="dqn_ops.baseline.TorchTrainer (plain PyTorch, F32, TF32 off)",
+                           bf16_path="dqn_ops.Trainer (BF16 forward, bf16 backward, CUDA graph)")}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{result['meta']['date']}-parity")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [f"# Convergence parity, BF16 (dqn_ops) vs F32 (PyTorch) — {result['meta']['gpu']}, "
+             f"torch {torch.__version__}, {result['meta']['date']}", "",
+             f"{args.epochs} epochs x 300 steps, B=256, seeds {seeds}. **pass: {ok}** (no NaN/Inf: {no_nan})", "",
+             "| figure | band | compared | BF16 | F32 | rel. diff | F32 seed spread | pass |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, f in figures.items():
+        lines.append(f"| {name} | {f['band']:.0%} | {f['compared']} | {f['bf16']:.4g} | {f['f32']:.4g} | "
+                     f"{f['relative_difference']:.1%} | {f['f32_control_spread']:.1%} | {f['passed']} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+if __name__ == "__main__":
+    main()

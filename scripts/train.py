@@ -1,0 +1,190 @@
+"""Train the dueling branching C51 agent on the synthetic futures market (dqn_ops.envs).
+
+    python scripts/train.py --epochs 20                       # dqn_ops, BF16, CUDA graph
+    python scripts/train.py --backend torch --epochs 20       # the plain-PyTorch F32 step
+    python scripts/train.py --device cpu --epochs 1 --steps 20 --batch 32   # a smoke run
+
+Each epoch: `steps` environment steps over `num_envs` markets, each followed by one training
+step on a batch sampled from the replay buffer; then a forced readback and an evaluation of the
+greedy policy on held-out markets (annualised Sharpe). Writes to --out: metrics.csv (one row per
+epoch), checkpoint.pt, learning_curve.png and summary.json (with the random and flat policies'
+Sharpe on the same held-out markets).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import dqn_ops  # noqa: E402
+from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
+from dqn_ops.baseline import TorchTrainer  # noqa: E402
+from dqn_ops.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate, flat_policy, random_policy  # noqa: E402
+from dqn_ops.replay import ReplayBuffer  # noqa: E402
+
+BACKENDS = ("dqn_ops", "torch", "torch-bf16")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=BACKENDS, default="dqn_ops",
+                    help="dqn_ops (BF16 ops) | torch (plain PyTorch F32) | torch-bf16 (autocast)")
+    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=300, help="training steps per epoch")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--num-envs", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--gamma", type=float, default=0.9)
+    ap.add_argument("--eval-envs", type=int, default=128)
+    ap.add_argument("--no-graph", action="store_true", help="run the step eagerly")
+    ap.add_argument("--out", default=None, help="output folder (default runs/<backend>-seed<seed>)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--tiny", action="store_true", help="a small network (for smoke tests)")
+    return ap.parse_args(argv)
+
+
+def make_trainer(args):
+    net = DQNConfig(state_dim=STATE_DIM, branches=BRANCHES)
+    if args.tiny:
+        net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=16, adv_hidden=16, atoms=11,
+                        branches=BRANCHES)
+    cfg = TrainerConfig(batch_size=args.batch, lr=args.lr, gamma=args.gamma, v_min=-10.0, v_max=10.0, tau=0.005,
+                        max_grad_norm=10.0, sigma_max=1.0, use_cuda_graph=not args.no_graph,
+                        readback_interval=100, on_non_finite="flag")
+    if args.backend == "dqn_ops":
+        return Trainer(net, cfg, device=args.device, seed=args.seed)
+    return TorchTrainer(net, cfg, device=args.device, seed=args.seed, amp=args.backend == "torch-bf16")
+
+
+def train(args) -> dict:
+    """Runs the training; returns the summary (also written to <out>/summary.json)."""
+    out = args.out or os.path.join("runs", f"{args.backend}-seed{args.seed}")
+    os.makedirs(out, exist_ok=True)
+    dev = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    trainer = make_trainer(args)
+    env = FuturesTradingEnv(args.num_envs, device=dev, seed=args.seed)
+    replay = ReplayBuffer(200_000, STATE_DIM, len(BRANCHES), device=dev, seed=args.seed)
+    obs = env.observe()
+    for _ in range(max(1, 4 * args.batch // args.num_envs)):  # prefill with random play
+        a = env.random_actions()
+        nxt, r, d, _ = env.step(a)
+        replay.add(obs, a, r, nxt, d)
+        obs = env.observe() if env.t == 0 else nxt  # all envs end together; the env has reset
+
+    total = args.epochs * args.steps
+    explore_steps = max(1, int(0.3 * total))
+    gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
+    baselines = dict(random=evaluate(random_policy(), args.eval_envs, device=dev)["sharpe"],
+                     flat=evaluate(flat_policy, args.eval_envs, device=dev)["sharpe"])
+    rows, step = [], 0
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a nicety
+        tqdm = None
+    for epoch in range(args.epochs):
+        t0 = time.perf_counter()
+        events = []
+        it = range(args.steps)
+        if tqdm is not None and not args.quiet:
+            it = tqdm(it, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, unit="step")
+        for _ in it:
+            eps = max(0.05, 1.0 - step / explore_steps)
+            greedy = trainer.act(obs)
+            explore = torch.rand(args.num_envs, 1, generator=gen, device=dev) < eps
+            a = torch.where(explore, env.random_actions(), greedy)
+            nxt, r, d, _ = env.step(a)
+            replay.add(obs, a, r, nxt, d)
+            obs = env.observe() if env.t == 0 else nxt  # the env reset (host-known: no sync)
+            batch = replay.sample(args.batch)
+            if dev.type == "cuda":
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                trainer.step(batch)
+                e1.record()
+                events.append((e0, e1))
+            else:
+                trainer.step(batch)
+            step += 1
+        m = trainer.readback()  # epoch end: forced readback (syncs)
+        epoch_s = time.perf_counter() - t0
+        step_ms = sum(a.elapsed_time(b) for a, b in events) if events else float("nan")
+        ev = evaluate(trainer.act, args.eval_envs, device=dev)
+        last = trainer.metrics(last=args.steps)
+        row = dict(epoch=epoch + 1, steps=step, loss=last.get("loss"), mean_q=last.get("mean_q"),
+                   grad_norm_mean=last.get("grad_norm_mean"), grad_norm_max=last.get("grad_norm_max"),
+                   skipped=last.get("skipped"), eval_sharpe=ev["sharpe"], eval_pnl_pct=ev["mean_pnl_pct"],
+                   eval_turnover=ev["turnover"], epsilon=eps, epoch_seconds=epoch_s, train_step_ms_total=step_ms)
+        rows.append(row)
+        if not args.quiet:
+            print(f"epoch {epoch + 1:3d}  loss {row['loss']:.4f}  mean Q {row['mean_q']:+.3f}  "
+                  f"grad {row['grad_norm_mean']:.3f}/{row['grad_norm_max']:.3f}  eval Sharpe {ev['sharpe']:+.2f}  "
+                  f"({epoch_s:.2f} s, train steps {step_ms:.1f} ms)", flush=True)
+    with open(os.path.join(out, "metrics.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    if isinstance(trainer, Trainer):
+        torch.save(trainer.state_dict(), os.path.join(out, "checkpoint.pt"))
+    else:
+        torch.save(dict(online=trainer.online.state_dict(), target=trainer.target.state_dict()),
+                   os.path.join(out, "checkpoint.pt"))
+    all_rows = trainer.stats.rows
+    finite = all(all(v == v and abs(v) != float("inf") for v in r.values()) for r in all_rows)
+    summary = dict(backend=args.backend, seed=args.seed, epochs=args.epochs, steps_per_epoch=args.steps,
+                   batch=args.batch, device=str(dev), torch=torch.__version__,
+                   gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+                   final_sharpe=rows[-1]["eval_sharpe"],
+                   final_sharpe_mean_last5=sum(r["eval_sharpe"] for r in rows[-5:]) / len(rows[-5:]),
+                   mean_q=sum(r["mean_q"] for r in rows[-5:]) / len(rows[-5:]),
+                   grad_norm_mean=sum(r["grad_norm"] for r in all_rows) / len(all_rows),
+                   grad_norm_max=max(r["grad_norm"] for r in all_rows),
+                   non_finite=not finite, skipped=sum(r["skipped"] for r in all_rows),
+                   peak_vram_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+                   epoch_seconds_median=sorted(r["epoch_seconds"] for r in rows)[len(rows) // 2],
+                   train_step_ms_per_epoch_median=sorted(r["train_step_ms_total"] for r in rows)[len(rows) // 2],
+                   baseline_sharpe=baselines)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    _plot(rows, baselines, os.path.join(out, "learning_curve.png"), args.backend)
+    return summary
+
+
+def _plot(rows, baselines, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no learning-curve PNG", file=sys.stderr)
+        return
+    ep = [r["epoch"] for r in rows]
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(10, 4))
+    a0.plot(ep, [r["loss"] for r in rows], label="loss")
+    a0.set_xlabel("epoch")
+    a0.set_ylabel("C51 loss")
+    a0.set_title(f"training loss ({title})")
+    a1.plot(ep, [r["eval_sharpe"] for r in rows], marker="o", label="trained policy")
+    a1.axhline(baselines["random"], color="r", ls="--", label="random policy")
+    a1.axhline(baselines["flat"], color="k", ls=":", label="flat policy")
+    a1.set_xlabel("epoch")
+    a1.set_ylabel("annualised Sharpe (held-out markets)")
+    a1.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    s = train(parse_args())
+    print(json.dumps(s, indent=1))
