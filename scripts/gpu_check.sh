@@ -5,6 +5,10 @@
 #   bash scripts/gpu_check.sh            # everything
 #   SKIP_BENCH=1 bash scripts/gpu_check.sh
 #   PYTEST_ARGS=tests/test_spectral_norm.py BENCHES="spectral" bash scripts/gpu_check.sh
+#   TRAIN_EPOCHS=5 bash scripts/gpu_check.sh     # also a short training run per backend
+#   PARITY_EPOCHS=50 bash scripts/gpu_check.sh   # also the convergence-parity check
+#
+# Training runs go to $OUT/runs.tar.gz (metrics.csv, summary.json, learning_curve.png, checkpoint.pt).
 #
 # This is exactly what runs on the H200 through the device tool (its python3 has torch,
 # nvcc, pytest and ninja; nothing can be downloaded there).
@@ -41,4 +45,17 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     $PY "scripts/bench_$b.py" --out "$OUT" || echo "BENCHMARK $b FAILED"
   done 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
+if [ -n "${TRAIN_EPOCHS:-}" ]; then
+  echo "== training (${TRAIN_EPOCHS} epochs x 300 steps, B=256)"
+  for backend in dqn_ops torch; do
+    $PY scripts/train.py --backend "$backend" --epochs "$TRAIN_EPOCHS" --quiet --out "runs/train-$backend" \
+      > "runs-train-$backend.log" 2>&1 || echo "TRAINING $backend FAILED"
+    tail -3 "runs-train-$backend.log"
+  done 2>&1 | tee "$OUT/train.log"
+fi
+if [ -n "${PARITY_EPOCHS:-}" ]; then
+  echo "== convergence parity (${PARITY_EPOCHS} epochs)"
+  $PY scripts/parity.py --epochs "$PARITY_EPOCHS" --out "$OUT" --runs runs/parity 2>&1 | tee "$OUT/parity.log" | tail -20
+fi
+if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' runs; fi
 exit "$test_rc"
