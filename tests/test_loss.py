@@ -230,6 +230,7 @@ def test_cuda_graph_replay_equals_eager_and_never_syncs():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         static = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights)
+    results = []
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
@@ -237,7 +238,9 @@ def test_cuda_graph_replay_equals_eager_and_never_syncs():
             rewards.uniform_(-12, 12)
             g.replay()
             eager = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights)
-            for x, y in zip(static, eager):
-                assert torch.equal(x, y)  # deterministic: the same bits
+            results.append(([t.clone() for t in static], eager))
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    for replayed, eager in results:
+        for x, y in zip(replayed, eager):
+            assert torch.equal(x, y)  # deterministic: the same bits
