@@ -55,7 +55,7 @@ if [ -n "${TRAIN_EPOCHS:-}" ]; then
 fi
 if [ -n "${PARITY_EPOCHS:-}" ]; then
   echo "== convergence parity (${PARITY_EPOCHS} epochs)"
-  $PY scripts/parity.py --epochs "$PARITY_EPOCHS" --out "$OUT" --runs runs/parity 2>&1 | tee "$OUT/parity.log" | tail -20
+  timeout "${PARITY_TIMEOUT:-3600}" $PY scripts/parity.py --epochs "$PARITY_EPOCHS" --out "$OUT" --runs runs/parity 2>&1 | tee "$OUT/parity.log" | tail -20
 fi
 if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' runs; fi
 exit "$test_rc"
