@@ -103,16 +103,26 @@ class TorchTrainer:
         self.device = torch.device(device)
         self.amp = amp
         self.loss_type = cfg.loss_type or ("c51" if c.atoms > 1 else "huber")
-        torch.manual_seed(seed)
+        # The same initial weights and spectral-norm vectors as dqn_ops.Trainer(seed=seed): the
+        # two paths start from one point, so a comparison sees only their numerics.
+        from .network import DuelingBranchQNet
+        from .spectral import SpectralNorm
+
+        gen = torch.Generator().manual_seed(seed)
+        init = DuelingBranchQNet(c, generator=gen)
+        init_sn = SpectralNorm(init, 1.0, generator=gen)
         self.online = TorchDuelingBranchNet(c).to(self.device)
+        self.online.load_state_dict(init.state_dict())
         self.target = TorchDuelingBranchNet(c).to(self.device)
         self.target.load_state_dict(self.online.state_dict())
         self.target.requires_grad_(False)
         cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.Adam(self.online.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                           weight_decay=cfg.weight_decay, capturable=cuda, fused=cuda)
-        self.weights = [m.weight for m in self.online.modules() if isinstance(m, nn.Linear)]
-        self.us = [F.normalize(torch.randn(w.shape[0], device=self.device), dim=0) for w in self.weights]
+        params = dict(self.online.named_parameters())
+        self.weights = [params[name] for name in init_sn.names]
+        rows = [w.shape[0] for w in self.weights]
+        self.us = [u.clone().to(self.device) for u in torch.split(init_sn.u, rows)]
         B, D = cfg.batch_size, c.num_branches
         dev = self.device
         self.inputs = dict(

@@ -47,9 +47,8 @@ def test_one_step_matches_the_plain_pytorch_step(c):
     plain-PyTorch F32 step to BF16 forward precision, and the weights move the same way."""
     cfg = dict(batch_size=64, sigma_max=None, readback_interval=1, lr=1e-3)  # (random spectral u differ)
     ours = Trainer(c, TrainerConfig(**cfg), device="cpu", seed=0)
-    ref = TorchTrainer(c, TrainerConfig(**cfg), device="cpu", seed=0)
-    ref.online.load_state_dict(ours.online.state_dict())
-    ref.target.load_state_dict(ours.target.state_dict())
+    ref = TorchTrainer(c, TrainerConfig(**cfg), device="cpu", seed=0)  # the same seed: the same initial weights
+    assert all(torch.equal(v, ref.online.state_dict()[k]) for k, v in ours.online.state_dict().items())
     before = ours.online.flat_params.detach().clone()
     b = batch_for(c, 64, "cpu")
     ours.step(b)
