@@ -15,9 +15,7 @@
 //   B  each row slice: u~[r] = W[r, :] . v~ / |v~|, partial |u~|^2
 //   C  u = u~ / |u~|, v = v~ / |v~|, sigma = |u~| (= u^T W v); after the last iteration,
 //      W *= sigma_max / sigma where sigma > sigma_max, and the BF16 mirror of those rows.
-// Every sum runs in a fixed order (no atomics): results are deterministic. A matrix of at most
-// kSingleBlockElems elements is a single virtual block; when all of a launch's are, the
-// barriers are block-local (__syncthreads) instead of grid-wide.
+// Every sum runs in a fixed order (no atomics): results are deterministic.
 //
 // Descriptors travel by value as the kernel's parameter (a CUDA graph records them), up to
 // kMaxMatricesPerLaunch per launch; more matrices take more launches.
@@ -45,10 +43,6 @@ using at::Tensor;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kElemsPerVirtualBlock = 16384;
-// A matrix this small is one virtual block: one SM reads it in a few microseconds, less than
-// the grid-wide barriers a split would need. When every matrix of a launch is, the phases are
-// separated by __syncthreads() alone (all of a matrix's work stays in one block).
-constexpr int64_t kSingleBlockElems = 65536;
 // At most this many virtual blocks per matrix: each column of v~ sums K partials, and a
 // larger K would make that reduction, not the reads of W, the long pole.
 constexpr int64_t kMaxVirtualBlocks = 64;
@@ -73,13 +67,11 @@ struct Batch {
   MatrixDesc m[kMaxMatricesPerLaunch];
   int count;
   int total_vblocks;
-  bool all_single;  // every matrix is one virtual block: block barriers suffice
 };
 static_assert(sizeof(Batch) <= 3584, "kernel parameters must stay under 4 KiB");
 
 // The number of virtual blocks of a [rows, cols] matrix: a function of its shape alone.
 int virtual_blocks(int64_t rows, int64_t cols) {
-  if (rows * cols <= kSingleBlockElems) return 1;
   const int64_t k = (rows * cols + kElemsPerVirtualBlock - 1) / kElemsPerVirtualBlock;
   return static_cast<int>(std::max<int64_t>(1, std::min({k, rows, kMaxVirtualBlocks})));
 }
@@ -106,13 +98,6 @@ __device__ float block_sum(float x, float* smem) {
 __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
-}
-
-// Between phases: a grid-wide barrier, or only a block barrier when no matrix spans blocks
-// (a virtual block always maps to the same physical block, so its own writes are visible).
-__device__ __forceinline__ void phase_barrier(const Batch& b, cg::grid_group& grid) {
-  if (b.all_single) __syncthreads();
-  else grid.sync();
 }
 
 __device__ __forceinline__ float sum_partials(const float* p, int n) {
@@ -166,7 +151,7 @@ __global__ void __launch_bounds__(kThreads)
         __syncthreads();
       }
     }
-    phase_barrier(b, grid);
+    grid.sync();
 
     // A2: v~ over the slice's columns: CT columns a pass, G = kThreads / CT groups each
     // summing every G-th partial, then the groups' sums in group order; its share of |v~|^2.
@@ -197,7 +182,7 @@ __global__ void __launch_bounds__(kThreads)
       sq = block_sum(sq, smem);
       if (tid == 0) sq_v[d.norm_off + k] = sq;
     }
-    phase_barrier(b, grid);
+    grid.sync();
 
     // B: u~[r] = W[r, :] . v~ / |v~| over the slice's rows, a warp per row; its share of |u~|^2.
     for (int vb = blockIdx.x; vb < b.total_vblocks; vb += gridDim.x) {
@@ -229,7 +214,7 @@ __global__ void __launch_bounds__(kThreads)
       sq = block_sum(sq, smem);
       if (tid == 0) sq_u[d.norm_off + k] = sq;
     }
-    phase_barrier(b, grid);
+    grid.sync();
 
     // C: normalise u (the slice's rows) and v (the slice's columns); sigma = |u~|; rescale.
     const bool last = it + 1 == iterations;
@@ -340,7 +325,6 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
       DQN_CHECK(int64_t(b.total_vblocks) + b.m[i].vblocks <= INT_MAX, kSpectralOp, ": too many blocks");
       b.total_vblocks += b.m[i].vblocks;
     }
-    b.all_single = b.total_vblocks == b.count;
     launch(b, params, params_bf16, u, v, sigma, partial, sq_v, sq_u, static_cast<int>(n_power_iterations),
            static_cast<float>(eps), stream);
   }
