@@ -94,6 +94,7 @@ class TorchTrainer:
     the dqn_ops one (``torch.optim.Adam(capturable=True)``)."""
 
     def __init__(self, net_config=None, config=None, device="cuda", seed: int = 0, amp: bool = False):
+        from .graphed import CapturedStep
         from .layout import DQNConfig
         from .readback import DeferredReadback
         from .trainer import STAT_FIELDS, TrainerConfig
@@ -132,8 +133,7 @@ class TorchTrainer:
         self.td_error = torch.zeros(B, device=dev)
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
         self.steps = 0
-        self._graph = None
-        self._eager = 0
+        self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
 
     def step(self, batch=None):
         if batch is not None:
@@ -141,24 +141,7 @@ class TorchTrainer:
                 self.inputs[k].copy_(v, non_blocking=True)
             if "weights" not in batch:
                 self.inputs["weights"].fill_(1.0)
-        use_graph = self.device.type == "cuda" and self.config.use_cuda_graph
-        if self._graph is not None:
-            self._graph.replay()
-        elif use_graph and self._eager >= self.config.warmup_steps:
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
-                self._step_body()
-            self._graph.replay()
-        elif use_graph:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._step_body()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            self._eager += 1
-        else:
-            self._step_body()
-            self._eager += 1
+        self._runner()
         self.steps += 1
         self.stats.after_step()
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .graphed import CapturedStep
 from .layout import DQNConfig
 from .loss import LOSS_TYPES
 from .network import DuelingBranchQNet
@@ -137,13 +138,12 @@ class Trainer:
         self.steps = 0  # steps enqueued
         self.non_finite_steps: List[int] = []
         self._rows_checked = 0
-        self._graph: Optional[torch.cuda.CUDAGraph] = None
-        self._eager_steps_since_reset = 0
+        self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
 
     # -- the step ---------------------------------------------------------------------
     @property
     def graphed(self) -> bool:
-        return self._graph is not None
+        return self._runner.graphed
 
     def set_lr(self, lr: float):
         """New learning rate from the next step on (a device write: no sync, graph-safe)."""
@@ -153,32 +153,10 @@ class Trainer:
         """One training step. With `batch`, copies it into ``inputs`` first."""
         if batch is not None:
             self._load_batch(batch)
-        use_graph = self.device.type == "cuda" and self.config.use_cuda_graph
-        if self._graph is not None:
-            self._graph.replay()
-        elif use_graph and self._eager_steps_since_reset >= self.config.warmup_steps:
-            self._capture()
-            self._graph.replay()
-        elif use_graph:
-            # warm-up on a side stream, as CUDA-graph capture wants (lazy cuBLAS state, allocator)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._step_body()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            self._eager_steps_since_reset += 1
-        else:
-            self._step_body()
-            self._eager_steps_since_reset += 1
+        self._runner()
         self.steps += 1
         if self.stats.after_step():
             self._handle_non_finite()
-
-    def _capture(self):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            self._step_body()
-        self._graph = g
 
     @torch.no_grad()
     def _step_body(self):
@@ -285,8 +263,7 @@ class Trainer:
         if self.spectral is not None and state["spectral"] is not None:
             self.spectral.load_state_dict(state["spectral"])
         self.steps = int(state["steps"])
-        self._graph = None  # the optimizer's state tensors are new: capture again after warm-up
-        self._eager_steps_since_reset = 0
+        self._runner.reset()  # the optimizer's state tensors are new: capture again after warm-up
 
 
 @torch.no_grad()

@@ -1,0 +1,61 @@
+"""``CapturedStep``: run a step function eagerly for a few warm-up calls, then capture it into
+one CUDA graph and replay that graph on every later call."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+
+class CapturedStep:
+    """Calls `body` eagerly `warmup_steps` times, then captures it once into a CUDA graph and
+    replays it. On the CPU, or with `use_graph=False`, every call runs `body` eagerly.
+
+    CUDA-graph capture wants its warm-up on a side stream (lazy cuBLAS state, allocator pools);
+    all warm-up calls use one side stream, since torch gives every new stream its own cuBLAS
+    workspace. `body` must keep its inputs and outputs in tensors whose addresses do not change
+    (the graph replays the same addresses); `reset()` forgets the graph (e.g. after the tensors
+    were replaced by a checkpoint load), and the next calls warm up and capture again.
+    """
+
+    def __init__(self, body: Callable[[], None], device: torch.device, use_graph: bool = True, warmup_steps: int = 3):
+        if warmup_steps < 1:
+            raise ValueError(f"CapturedStep: warmup_steps must be >= 1 (cuBLAS must be warm before a capture), "
+                             f"got {warmup_steps}")
+        self.body = body
+        self.device = torch.device(device)
+        self.use_graph = bool(use_graph) and self.device.type == "cuda"
+        self.warmup_steps = warmup_steps
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self._eager_calls = 0
+        self._side_stream = None
+
+    @property
+    def graphed(self) -> bool:
+        return self.graph is not None
+
+    def reset(self):
+        self.graph = None
+        self._eager_calls = 0
+
+    def __call__(self):
+        if self.graph is not None:
+            self.graph.replay()
+        elif not self.use_graph:
+            self.body()
+            self._eager_calls += 1
+        elif self._eager_calls >= self.warmup_steps:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self.body()
+            self.graph = g
+            g.replay()
+        else:
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.device)
+            current = torch.cuda.current_stream(self.device)
+            self._side_stream.wait_stream(current)
+            with torch.cuda.stream(self._side_stream):
+                self.body()
+            current.wait_stream(self._side_stream)
+            self._eager_calls += 1
