@@ -145,16 +145,39 @@ class TorchTrainer:
         self.steps += 1
         self.stats.after_step()
 
-    def _step_body(self):
+    def _loss_part(self):
+        """Forwards (online on s and s', target on s') and the loss."""
         cfg, x = self.config, self.inputs
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             with torch.no_grad():
                 q_next_online = self.online(x["next_states"])[0].float()
                 q_next_target = self.target(x["next_states"])[0].float()
             q = self.online(x["states"])[0].float()
-        loss, td, mean_q = torch_dqn_loss(q, q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"],
-                                          self.net_config.branches, cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type,
-                                          x["weights"])
+        return torch_dqn_loss(q, q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"],
+                              self.net_config.branches, cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type, x["weights"])
+
+    @torch.no_grad()
+    def _post_part(self):
+        """After the optimizer: the anchor's spectral norm (power iteration, clamp) and the EMA."""
+        cfg = self.config
+        if cfg.sigma_max is not None:
+            for w, u in zip(self.weights, self.us):
+                for _ in range(cfg.n_power_iterations):
+                    v = F.normalize(w.t() @ u, dim=0)
+                    u.copy_(F.normalize(w @ v, dim=0))
+                sigma = u @ w @ v
+                w.mul_(torch.clamp(cfg.sigma_max / sigma, max=1.0))
+        torch._foreach_lerp_(list(self.target.parameters()), list(self.online.parameters()), cfg.tau)
+
+    def compile_parts(self):
+        """torch.compile the forward + loss and the post-step updates (the strongest PyTorch
+        recipe of ../shared/anchor/torch_step.py when the whole step is then graphed)."""
+        self._loss_part = torch.compile(self._loss_part)
+        self._post_part = torch.compile(self._post_part)
+
+    def _step_body(self):
+        cfg = self.config
+        loss, td, mean_q = self._loss_part()
         self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
         params = list(self.online.parameters())
@@ -162,15 +185,8 @@ class TorchTrainer:
                      if cfg.max_grad_norm is not None else torch.linalg.vector_norm(
                          torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
         self.optimizer.step()
+        self._post_part()
         with torch.no_grad():
-            if cfg.sigma_max is not None:  # the anchor's spectral norm: power iteration, clamp
-                for w, u in zip(self.weights, self.us):
-                    for _ in range(cfg.n_power_iterations):
-                        v = F.normalize(w.t() @ u, dim=0)
-                        u.copy_(F.normalize(w @ v, dim=0))
-                    sigma = u @ w @ v
-                    w.mul_(torch.clamp(cfg.sigma_max / sigma, max=1.0))
-            torch._foreach_lerp_(list(self.target.parameters()), list(self.online.parameters()), cfg.tau)
             self.td_error.copy_(td)
             bad = (~torch.isfinite(grad_norm)).float()
             self.stats.record([loss.detach(), grad_norm, mean_q, bad], bad)

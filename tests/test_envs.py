@@ -102,3 +102,10 @@ def test_drop_in_example_scripts_run(script):
            "--num-envs", "4", "--batch-size", "16"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
     assert "held-out Sharpe:" in out
+
+
+def test_step_benchmark_runs_on_cpu():
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--device", "cpu", "--batches", "16",
+           "--modes", "torch_eager_f32", "dqn_ops_eager", "dqn_ops_graph", "--iters", "2"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
+    assert "| 16 |" in out and "not run: needs CUDA" in out
