@@ -7,6 +7,9 @@
 #   PYTEST_ARGS=tests/test_spectral_norm.py BENCHES="spectral" bash scripts/gpu_check.sh
 #   TRAIN_EPOCHS=5 bash scripts/gpu_check.sh     # also a short training run per backend
 #   PARITY_EPOCHS=50 bash scripts/gpu_check.sh   # also the convergence-parity check
+#   BENCHES=step STEP_BENCH_ARGS="--batches 256 4096" bash scripts/gpu_check.sh   # the whole-step benchmark
+#   SOAK=1 bash scripts/gpu_check.sh             # also scripts/soak.py (100,000 graphed + 10,000 eager steps)
+# Sanitizers: scripts/verify_gpu.sh.
 #
 # Training runs go to $OUT/runs.tar.gz (metrics.csv, summary.json, learning_curve.png, checkpoint.pt).
 #
@@ -41,8 +44,10 @@ test_rc=${PIPESTATUS[0]}
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmark"
-  for b in ${BENCHES:-network optim spectral}; do
-    $PY "scripts/bench_$b.py" --out "$OUT" || echo "BENCHMARK $b FAILED"
+  for b in ${BENCHES:-network optim spectral}; do  # "step": the whole-step benchmark, scripts/bench.py
+    script="scripts/bench_$b.py" extra=""
+    if [ "$b" = step ]; then script=scripts/bench.py extra="${STEP_BENCH_ARGS:-}"; fi
+    $PY "$script" --out "$OUT" $extra || echo "BENCHMARK $b FAILED"
   done 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if [ -n "${TRAIN_EPOCHS:-}" ]; then
@@ -56,6 +61,10 @@ fi
 if [ -n "${PARITY_EPOCHS:-}" ]; then
   echo "== convergence parity (${PARITY_EPOCHS} epochs)"
   timeout "${PARITY_TIMEOUT:-3600}" $PY scripts/parity.py --epochs "$PARITY_EPOCHS" --out "$OUT" --runs runs/parity 2>&1 | tee "$OUT/parity.log" | tail -20
+fi
+if [ -n "${SOAK:-}" ]; then
+  echo "== soak"
+  $PY scripts/soak.py --out "$OUT" ${SOAK_ARGS:-} 2>&1 | tail -5 | tee "$OUT/soak.log"
 fi
 if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' runs; fi
 exit "$test_rc"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Every CUDA kernel of dqn_ops under compute-sanitizer's four tools, on small inputs
+# (scripts/sanitize_smoke.py), after building in place. Logs under $OUT (default ./gpu_out).
+# Needs a machine whose driver the sanitizer supports (see the device tool's KINDS.md).
+#
+#   bash scripts/verify_gpu.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if [ -z "${SKIP_BUILD:-}" ]; then
+  $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+fi
+# Without the caching allocator every tensor is its own allocation, so memcheck sees an
+# access past a tensor's end and initcheck a read of memory no one wrote.
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+status=0
+for tool in memcheck racecheck initcheck synccheck; do
+  extra=""
+  [ "$tool" = memcheck ] && extra="--leak-check no"
+  # Every kernel of the program is checked, torch's and cuBLAS's too: the smoke run is small.
+  compute-sanitizer --tool "$tool" $extra --error-exitcode 9 --print-limit 20 \
+    $PY scripts/sanitize_smoke.py > "$OUT/sanitizer-$tool.log" 2>&1
+  rc=$?
+  echo "$tool: exit $rc, $(grep -c '========= ' "$OUT/sanitizer-$tool.log") sanitizer lines; $(tail -1 "$OUT/sanitizer-$tool.log")"
+  [ $rc -ne 0 ] && status=1
+done
+exit $status
