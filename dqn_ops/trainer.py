@@ -1,7 +1,7 @@
 """``Trainer``: one DQN training step of a dueling, branching, distributional network, on the
 device, without host syncs, replayed from one CUDA graph after a short warm-up.
 
-The step: online forward on s (activations saved), online forward on s' (double-DQN action
+The step: one online forward on [s; s'] (activations of s saved; s' for the double-DQN action
 choice), target forward on s', ``dqn_loss`` (C51, or MSE/Huber for one atom) with its gradient,
 ``mixed_backward``, global grad-norm clip + Adam writing the BF16 mirror (``fused_adam_bf16``),
 spectral norm of every weight matrix (``batched_spectral_norm``), Polyak update of the target
@@ -127,9 +127,12 @@ class Trainer:
 
         B, D = cfg.batch_size, c.num_branches
         dev = self.device
+        # s and s' are the two halves of one [2B, SD] buffer: the online network runs on both
+        # in one forward pass (one launch sequence instead of two).
+        self._state_pairs = torch.zeros(2 * B, c.state_dim, device=dev)
         self.inputs: Dict[str, Tensor] = dict(
-            states=torch.zeros(B, c.state_dim, device=dev), actions=torch.zeros(B, D, dtype=torch.long, device=dev),
-            rewards=torch.zeros(B, device=dev), next_states=torch.zeros(B, c.state_dim, device=dev),
+            states=self._state_pairs[:B], actions=torch.zeros(B, D, dtype=torch.long, device=dev),
+            rewards=torch.zeros(B, device=dev), next_states=self._state_pairs[B:],
             dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
         self.td_error = torch.zeros(B, device=dev)
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
@@ -164,14 +167,16 @@ class Trainer:
         layout, prec = net._layout_ints, cfg.backward_precision
         p, p_lp = net.flat_params, net.params_bf16
         forward = torch.ops.dqn_ops.bf16_dueling_forward.default
-        out = forward(x["states"], p, p_lp, layout, prec)
-        q_next_online = forward(x["next_states"], p, p_lp, layout, prec)[0]
+        B = cfg.batch_size
+        # online on [s; s'] in one pass; the first B rows (s) are what the backward differentiates
+        out = forward(self._state_pairs, p, p_lp, layout, prec)
+        q, q_next_online = out[0][:B], out[0][B:]
+        saved = [t[:B] for t in out[2:6]]  # leading rows of contiguous tensors: contiguous, aligned
         q_next_target = forward(x["next_states"], tgt.flat_params, tgt.params_bf16, layout, prec)[0]
         loss, grad_q, td_error, mean_q = torch.ops.dqn_ops.dqn_loss.default(
-            out[0], q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"], x["weights"],
+            q, q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"], x["weights"],
             list(self.net_config.branches), cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type)
-        grad, _ = torch.ops.dqn_ops.mixed_backward.default(grad_q, None, out[2], out[3], out[4], out[5], p, p_lp,
-                                                           layout, prec, False)
+        grad, _ = torch.ops.dqn_ops.mixed_backward.default(grad_q, None, *saved, p, p_lp, layout, prec, False)
         p.grad = grad
         self.optimizer.step()  # clip + Adam + BF16 mirror; skipped on the device when non-finite
         if self.spectral is not None:
