@@ -95,6 +95,13 @@ class Trainer:
     Host-visible numbers: ``metrics()`` (what has been read back so far, no sync) and
     ``readback()`` (everything up to now: syncs; call it at epoch ends).
 
+    Data-parallel: when ``torch.distributed`` is initialised with more than one rank (or a
+    ``process_group`` is given), each rank trains on its own ``batch_size`` samples, the flat
+    gradient is averaged with one all-reduce (captured in the CUDA graph with NCCL; gloo on the
+    CPU), and every rank then runs the same Adam, spectral norm and EMA, so the ranks stay
+    identical with no other communication. The weights, spectral vectors and target are
+    broadcast from rank 0 at construction. Metrics (loss, mean Q, TD errors) are each rank's own.
+
     Non-finite steps (NaN/Inf in states, rewards or dones; an out-of-range action on CUDA):
     the gradient is non-finite, so the optimizer skips the step on the device (parameters,
     moments and step count unchanged; the spectral clamp and the target EMA still apply). A
@@ -104,7 +111,7 @@ class Trainer:
     """
 
     def __init__(self, net_config: Optional[DQNConfig] = None, config: Optional[TrainerConfig] = None,
-                 device: Union[str, torch.device] = "cuda", seed: int = 0):
+                 device: Union[str, torch.device] = "cuda", seed: int = 0, process_group=None):
         self.net_config = net_config or DQNConfig()
         self.config = cfg = config or TrainerConfig()
         self.device = torch.device(device)
@@ -141,6 +148,9 @@ class Trainer:
         self.steps = 0  # steps enqueued
         self.non_finite_steps: List[int] = []
         self._rows_checked = 0
+        self.process_group, self.world_size = _data_parallel_group(process_group)
+        if self.world_size > 1:
+            self._broadcast_state()
         self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
 
     # -- the step ---------------------------------------------------------------------
@@ -177,6 +187,9 @@ class Trainer:
             q, q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"], x["weights"],
             list(self.net_config.branches), cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type)
         grad, _ = torch.ops.dqn_ops.mixed_backward.default(grad_q, None, *saved, p, p_lp, layout, prec, False)
+        if self.world_size > 1:  # data-parallel: the mean gradient over every rank's batch
+            torch.distributed.all_reduce(grad, group=self.process_group)
+            grad.mul_(1.0 / self.world_size)
         p.grad = grad
         self.optimizer.step()  # clip + Adam + BF16 mirror; skipped on the device when non-finite
         if self.spectral is not None:
@@ -201,6 +214,17 @@ class Trainer:
             dst.copy_(src, non_blocking=True)
         if "weights" not in batch:
             self.inputs["weights"].fill_(1.0)
+
+    @torch.no_grad()
+    def _broadcast_state(self):
+        src = torch.distributed.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        tensors = [self.online.flat_params.data, self.target.flat_params.data]
+        if self.spectral is not None:
+            tensors += [self.spectral.u, self.spectral.v]
+        for t in tensors:
+            torch.distributed.broadcast(t, src, group=self.process_group)
+        self.online.refresh_mirror()
+        self.target.refresh_mirror()
 
     # -- host-visible numbers -----------------------------------------------------------
     def readback(self) -> Dict[str, float]:
@@ -269,6 +293,15 @@ class Trainer:
             self.spectral.load_state_dict(state["spectral"])
         self.steps = int(state["steps"])
         self._runner.reset()  # the optimizer's state tensors are new: capture again after warm-up
+
+
+def _data_parallel_group(process_group):
+    """(group, world size): the given group, or the default one when torch.distributed is
+    initialised; (None, 1) otherwise."""
+    dist = torch.distributed
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return None, 1
+    return process_group, dist.get_world_size(process_group)
 
 
 @torch.no_grad()

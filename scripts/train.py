@@ -3,6 +3,7 @@
     python scripts/train.py --epochs 20                       # dqn_ops, BF16, CUDA graph
     python scripts/train.py --backend torch --epochs 20       # the plain-PyTorch F32 step
     python scripts/train.py --device cpu --epochs 1 --steps 20 --batch 32   # a smoke run
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 scripts/train.py --distributed   # data-parallel
 
 Each epoch: `steps` environment steps over `num_envs` markets, each followed by one training
 step on a batch sampled from the replay buffer; then a forced readback and an evaluation of the
@@ -48,6 +49,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="output folder (default runs/<backend>-seed<seed>)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--tiny", action="store_true", help="a small network (for smoke tests)")
+    ap.add_argument("--distributed", action="store_true",
+                    help="data-parallel over the processes torchrun starts (NCCL on GPUs, gloo on the CPU); "
+                         "--batch is per rank; rank 0 evaluates and writes the outputs")
     return ap.parse_args(argv)
 
 
@@ -61,20 +65,34 @@ def make_trainer(args):
                         readback_interval=100, on_non_finite="flag")
     if args.backend == "dqn_ops":
         return Trainer(net, cfg, device=args.device, seed=args.seed)
+    if args.distributed:
+        raise SystemExit("--distributed runs the dqn_ops backend only")
     return TorchTrainer(net, cfg, device=args.device, seed=args.seed, amp=args.backend == "torch-bf16")
 
 
 def train(args) -> dict:
     """Runs the training; returns the summary (also written to <out>/summary.json)."""
     out = args.out or os.path.join("runs", f"{args.backend}-seed{args.seed}")
+    rank = 0
+    if args.distributed:
+        import torch.distributed as dist
+
+        cuda = args.device.startswith("cuda")
+        dist.init_process_group("nccl" if cuda else "gloo")
+        rank = dist.get_rank()
+        if cuda:
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(args.device)
+        args.quiet = args.quiet or rank != 0
     os.makedirs(out, exist_ok=True)
     dev = torch.device(args.device)
     torch.manual_seed(args.seed)
+    env_seed = args.seed + 1000 * rank  # each rank plays its own markets; the model is shared
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     trainer = make_trainer(args)
-    env = FuturesTradingEnv(args.num_envs, device=dev, seed=args.seed)
-    replay = ReplayBuffer(200_000, STATE_DIM, len(BRANCHES), device=dev, seed=args.seed)
+    env = FuturesTradingEnv(args.num_envs, device=dev, seed=env_seed)
+    replay = ReplayBuffer(200_000, STATE_DIM, len(BRANCHES), device=dev, seed=env_seed)
     obs = env.observe()
     for _ in range(max(1, 4 * args.batch // args.num_envs)):  # prefill with random play
         a = env.random_actions()
@@ -84,7 +102,7 @@ def train(args) -> dict:
 
     total = args.epochs * args.steps
     explore_steps = max(1, int(0.3 * total))
-    gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
+    gen = torch.Generator(device=dev).manual_seed(env_seed + 1)
     baselines = dict(random=evaluate(random_policy(), args.eval_envs, device=dev)["sharpe"],
                      flat=evaluate(flat_policy, args.eval_envs, device=dev)["sharpe"])
     rows, step = [], 0
@@ -116,9 +134,11 @@ def train(args) -> dict:
             else:
                 trainer.step(batch)
             step += 1
-        m = trainer.readback()  # epoch end: forced readback (syncs)
+        trainer.readback()  # epoch end: forced readback (syncs)
         epoch_s = time.perf_counter() - t0
         step_ms = sum(a.elapsed_time(b) for a, b in events) if events else float("nan")
+        if rank != 0:
+            continue  # rank 0 evaluates and reports
         ev = evaluate(trainer.act, args.eval_envs, device=dev)
         last = trainer.metrics(last=args.steps)
         row = dict(epoch=epoch + 1, steps=step, loss=last.get("loss"), mean_q=last.get("mean_q"),
@@ -130,6 +150,10 @@ def train(args) -> dict:
             print(f"epoch {epoch + 1:3d}  loss {row['loss']:.4f}  mean Q {row['mean_q']:+.3f}  "
                   f"grad {row['grad_norm_mean']:.3f}/{row['grad_norm_max']:.3f}  eval Sharpe {ev['sharpe']:+.2f}  "
                   f"({epoch_s:.2f} s, train steps {step_ms:.1f} ms)", flush=True)
+    if args.distributed:
+        torch.distributed.destroy_process_group()
+        if rank != 0:
+            return {}
     with open(os.path.join(out, "metrics.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -142,6 +166,7 @@ def train(args) -> dict:
     all_rows = trainer.stats.rows
     finite = all(all(v == v and abs(v) != float("inf") for v in r.values()) for r in all_rows)
     summary = dict(backend=args.backend, seed=args.seed, epochs=args.epochs, steps_per_epoch=args.steps,
+                   world_size=trainer.world_size if isinstance(trainer, Trainer) else 1,
                    batch=args.batch, device=str(dev), torch=torch.__version__,
                    gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
                    final_sharpe=rows[-1]["eval_sharpe"],
@@ -187,4 +212,5 @@ def _plot(rows, baselines, path, title):
 
 if __name__ == "__main__":
     s = train(parse_args())
-    print(json.dumps(s, indent=1))
+    if s:
+        print(json.dumps(s, indent=1))
