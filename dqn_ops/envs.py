@@ -91,7 +91,19 @@ class FuturesTradingEnv:
         return torch.cat(feats, 1)
 
     def step(self, actions: Tensor):
-        """actions [N, 3] int64 -> (next observation, reward [N], done [N] float, pnl [N])."""
+        """actions [N, 3] int64 -> (next observation, reward [N], done [N] float, pnl [N]).
+
+        Action ranges are checked on the CPU only (on a GPU that would need a host sync; an
+        out-of-range index there fails as torch's indexing does)."""
+        if actions.shape != (self.num_envs, len(BRANCHES)) or actions.dtype != torch.long or \
+                actions.device != self.device:
+            raise ValueError(f"FuturesTradingEnv.step: actions: expected int64 [{self.num_envs}, {len(BRANCHES)}] on "
+                             f"{self.device}, got {actions.dtype} {list(actions.shape)} on {actions.device}")
+        if self.device.type == "cpu":
+            for d, n in enumerate(BRANCHES):
+                if actions[:, d].min() < 0 or actions[:, d].max() >= n:
+                    raise ValueError(f"FuturesTradingEnv.step: actions[:, {d}] must lie in [0, {n}), got values in "
+                                     f"[{int(actions[:, d].min())}, {int(actions[:, d].max())}]")
         target = self._dirs[actions[:, 0]] * self._sizes[actions[:, 1]]
         new_position = self.position + self._speeds[actions[:, 2]] * (target - self.position)
         traded = (new_position - self.position).abs()

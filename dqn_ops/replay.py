@@ -22,7 +22,18 @@ class ReplayBuffer:
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
 
     def add(self, states: Tensor, actions: Tensor, rewards: Tensor, next_states: Tensor, dones: Tensor):
-        n = states.shape[0]
+        n = states.shape[0] if states.dim() >= 1 else 0
+        expected = dict(states=((n, self.states.shape[1]), torch.float32), next_states=((n, self.states.shape[1]),
+                        torch.float32), actions=((n, self.actions.shape[1]), torch.long), rewards=((n,), torch.float32),
+                        dones=((n,), torch.float32))
+        given = dict(states=states, next_states=next_states, actions=actions, rewards=rewards, dones=dones)
+        for name, (shape, dtype) in expected.items():
+            t = given[name]
+            if tuple(t.shape) != shape or t.dtype != dtype or t.device != self.device:
+                raise ValueError(f"ReplayBuffer.add: {name}: expected {dtype} {list(shape)} on {self.device}, "
+                                 f"got {t.dtype} {list(t.shape)} on {t.device}")
+        if n == 0:
+            raise ValueError("ReplayBuffer.add: expected at least one transition, got 0")
         if n > self.capacity:
             raise ValueError(f"ReplayBuffer.add: {n} transitions do not fit a capacity of {self.capacity}")
         idx = (torch.arange(n, device=self.device) + self.next) % self.capacity

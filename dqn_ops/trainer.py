@@ -211,6 +211,9 @@ class Trainer:
                 raise ValueError(f"Trainer.step: batch[{k!r}]: expected shape {list(dst.shape)}, got {list(src.shape)}")
             if src.dtype != dst.dtype and not (src.is_floating_point() and dst.is_floating_point()):
                 raise TypeError(f"Trainer.step: batch[{k!r}]: expected dtype {dst.dtype}, got {src.dtype}")
+            if src.device != dst.device:
+                raise ValueError(f"Trainer.step: batch[{k!r}] is on {src.device}, the trainer on {dst.device}: move "
+                                 f"the batch first (a copy from pageable host memory would sync with the device)")
             dst.copy_(src, non_blocking=True)
         if "weights" not in batch:
             self.inputs["weights"].fill_(1.0)

@@ -109,3 +109,24 @@ def test_step_benchmark_runs_on_cpu():
            "--modes", "torch_eager_f32", "dqn_ops_eager", "dqn_ops_graph", "--iters", "2"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
     assert "| 16 |" in out and "not run: needs CUDA" in out
+
+
+def test_bad_input_to_env_and_replay():
+    env = FuturesTradingEnv(4, seed=0)
+    with pytest.raises(ValueError, match=r"actions: expected int64 \[4, 3\] on cpu, got torch.float32 \[4, 3\]"):
+        env.step(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=r"actions\[:, 1\] must lie in \[0, 3\), got values in \[0, 3\]"):
+        env.step(torch.tensor([[0, 0, 0], [1, 3, 0], [2, 1, 1], [0, 0, 2]]))
+    rb = ReplayBuffer(10, 3, 2)
+    ok = [torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4), torch.zeros(4, 3), torch.zeros(4)]
+    for i, (bad, msg) in enumerate([(torch.zeros(4, 5), r"states: expected torch.float32 \[4, 3\] on cpu, got "
+                                                          r"torch.float32 \[4, 5\]"),
+                                    (torch.zeros(4, 2), "actions: expected torch.int64"),
+                                    (torch.zeros(3), r"rewards: expected torch.float32 \[4\]")]):
+        args = list(ok)
+        args[i] = bad
+        with pytest.raises(ValueError, match=msg):
+            rb.add(*args)
+    with pytest.raises(ValueError, match="at least one transition"):
+        rb.add(torch.zeros(0, 3), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0), torch.zeros(0, 3), torch.zeros(0))
+    assert rb.size == 0

@@ -191,3 +191,10 @@ def test_out_of_range_action_on_cuda_is_reported_as_non_finite():
         for _ in range(3):
             t.step(bad)
         t.readback()
+
+
+@requires_cuda
+def test_a_host_batch_for_a_cuda_trainer_is_refused():
+    t = make(device="cuda")
+    with pytest.raises(ValueError, match=r"batch\['states'\] is on cpu, the trainer on cuda:0: move the batch first"):
+        t.step(batch_for(TINY_C51, 32, "cpu"))
