@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -38,7 +37,7 @@ import dqn_ops  # noqa: E402
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
 from dqn_ops.baseline import TorchTrainer  # noqa: E402
 
-from bench_common import graphed, kernels_per_call, run_meta, write_results  # noqa: E402
+from bench_common import graphed, kernels_per_call, run_meta, time_us, write_results  # noqa: E402
 
 MODES = ("torch_eager_f32", "torch_eager_bf16", "torch_graph_f32", "torch_graph_bf16", "torch_compile_graph_f32",
          "torch_compile_graph_bf16", "torch_compile_reduce_overhead", "dqn_ops_eager", "dqn_ops_graph")
@@ -71,31 +70,6 @@ def make_step(mode: str, c: DQNConfig, B: int, device):
     return trainer.step
 
 
-def time_us(fn, iters, repeats, device, warmup=5):
-    """Median over `repeats` of the mean µs per call of `iters` calls (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        fn()
-    if device.type != "cuda":
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e6 / iters)
-        return statistics.median(samples)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        e0.record()
-        for _ in range(iters):
-            fn()
-        e1.record()
-        e1.synchronize()
-        samples.append(e0.elapsed_time(e1) * 1000 / iters)
-    return statistics.median(samples)
-
-
 def step_flops(c: DQNConfig, B: int) -> float:
     """GEMM FLOPs of one step: 3 forwards (online s, online s', target s') and the backward
     (dW and dX of every layer but the first layer's dX)."""
@@ -120,7 +94,7 @@ def cublas_floor_us(c: DQNConfig, B: int, device) -> float:
         if k > 0:
             gemms.append(lambda: dy @ w)  # dX (none for the first layer: the states need no gradient)
         for fn in gemms:
-            total += time_us(graphed(fn), 50, 3, device)
+            total += time_us(graphed(fn), 50, 3)
     return total
 
 
@@ -149,7 +123,7 @@ def per_op_rows(c: DQNConfig, B: int, device):
         "spectral norm (10 matrices)": lambda: t.spectral(),
         "EMA + target mirror": lambda: dqn_ops.ema_update(tgt.flat_params, tgt.params_bf16, net.flat_params, cfg.tau),
     }
-    return [dict(batch=B, op=name, graph_us=round(time_us(graphed(fn), 200, 5, device), 2)) for name, fn in ops.items()]
+    return [dict(batch=B, op=name, graph_us=round(time_us(graphed(fn), 200, 5), 2)) for name, fn in ops.items()]
 
 
 def main():
@@ -175,7 +149,7 @@ def main():
             try:
                 t0 = time.time()
                 fn = make_step(mode, c, B, device)
-                us = time_us(fn, iters, 3, device)
+                us = time_us(fn, iters, 3, device=device)
                 k = kernels_per_call(fn) if device.type == "cuda" else None
                 row = dict(batch=B, mode=mode, status="ok", step_us=round(us, 2), kernels=k,
                            setup_s=round(time.time() - t0, 1))

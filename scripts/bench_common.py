@@ -4,10 +4,21 @@ import statistics
 import torch
 
 
-def time_us(fn, iters, repeats, warmup=5):
-    """Median over `repeats` of the mean µs per call of `iters` back-to-back calls (CUDA events)."""
+def time_us(fn, iters, repeats, warmup=5, device=None):
+    """Median over `repeats` of the mean µs per call of `iters` back-to-back calls: CUDA events,
+    or the wall clock when `device` is the CPU."""
     for _ in range(warmup):
         fn()
+    if device is not None and torch.device(device).type == "cpu":
+        import time
+
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e6 / iters)
+        return statistics.median(samples)
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []

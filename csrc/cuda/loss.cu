@@ -11,11 +11,9 @@
 #include <cooperative_groups.h>
 #include <torch/library.h>
 
-#include <mutex>
-#include <unordered_map>
-
 #include "branch_table.cuh"
 #include "loss_args.h"
+#include "reductions.cuh"
 
 namespace dqn_ops {
 namespace cuda {
@@ -47,16 +45,6 @@ struct LossParams {
   float v_min, v_max, dz, gamma;
   LossType type;
 };
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;  // the same value in every lane (a butterfly adds the same pairs everywhere)
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
 
 // Expected value of the softmax of x over the support (every lane gets it). NaN in x gives NaN.
 __device__ float expected_q(const float* x, const LossParams& P, int lane) {
@@ -271,22 +259,6 @@ __global__ void __launch_bounds__(kThreads) dqn_loss_kernel(const __grid_constan
   }
 }
 
-// Asked once per (device, shared-memory size): a cooperative launch's block cap.
-int max_coresident_blocks(size_t smem) {
-  static std::mutex mutex;
-  static std::unordered_map<int64_t, int> cache;
-  const int device = c10::cuda::current_device();
-  const int64_t key = (int64_t(device) << 32) | int64_t(smem);
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dqn_loss_kernel, kThreads, smem));
-  const int cap = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  cache.emplace(key, cap);
-  return cap;
-}
-
 std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const Tensor& q_next_online,
                                                          const Tensor& q_next_target, const Tensor& actions,
                                                          const Tensor& rewards, const Tensor& dones,
@@ -304,7 +276,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
   const size_t smem = S.type == LossType::kC51 ? size_t(kWarps) * 3 * S.atoms * sizeof(float) : 0;
-  const int cap = max_coresident_blocks(smem);
+  const int cap = cooperative_block_cap(dqn_loss_kernel, kThreads, smem);
   DQN_CHECK(cap > 0, kLossOp, ": the kernel cannot be resident on this device");
   const int grid = static_cast<int>(std::min<int64_t>((S.batch + kWarps - 1) / kWarps, cap));
 

@@ -16,6 +16,7 @@
 
 #include "optim_args.h"
 #include "optim_math.h"
+#include "reductions.cuh"
 
 namespace dqn_ops {
 namespace cuda {
@@ -24,19 +25,6 @@ namespace {
 using at::Tensor;
 constexpr int kThreads = 256;
 constexpr int kMaxNormBlocks = 1024;  // = partials; each update block folds them in 4 per thread
-
-template <int N>
-__device__ float block_sum(float v, float* smem) {
-  smem[threadIdx.x] = v;
-  __syncthreads();
-  for (int s = N / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) smem[threadIdx.x] += smem[threadIdx.x + s];
-    __syncthreads();
-  }
-  const float r = smem[0];
-  __syncthreads();
-  return r;
-}
 
 __global__ void __launch_bounds__(kThreads) sq_norm_partials_kernel(const float* __restrict__ g, int64_t n,
                                                                     float* __restrict__ scratch,

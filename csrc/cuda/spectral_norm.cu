@@ -28,9 +28,7 @@
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
-#include <mutex>
-#include <unordered_map>
-
+#include "reductions.cuh"
 #include "spectral_args.h"
 
 namespace dqn_ops {
@@ -80,24 +78,6 @@ __device__ __forceinline__ int find_matrix(const Batch& b, int vb) {
   int m = 0;
   while (m + 1 < b.count && b.m[m + 1].first_vblock <= vb) ++m;
   return m;
-}
-
-// Sum over the block in a fixed tree order; every thread gets the result.
-__device__ float block_sum(float x, float* smem) {
-  smem[threadIdx.x] = x;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) smem[threadIdx.x] += smem[threadIdx.x + s];
-    __syncthreads();
-  }
-  const float r = smem[0];
-  __syncthreads();
-  return r;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
 }
 
 __device__ __forceinline__ float sum_partials(const float* p, int n) {
@@ -179,7 +159,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         __syncthreads();
       }
-      sq = block_sum(sq, smem);
+      sq = block_sum<kThreads>(sq, smem);
       if (tid == 0) sq_v[d.norm_off + k] = sq;
     }
     grid.sync();
@@ -211,7 +191,7 @@ __global__ void __launch_bounds__(kThreads)
           sq = fmaf(dot, dot, sq);
         }
       }
-      sq = block_sum(sq, smem);
+      sq = block_sum<kThreads>(sq, smem);
       if (tid == 0) sq_u[d.norm_off + k] = sq;
     }
     grid.sync();
@@ -247,24 +227,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Blocks of spectral_norm_kernel that fit on the device at once (a cooperative launch's cap).
-// Asked once per device: the answer depends on the kernel and the device alone.
-int max_coresident_blocks() {
-  static std::mutex mutex;
-  static std::unordered_map<int, int> cache;
-  const int device = c10::cuda::current_device();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(device);
-  if (it != cache.end()) return it->second;
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, spectral_norm_kernel, kThreads, 0));
-  const int cap = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  cache.emplace(device, cap);
-  return cap;
-}
-
 void launch(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma, float* partial,
             float* sq_v, float* sq_u, int iterations, float eps, cudaStream_t stream) {
-  const int cap = max_coresident_blocks();
+  const int cap = cooperative_block_cap(spectral_norm_kernel, kThreads, 0);
   DQN_CHECK(cap > 0, kSpectralOp, ": the kernel cannot be resident on this device");
   const int grid = std::min(b.total_vblocks, cap);
   float* p = params.data_ptr<float>();
