@@ -66,5 +66,5 @@ if [ -n "${SOAK:-}" ]; then
   echo "== soak"
   $PY scripts/soak.py --out "$OUT" ${SOAK_ARGS:-} 2>&1 | tail -5 | tee "$OUT/soak.log"
 fi
-if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' runs; fi
+if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' --exclude='*.pt' runs; fi  # checkpoints stay: files come back only up to 16 MiB
 exit "$test_rc"
