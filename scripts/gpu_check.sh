@@ -11,7 +11,7 @@
 #   SOAK=1 bash scripts/gpu_check.sh             # also scripts/soak.py (100,000 graphed + 10,000 eager steps)
 # Sanitizers: scripts/verify_gpu.sh.
 #
-# Training runs go to $OUT/runs.tar.gz (metrics.csv, summary.json, learning_curve.png, checkpoint.pt).
+# Training runs go to $OUT/runs.tar.gz (metrics.csv, summary.json, learning_curve.png; not the checkpoints).
 #
 # This is exactly what runs on the H200 through the device tool (its python3 has torch,
 # nvcc, pytest and ninja; nothing can be downloaded there).
@@ -66,5 +66,5 @@ if [ -n "${SOAK:-}" ]; then
   echo "== soak"
   $PY scripts/soak.py --out "$OUT" ${SOAK_ARGS:-} 2>&1 | tail -5 | tee "$OUT/soak.log"
 fi
-if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' --exclude='*.pt' runs; fi  # checkpoints stay: files come back only up to 16 MiB
+if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' --exclude='*.pt' runs; fi  # files come back only up to 16 MiB
 exit "$test_rc"
