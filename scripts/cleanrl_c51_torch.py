@@ -10,7 +10,6 @@ import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from dqn_ops.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate  # noqa: E402

@@ -23,7 +23,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import dqn_ops  # noqa: E402
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
 from dqn_ops.baseline import TorchTrainer  # noqa: E402
 from dqn_ops.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate, flat_policy, random_policy  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import DEVICES
-from dqn_ops.envs import (BRANCHES, STATE_DIM, FuturesTradingEnv, annualised_sharpe, evaluate, flat_policy,
+from dqn_ops.envs import (STATE_DIM, FuturesTradingEnv, annualised_sharpe, evaluate, flat_policy,
                           random_policy)
 from dqn_ops.replay import ReplayBuffer
 

@@ -67,7 +67,7 @@ def reference_bdq(q, q_next_online, q_next_target, actions, rewards, dones, bran
 
 
 def sample_batch(B, branches, atoms, device, v_max=10.0, terminal_fraction=0.2):
-    A, D = sum(branches), len(branches)
+    A = sum(branches)
     g = torch.Generator().manual_seed(B * 7 + atoms)
     q, qo, qt = (torch.randn(B, A, atoms, generator=g) * 2 for _ in range(3))
     actions = torch.stack([torch.randint(0, n, (B,), generator=g) for n in branches], 1)

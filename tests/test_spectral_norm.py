@@ -3,7 +3,6 @@ torch.linalg.matrix_norm, and the same kernel launched once per matrix."""
 import pytest
 import torch
 
-import dqn_ops
 from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, SpectralNorm, batched_spectral_norm, spectral_norm_
 from poison import poison_cuda_cache
@@ -20,8 +19,6 @@ def _buffers(shapes, device, scale=1.0, gap=8):
         off += r * c + gap
     params = torch.randn(off, device=device) * scale
     mirror = params.to(torch.bfloat16)
-    rows = sum(r for r, _ in shapes)
-    cols = sum(c for _, c in shapes)
     u = torch.cat([torch.nn.functional.normalize(torch.randn(r, device=device), dim=0) for r, _ in shapes])
     v = torch.cat([torch.nn.functional.normalize(torch.randn(c, device=device), dim=0) for _, c in shapes])
     sigma = torch.full((len(shapes),), float("nan"), device=device)
