@@ -73,6 +73,15 @@ inline void check_device(const at::Tensor& t, const char* op, const char* name, 
   DQN_CHECK(t.device() == expected, op, ": ", name, ": expected a tensor on ", expected, ", got one on ", t.device());
 }
 
+// The four checks every dense input of a kernel needs, in the order their messages come.
+inline void check_tensor(const at::Tensor& t, const char* op, const char* name, const at::Device& device,
+                         at::ScalarType dtype, std::initializer_list<int64_t> shape) {
+  check_device(t, op, name, device);
+  check_dtype(t, op, name, dtype);
+  check_shape(t, op, name, shape);
+  check_contiguous(t, op, name);
+}
+
 // Vectorised loads and cuBLAS fast paths need the base pointer aligned; a view at an odd
 // storage offset is rejected rather than silently slowed or misread.
 inline void check_aligned(const at::Tensor& t, const char* op, const char* name, int64_t bytes) {

@@ -56,29 +56,12 @@ inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_o
   const int64_t D = static_cast<int64_t>(branches.size());
   const std::pair<const at::Tensor*, const char*> logits[] = {
       {&q, "q"}, {&q_next_online, "q_next_online"}, {&q_next_target, "q_next_target"}};
-  for (const auto& t : logits) {
-    check_device(*t.first, op, t.second, dev);
-    check_dtype(*t.first, op, t.second, at::kFloat);
-    check_shape(*t.first, op, t.second, {s.batch, s.total_actions, s.atoms});
-    check_contiguous(*t.first, op, t.second);
-  }
-  check_device(actions, op, "actions", dev);
-  check_dtype(actions, op, "actions", at::kLong);
-  check_shape(actions, op, "actions", {s.batch, D});
-  check_contiguous(actions, op, "actions");
+  for (const auto& t : logits)
+    check_tensor(*t.first, op, t.second, dev, at::kFloat, {s.batch, s.total_actions, s.atoms});
+  check_tensor(actions, op, "actions", dev, at::kLong, {s.batch, D});
   const std::pair<const at::Tensor*, const char*> per_sample[] = {{&rewards, "rewards"}, {&dones, "dones"}};
-  for (const auto& t : per_sample) {
-    check_device(*t.first, op, t.second, dev);
-    check_dtype(*t.first, op, t.second, at::kFloat);
-    check_shape(*t.first, op, t.second, {s.batch});
-    check_contiguous(*t.first, op, t.second);
-  }
-  if (weights.has_value()) {
-    check_device(*weights, op, "weights", dev);
-    check_dtype(*weights, op, "weights", at::kFloat);
-    check_shape(*weights, op, "weights", {s.batch});
-    check_contiguous(*weights, op, "weights");
-  }
+  for (const auto& t : per_sample) check_tensor(*t.first, op, t.second, dev, at::kFloat, {s.batch});
+  if (weights.has_value()) check_tensor(*weights, op, "weights", dev, at::kFloat, {s.batch});
   DQN_CHECK(s.batch >= 1, op, ": q: expected a batch of at least 1 sample, got 0");
   if (s.type == LossType::kC51) {
     DQN_CHECK(s.atoms >= 2, op, ": loss_type 'c51' needs at least 2 atoms, got ", s.atoms,

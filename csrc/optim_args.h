@@ -14,10 +14,7 @@ constexpr const char* kEmaOp = "dqn_ops.ema_update";
 // A flat F32 buffer of n elements on `device`, contiguous, 16-byte aligned (float4 access).
 inline void check_flat(const at::Tensor& t, const char* op, const char* name, int64_t n, const at::Device& device,
                        at::ScalarType dtype) {
-  check_device(t, op, name, device);
-  check_dtype(t, op, name, dtype);
-  check_shape(t, op, name, {n});
-  check_contiguous(t, op, name);
+  check_tensor(t, op, name, device, dtype, {n});
   if (t.is_cuda()) check_aligned(t, op, name, 16);
 }
 

@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .graphed import CapturedStep
 from .layout import DQNConfig
+from .network import DuelingBranchQNet
+from .readback import DeferredReadback
+from .spectral import SpectralNorm
+from .trainer import STAT_FIELDS, TrainerConfig, greedy_from_logits, load_batch
 
 
 class TorchDuelingBranchNet(nn.Module):
@@ -94,11 +99,6 @@ class TorchTrainer:
     the dqn_ops one (``torch.optim.Adam(capturable=True)``)."""
 
     def __init__(self, net_config=None, config=None, device="cuda", seed: int = 0, amp: bool = False):
-        from .graphed import CapturedStep
-        from .layout import DQNConfig
-        from .readback import DeferredReadback
-        from .trainer import STAT_FIELDS, TrainerConfig
-
         self.net_config = c = net_config or DQNConfig()
         self.config = cfg = config or TrainerConfig()
         self.device = torch.device(device)
@@ -106,9 +106,6 @@ class TorchTrainer:
         self.loss_type = cfg.loss_type or ("c51" if c.atoms > 1 else "huber")
         # The same initial weights and spectral-norm vectors as dqn_ops.Trainer(seed=seed): the
         # two paths start from one point, so a comparison sees only their numerics.
-        from .network import DuelingBranchQNet
-        from .spectral import SpectralNorm
-
         gen = torch.Generator().manual_seed(seed)
         init = DuelingBranchQNet(c, generator=gen)
         init_sn = SpectralNorm(init, 1.0, generator=gen)
@@ -137,10 +134,7 @@ class TorchTrainer:
 
     def step(self, batch=None):
         if batch is not None:
-            for k, v in batch.items():
-                self.inputs[k].copy_(v, non_blocking=True)
-            if "weights" not in batch:
-                self.inputs["weights"].fill_(1.0)
+            load_batch(self.inputs, batch)
         self._runner()
         self.steps += 1
         self.stats.after_step()
@@ -200,7 +194,5 @@ class TorchTrainer:
 
     @torch.no_grad()
     def act(self, states):
-        from .trainer import greedy_from_logits
-
         return greedy_from_logits(self.online(states)[0], self.net_config.branches, self.config.v_min,
                                   self.config.v_max)

@@ -79,16 +79,7 @@ class SpectralNorm(nn.Module):
         mats = net.layout.weight_matrices()
         self.names: List[str] = [name for name, _, _ in mats]
         self.matrices: List[int] = [x for _, (rows, cols), off in mats for x in (off, rows, cols)]
-        if isinstance(sigma_max, (int, float)):
-            sigma_max = [float(sigma_max)] * len(mats)
-        if len(sigma_max) != len(mats) or any(not s > 0 for s in sigma_max):
-            raise ValueError(f"SpectralNorm: sigma_max must be a positive float or {len(mats)} positive floats, "
-                             f"got {sigma_max}")
-        if int(n_power_iterations) < 1:
-            raise ValueError(f"SpectralNorm: n_power_iterations must be >= 1, got {n_power_iterations}")
-        self.sigma_max = [float(s) for s in sigma_max]
-        self.n_power_iterations = int(n_power_iterations)
-        self.eps = float(eps)
+        self.configure(sigma_max, n_power_iterations, eps)
         self._net = [net]  # a plain reference: not a submodule, so not in this module's state dict
         rows = sum(r for _, (r, _), _ in mats)
         cols = sum(c for _, (_, c), _ in mats)
@@ -98,6 +89,19 @@ class SpectralNorm(nn.Module):
         self.register_buffer("u", _normalize_segments(u, [r for _, (r, _), _ in mats]).to(device))
         self.register_buffer("v", _normalize_segments(v, [c for _, (_, c), _ in mats]).to(device))
         self.register_buffer("sigma", torch.zeros(len(mats), device=device), persistent=False)
+
+    def configure(self, sigma_max: Union[float, Sequence[float]], n_power_iterations: int, eps: float):
+        """Sets the clamp, the iteration count and eps (validated); u and v are kept."""
+        m = len(self.names)
+        if isinstance(sigma_max, (int, float)):
+            sigma_max = [float(sigma_max)] * m
+        if len(sigma_max) != m or any(not s > 0 for s in sigma_max):
+            raise ValueError(f"SpectralNorm: sigma_max must be a positive float or {m} positive floats, got {sigma_max}")
+        if int(n_power_iterations) < 1:
+            raise ValueError(f"SpectralNorm: n_power_iterations must be >= 1, got {n_power_iterations}")
+        self.sigma_max = [float(s) for s in sigma_max]
+        self.n_power_iterations = int(n_power_iterations)
+        self.eps = float(eps)
 
     @property
     def net(self):
@@ -132,21 +136,16 @@ def spectral_norm_(net, sigma_max: Union[float, Sequence[float]] = 1.0, n_power_
     """Clamps the spectral norm of every weight matrix of ``net`` to ``sigma_max``, in place.
 
     The power-iteration state lives on the network as a plain attribute (``net._spectral_norm``,
-    a ``SpectralNorm`` created on the first call, rebuilt with the same vectors when the
-    arguments change, not part of the network's state dict). Returns the sigma estimates as a
+    a ``SpectralNorm`` created on the first call and reconfigured, vectors kept, when the
+    arguments change; not part of the network's state dict). Returns the sigma estimates as a
     device tensor (no host sync). A trainer that checkpoints should own a ``SpectralNorm``.
     """
     sn = net.__dict__.get("_spectral_norm")
-    want = [float(sigma_max)] * len(net.layout.weight_matrices()) if isinstance(sigma_max, (int, float)) \
-        else [float(s) for s in sigma_max]
-    if not isinstance(sn, SpectralNorm) or sn.sigma_max != want or sn.n_power_iterations != n_power_iterations \
-            or sn.eps != eps:
-        old = sn
-        sn = SpectralNorm(net, want, n_power_iterations, eps)
-        if isinstance(old, SpectralNorm):  # keep the converged vectors
-            sn.u.copy_(old.u)
-            sn.v.copy_(old.v)
+    if sn is None:
+        sn = SpectralNorm(net, sigma_max, n_power_iterations, eps)
         object.__setattr__(net, "_spectral_norm", sn)  # bypasses nn.Module: no submodule, no state-dict keys
+    else:
+        sn.configure(sigma_max, n_power_iterations, eps)  # keeps the converged vectors
     if sn.u.device != net.flat_params.device:
         sn.to(net.flat_params.device)
     return sn()

@@ -165,7 +165,7 @@ class Trainer:
     def step(self, batch: Optional[Mapping[str, Tensor]] = None):
         """One training step. With `batch`, copies it into ``inputs`` first."""
         if batch is not None:
-            self._load_batch(batch)
+            load_batch(self.inputs, batch)
         self._runner()
         self.steps += 1
         if self.stats.after_step():
@@ -198,25 +198,6 @@ class Trainer:
         self.td_error.copy_(td_error)
         found_inf = self.optimizer.found_inf
         self.stats.record([loss, self.optimizer.grad_norm, mean_q, found_inf], found_inf)
-
-    def _load_batch(self, batch: Mapping[str, Tensor]):
-        missing = [k for k in BATCH_KEYS if k not in batch]
-        if missing:
-            raise KeyError(f"Trainer.step: batch is missing {missing}; it needs {list(BATCH_KEYS)} (+ optional 'weights')")
-        for k in BATCH_KEYS + ("weights",):
-            if k not in batch:
-                continue
-            src, dst = batch[k], self.inputs[k]
-            if src.shape != dst.shape:
-                raise ValueError(f"Trainer.step: batch[{k!r}]: expected shape {list(dst.shape)}, got {list(src.shape)}")
-            if src.dtype != dst.dtype and not (src.is_floating_point() and dst.is_floating_point()):
-                raise TypeError(f"Trainer.step: batch[{k!r}]: expected dtype {dst.dtype}, got {src.dtype}")
-            if src.device != dst.device:
-                raise ValueError(f"Trainer.step: batch[{k!r}] is on {src.device}, the trainer on {dst.device}: move "
-                                 f"the batch first (a copy from pageable host memory would sync with the device)")
-            dst.copy_(src, non_blocking=True)
-        if "weights" not in batch:
-            self.inputs["weights"].fill_(1.0)
 
     @torch.no_grad()
     def _broadcast_state(self):
@@ -291,11 +272,32 @@ class Trainer:
         for group in self.optimizer.param_groups:  # keep reading the lr from our device tensor
             group["lr"] = self.lr
         self.lr.copy_(state["lr"])
-        self.optimizer._mirrors = {self.online.flat_params: self.online.params_bf16}
         if self.spectral is not None and state["spectral"] is not None:
             self.spectral.load_state_dict(state["spectral"])
         self.steps = int(state["steps"])
         self._runner.reset()  # the optimizer's state tensors are new: capture again after warm-up
+
+
+def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor]):
+    """Copies a batch (states, actions, rewards, next_states, dones, optional weights) into a
+    trainer's static input buffers, device to device, checking names, shapes, dtypes and devices."""
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+        raise KeyError(f"Trainer.step: batch is missing {missing}; it needs {list(BATCH_KEYS)} (+ optional 'weights')")
+    for k in BATCH_KEYS + ("weights",):
+        if k not in batch:
+            continue
+        src, dst = batch[k], inputs[k]
+        if src.shape != dst.shape:
+            raise ValueError(f"Trainer.step: batch[{k!r}]: expected shape {list(dst.shape)}, got {list(src.shape)}")
+        if src.dtype != dst.dtype and not (src.is_floating_point() and dst.is_floating_point()):
+            raise TypeError(f"Trainer.step: batch[{k!r}]: expected dtype {dst.dtype}, got {src.dtype}")
+        if src.device != dst.device:
+            raise ValueError(f"Trainer.step: batch[{k!r}] is on {src.device}, the trainer on {dst.device}: move "
+                             f"the batch first (a copy from pageable host memory would sync with the device)")
+        dst.copy_(src, non_blocking=True)
+    if "weights" not in batch:
+        inputs["weights"].fill_(1.0)
 
 
 def _data_parallel_group(process_group):

@@ -162,8 +162,8 @@ def train(args) -> dict:
     else:
         torch.save(dict(online=trainer.online.state_dict(), target=trainer.target.state_dict()),
                    os.path.join(out, "checkpoint.pt"))
-    all_rows = trainer.stats.rows
-    finite = all(all(v == v and abs(v) != float("inf") for v in r.values()) for r in all_rows)
+    whole_run = trainer.metrics()
+    finite = all(all(v == v and abs(v) != float("inf") for v in r.values()) for r in trainer.stats.rows)
     summary = dict(backend=args.backend, seed=args.seed, epochs=args.epochs, steps_per_epoch=args.steps,
                    world_size=trainer.world_size if isinstance(trainer, Trainer) else 1,
                    batch=args.batch, device=str(dev), torch=torch.__version__,
@@ -171,9 +171,8 @@ def train(args) -> dict:
                    final_sharpe=rows[-1]["eval_sharpe"],
                    final_sharpe_mean_last5=sum(r["eval_sharpe"] for r in rows[-5:]) / len(rows[-5:]),
                    mean_q=sum(r["mean_q"] for r in rows[-5:]) / len(rows[-5:]),
-                   grad_norm_mean=sum(r["grad_norm"] for r in all_rows) / len(all_rows),
-                   grad_norm_max=max(r["grad_norm"] for r in all_rows),
-                   non_finite=not finite, skipped=sum(r["skipped"] for r in all_rows),
+                   grad_norm_mean=whole_run["grad_norm_mean"], grad_norm_max=whole_run["grad_norm_max"],
+                   non_finite=not finite, skipped=whole_run["skipped"],
                    peak_vram_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
                    epoch_seconds_median=sorted(r["epoch_seconds"] for r in rows)[len(rows) // 2],
                    train_step_ms_per_epoch_median=sorted(r["train_step_ms_total"] for r in rows)[len(rows) // 2],
