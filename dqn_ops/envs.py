@@ -107,6 +107,7 @@ class FuturesTradingEnv:
         target = self._dirs[actions[:, 0]] * self._sizes[actions[:, 1]]
         new_position = self.position + self._speeds[actions[:, 2]] * (target - self.position)
         traded = (new_position - self.position).abs()
+        self.last_traded = traded  # kept apart: on the last step the reset zeroes the position
         self.position = new_position
         r = self._market_step()
         pnl = self.position * r - self.cost * traded
@@ -141,9 +142,8 @@ def evaluate(policy: Callable[[Tensor], Tensor], num_envs: int = 128, episode_le
     obs = env.observe()
     pnls, turnover = [], 0.0
     for _ in range(episode_length):
-        before = env.position
         obs, _, _, pnl = env.step(policy(obs))
-        turnover = turnover + (env.position - before).abs().mean()
+        turnover = turnover + env.last_traded.mean()
         pnls.append(pnl)
     pnl = torch.stack(pnls)
     return dict(sharpe=annualised_sharpe(pnl), mean_pnl_pct=100 * pnl.mean().item(),

@@ -130,3 +130,12 @@ def test_bad_input_to_env_and_replay():
     with pytest.raises(ValueError, match="at least one transition"):
         rb.add(torch.zeros(0, 3), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0), torch.zeros(0, 3), torch.zeros(0))
     assert rb.size == 0
+
+
+def test_turnover_counts_trades_not_the_episode_reset():
+    def always_long(obs):
+        a = torch.zeros(obs.shape[0], 3, dtype=torch.long)
+        a[:, 0], a[:, 1], a[:, 2] = 2, 1, 0  # long 1 contract, at once
+        return a
+    # one trade of 1 contract at the first step, then holding: turnover 1 / episode_length
+    assert evaluate(always_long, 8, episode_length=16)["turnover"] == pytest.approx(1 / 16)
