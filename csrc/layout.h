@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include <c10/macros/Macros.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
@@ -18,11 +19,16 @@ namespace dqn_ops {
 
 constexpr int64_t kLayoutAlign = 8;  // elements: 16 bytes of BF16, 32 bytes of F32
 
+C10_HOST_DEVICE inline int64_t round_up_to_align(int64_t n) {
+  return (n + kLayoutAlign - 1) / kLayoutAlign * kLayoutAlign;
+}
+
 // One output head of the block-diagonal last layer: the value head (j = 0) or branch j-1.
 struct HeadSlice {
   int64_t in_col;    // first column of its input in hh [B, head_hidden]
   int64_t in_width;  // VH or AH
   int64_t out_col;   // first column of its logits in head_logits [B, head_out]
+  int64_t pad_col;   // first column of its logits in the padded GEMM layout [B, head_ld] (see head_ld)
   int64_t out_width; // NA or n_d * NA
   int64_t w_off;     // offset of its weight [out_width, in_width] in the flat buffer
 };
@@ -34,13 +40,45 @@ struct NetLayout {
   int64_t total_actions;                // sum n_d
   int64_t head_hidden;                  // VH + D*AH
   int64_t head_out;                     // NA * (1 + total_actions)
+  // The CUDA kernels keep the output layer's GEMM results in a padded layout: each head's
+  // columns start at a multiple of kLayoutAlign and rows are head_ld apart, so every GEMM
+  // operand is 16-byte aligned (with head_out = 510 and heads at columns 51, 204, ... cuBLAS
+  // falls back to align-1 SM75 kernels plus split-K reductions: 2-3x slower, measured).
+  int64_t head_ld;
   int64_t w_s1, w_s2, w_h1;             // weight offsets
   std::vector<HeadSlice> heads;         // D + 1 output heads, value first
   int64_t b_s1, b_s2, b_h1, b_out;      // bias offsets
   int64_t numel;                        // length of the flat buffer
 
   int64_t num_branches() const { return static_cast<int64_t>(branch_sizes.size()); }
+
 };
+
+// Output heads that run as one (strided-batched) GEMM: head i of the group is first + i, its
+// columns and weights `*_stride` elements after head i - 1's.
+struct HeadGroup {
+  HeadSlice first;
+  int64_t count;
+  int64_t in_col_stride, out_col_stride, pad_col_stride, w_stride;
+};
+
+// The value head alone, then the branch heads: one group when they have one shape and their
+// weights lie an equal distance apart (ParamLayout stores them back to back), else one each.
+inline std::vector<HeadGroup> head_groups(const NetLayout& L) {
+  std::vector<HeadGroup> groups{{L.heads[0], 1, 0, 0, 0, 0}};
+  const int64_t D = L.num_branches();
+  bool uniform = D >= 2 && L.heads[2].w_off > L.heads[1].w_off;
+  for (int64_t j = 2; uniform && j <= D; ++j)
+    uniform = L.heads[j].out_width == L.heads[1].out_width &&
+              L.heads[j].w_off - L.heads[j - 1].w_off == L.heads[2].w_off - L.heads[1].w_off;
+  if (uniform) {
+    const HeadSlice &a = L.heads[1], &b = L.heads[2];
+    groups.push_back({a, D, b.in_col - a.in_col, b.out_col - a.out_col, b.pad_col - a.pad_col, b.w_off - a.w_off});
+  } else {
+    for (int64_t j = 1; j <= D; ++j) groups.push_back({L.heads[j], 1, 0, 0, 0, 0});
+  }
+  return groups;
+}
 
 inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   DQN_CHECK(v.size() >= 8, op, ": layout: expected the int[] from dqn_ops.ParamLayout.encode(), got ",
@@ -72,6 +110,7 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   L.w_s1 = v[p++];
   L.w_s2 = v[p++];
   L.w_h1 = v[p++];
+  L.head_ld = 0;
   for (int64_t j = 0; j <= D; ++j) {
     HeadSlice h;
     h.in_col = j == 0 ? 0 : L.value_hidden + (j - 1) * L.adv_hidden;
@@ -79,6 +118,8 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
     h.out_col = j == 0 ? 0 : L.atoms * (1 + L.action_offsets[j - 1]);
     h.out_width = j == 0 ? L.atoms : L.atoms * L.branch_sizes[j - 1];
     h.w_off = v[p++];
+    h.pad_col = L.head_ld;
+    L.head_ld += round_up_to_align(h.out_width);
     L.heads.push_back(h);
   }
   L.b_s1 = v[p++];

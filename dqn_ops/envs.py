@@ -42,7 +42,7 @@ class FuturesTradingEnv:
             raise ValueError(f"FuturesTradingEnv: num_envs and episode_length must be >= 1, got {num_envs}, "
                              f"{episode_length}")
         self.num_envs, self.episode_length = num_envs, episode_length
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
         self.kappa, self.trend, self.sigma, self.sigma_fair = kappa, trend, sigma, sigma_fair
         self.switch_prob, self.cost = switch_prob, cost
         self.gen = torch.Generator(device=self.device).manual_seed(seed)

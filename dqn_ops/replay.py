@@ -17,6 +17,7 @@ class ReplayBuffer:
         self.actions = torch.zeros(capacity, num_branches, dtype=torch.long, device=self.device)
         self.rewards = torch.zeros(capacity, device=self.device)
         self.dones = torch.zeros(capacity, device=self.device)
+        self.device = self.states.device  # "cuda" -> "cuda:0": the device tensors report, for the checks below
         self.size = 0   # host counters: the number of added rows is known without reading the device
         self.next = 0
         self.gen = torch.Generator(device=self.device).manual_seed(seed)

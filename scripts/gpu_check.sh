@@ -8,10 +8,13 @@
 #   TRAIN_EPOCHS=5 bash scripts/gpu_check.sh     # also a short training run per backend
 #   PARITY_EPOCHS=50 bash scripts/gpu_check.sh   # also the convergence-parity check
 #   BENCHES=step STEP_BENCH_ARGS="--batches 256 4096" bash scripts/gpu_check.sh   # the whole-step benchmark
+#   SANITIZE=1 bash scripts/gpu_check.sh         # also scripts/verify_gpu.sh (compute-sanitizer, 4 tools)
+#   PROFILE=1 bash scripts/gpu_check.sh          # also scripts/profile_step.py (every kernel of the step, timed)
 #   SOAK=1 bash scripts/gpu_check.sh             # also scripts/soak.py (100,000 graphed + 10,000 eager steps)
 # Sanitizers: scripts/verify_gpu.sh.
 #
-# Training runs go to $OUT/runs.tar.gz (metrics.csv, summary.json, learning_curve.png; not the checkpoints).
+# Training runs go to $OUT/runs.tar.gz (metrics.csv, summary.json, learning_curve.png; not the checkpoints),
+# the logs (env, build, pytest, benchmarks) to $OUT/logs.tar.gz.
 #
 # This is exactly what runs on the H200 through the device tool (its python3 has torch,
 # nvcc, pytest and ninja; nothing can be downloaded there).
@@ -50,6 +53,14 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     $PY "$script" --out "$OUT" $extra || echo "BENCHMARK $b FAILED"
   done 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
+if [ -n "${SANITIZE:-}" ]; then
+  echo "== compute-sanitizer (scripts/verify_gpu.sh)"
+  SKIP_BUILD=1 OUT="$OUT" bash scripts/verify_gpu.sh 2>&1 | tee "$OUT/verify.log" || echo "SANITIZER FOUND ERRORS"
+fi
+if [ -n "${PROFILE:-}" ]; then
+  echo "== kernel trace of the step"
+  $PY scripts/profile_step.py --out "$OUT" --batches ${PROFILE_BATCHES:-256 4096} 2>&1 | tee "$OUT/profile.log" | tail -8
+fi
 if [ -n "${TRAIN_EPOCHS:-}" ]; then
   echo "== training (${TRAIN_EPOCHS} epochs x 300 steps, B=256)"
   for backend in dqn_ops torch; do
@@ -67,4 +78,6 @@ if [ -n "${SOAK:-}" ]; then
   $PY scripts/soak.py --out "$OUT" ${SOAK_ARGS:-} 2>&1 | tail -5 | tee "$OUT/soak.log"
 fi
 if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' --exclude='*.pt' runs; fi  # files come back only up to 16 MiB
+# The logs in one archive: the device tool brings back at most 8 files from $OUT.
+(cd "$OUT" && tar czf logs.tar.gz env.txt ./*.log && rm -f env.txt ./*.log)
 exit "$test_rc"

@@ -22,7 +22,7 @@ for tool in memcheck racecheck initcheck synccheck; do
   extra=""
   [ "$tool" = memcheck ] && extra="--leak-check no"
   # Every kernel of the program is checked, torch's and cuBLAS's too: the smoke run is small.
-  compute-sanitizer --tool "$tool" $extra --error-exitcode 9 --print-limit 20 \
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" $extra --error-exitcode 9 --print-limit 20 \
     $PY scripts/sanitize_smoke.py > "$OUT/sanitizer-$tool.log" 2>&1
   rc=$?
   echo "$tool: exit $rc, $(grep -c '========= ' "$OUT/sanitizer-$tool.log") sanitizer lines; $(tail -1 "$OUT/sanitizer-$tool.log")"

@@ -78,7 +78,11 @@ def sample_batch(B, branches, atoms, device, v_max=10.0, terminal_fraction=0.2):
     return [t.to(device) for t in (q, qo, qt, actions, rewards, dones, weights)]
 
 
-C51_CASES = [((3, 3, 3), 51, -10.0, 10.0), ((2, 5), 11, -3.0, 7.0), ((4,), 21, -1.0, 1.0), ((1, 1), 2, 0.0, 1.0)]
+C51_CASES = [((3, 3, 3), 51, -10.0, 10.0), ((2, 5), 11, -3.0, 7.0), ((4,), 21, -1.0, 1.0), ((1, 1), 2, 0.0, 1.0),
+             # more branches than a sample's 8 warps (a warp takes two), rows staged in shared memory
+             ((3,) * 10, 31, -5.0, 5.0),
+             # uneven branches, rows too large to stage: read from global memory
+             ((2, 3, 1, 4, 3, 2, 5, 2, 3, 1), 201, -20.0, 20.0)]
 
 
 def _check(out, ref):

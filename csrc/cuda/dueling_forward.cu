@@ -1,9 +1,10 @@
 // bf16_dueling_forward on CUDA: BF16 x BF16 -> F32 GEMMs (COMPUTE_32F) on torch's cuBLAS
 // handle, with bias + ReLU + BF16 cast fused into one pass after each hidden GEMM.
 //
-// Launches for D branches: 1 (states -> BF16) + 3 x (GEMM + bias/ReLU) + (D + 1) output GEMMs
-// + 1 (output bias + dueling aggregation) = D + 9; 12 for the reference config. The value
-// head's and all branches' first layers run as one GEMM over the adjacent rows of W_h1.
+// Launches: 1 (states -> BF16) + 3 x (GEMM + bias/ReLU) + the output GEMMs (2: the value
+// head, then the branch heads as one strided batch when they share a shape; else D + 1)
+// + 1 (output bias + dueling aggregation) = 11 for the reference config. The value head's
+// and all branches' first layers run as one GEMM over the adjacent rows of W_h1.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -27,43 +28,51 @@ __global__ void cast_to_bf16_kernel(const float* __restrict__ in, __nv_bfloat16*
     out[i] = __float2bfloat16_rn(in[i]);
 }
 
+// Row-wise kernels: a block per row (grid-striding over rows), threads over the columns, so
+// no index needs a 64-bit division (a per-element `i % cols` cost more than the memory traffic).
+inline unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(std::min<int64_t>(rows, 1 << 16)); }
+
 // out = bf16(relu(z + bias)), z [rows, cols] row-major. `v < 0 ? 0 : v` keeps a NaN a NaN
 // (as torch.relu does) so a non-finite input stays visible downstream.
 __global__ void bias_relu_bf16_kernel(const float* __restrict__ z, const float* __restrict__ bias,
                                       __nv_bfloat16* __restrict__ out, int64_t rows, int64_t cols) {
-  const int64_t n = rows * cols;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float v = z[i] + bias[i % cols];
-    out[i] = __float2bfloat16_rn(v < 0.f ? 0.f : v);
-  }
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float v = z[r * cols + c] + bias[c];
+      out[r * cols + c] = __float2bfloat16_rn(v < 0.f ? 0.f : v);
+    }
 }
 
-// Adds the output biases to head [B, head_out] in place and writes the dueling aggregate
-// q[b, action, z] = v[b, z] + a[b, action, z] - mean over the branch's actions. One thread
-// per (row, atom); consecutive threads read consecutive atoms, so loads coalesce.
-__global__ void head_bias_dueling_kernel(float* __restrict__ head, const float* __restrict__ b_out,
+// From the output layer's GEMM results in the padded layout (logits [rows, head_ld], see
+// NetLayout::head_ld) writes head = logits + b_out in the compact layout [rows, head_out] and
+// the dueling aggregate q[b, action, z] = v[b, z] + a[b, action, z] - mean over the branch's
+// actions. A block per row, a thread per atom: consecutive threads read consecutive atoms.
+__global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64_t head_ld,
+                                         const float* __restrict__ b_out, float* __restrict__ head,
                                          float* __restrict__ q, int64_t rows, int atoms, int64_t head_out,
                                          int total_actions, BranchTable branches) {
-  const int64_t n = rows * atoms;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t b = i / atoms;
-    const int z = static_cast<int>(i % atoms);
+  for (int64_t b = blockIdx.x; b < rows; b += gridDim.x) {
+    const float* in = logits + b * head_ld;
     float* row = head + b * head_out;
     float* q_row = q + b * int64_t(total_actions) * atoms;
-    const float v = row[z] + b_out[z];
-    row[z] = v;
-    for (int d = 0; d < branches.count; ++d) {
-      const int size = branches.size[d], first = branches.action_offset[d];
-      float sum = 0.f;
-      for (int k = 0; k < size; ++k) {
-        const int64_t col = int64_t(atoms) * (1 + first + k) + z;
-        const float a = row[col] + b_out[col];
-        row[col] = a;
-        sum += a;
+    for (int z = threadIdx.x; z < atoms; z += blockDim.x) {
+      const float v = in[z] + b_out[z];
+      row[z] = v;
+      int64_t pad_col = round_up_to_align(atoms);  // branch d's first column in `logits`
+      for (int d = 0; d < branches.count; ++d) {
+        const int size = branches.size[d], first = branches.action_offset[d];
+        float sum = 0.f;
+        for (int k = 0; k < size; ++k) {
+          const int64_t col = int64_t(atoms) * (1 + first + k) + z;
+          const float a = in[pad_col + int64_t(k) * atoms + z] + b_out[col];
+          row[col] = a;
+          sum += a;
+        }
+        const float mean = sum / size;
+        for (int k = 0; k < size; ++k)
+          q_row[int64_t(first + k) * atoms + z] = v + row[int64_t(atoms) * (1 + first + k) + z] - mean;
+        pad_col += round_up_to_align(int64_t(atoms) * size);
       }
-      const float mean = sum / size;
-      for (int k = 0; k < size; ++k)
-        q_row[int64_t(first + k) * atoms + z] = v + row[int64_t(atoms) * (1 + first + k) + z] - mean;
     }
   }
 }
@@ -94,7 +103,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
     Tensor h = at::empty({B, out}, bf16);
     gemm(kForwardOp, what, B, out, in_width, Operand{in.data_ptr(), CUDA_R_16BF, in_width, false},
          Operand{w + w_off, CUDA_R_16BF, in_width, true}, z.data_ptr(), CUDA_R_32F, out, CUBLAS_COMPUTE_32F);
-    bias_relu_bf16_kernel<<<blocks_for(B * out, kThreads), kThreads, 0, stream>>>(
+    bias_relu_bf16_kernel<<<row_blocks(B), kThreads, 0, stream>>>(
         z.data_ptr<float>(), p + b_off, static_cast<__nv_bfloat16*>(h.data_ptr()), B, out);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return h;
@@ -104,18 +113,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
   Tensor hh = hidden(h2, L.trunk2, L.w_h1, L.b_h1, L.head_hidden, "merged head layer 1");
 
   // Block-diagonal output layer: each head reads its column slice of hh and writes its
-  // column slice of head (leading dimensions head_hidden and head_out).
-  Tensor head = at::empty({B, L.head_out}, f32);
+  // column slice of the padded logits; the branch heads as one batched GEMM when they can.
+  Tensor logits = at::empty({B, L.head_ld}, f32);
   const auto* hh_ptr = static_cast<const __nv_bfloat16*>(hh.data_ptr());
-  for (const HeadSlice& s : L.heads) {
-    gemm(kForwardOp, "output head", B, s.out_width, s.in_width, Operand{hh_ptr + s.in_col, CUDA_R_16BF, L.head_hidden, false},
-         Operand{w + s.w_off, CUDA_R_16BF, s.in_width, true}, head.data_ptr<float>() + s.out_col, CUDA_R_32F,
-         L.head_out, CUBLAS_COMPUTE_32F);
+  for (const HeadGroup& g : head_groups(L)) {
+    const HeadSlice& s = g.first;
+    gemm_strided_batched(kForwardOp, "output heads", B, s.out_width, s.in_width,
+                         Operand{hh_ptr + s.in_col, CUDA_R_16BF, L.head_hidden, false}, g.in_col_stride,
+                         Operand{w + s.w_off, CUDA_R_16BF, s.in_width, true}, g.w_stride,
+                         logits.data_ptr<float>() + s.pad_col, CUDA_R_32F, L.head_ld, g.pad_col_stride, g.count,
+                         CUBLAS_COMPUTE_32F);
   }
+  Tensor head = at::empty({B, L.head_out}, f32);
   Tensor q = at::empty({B, L.total_actions, L.atoms}, f32);
-  head_bias_dueling_kernel<<<blocks_for(B * L.atoms, kThreads), kThreads, 0, stream>>>(
-      head.data_ptr<float>(), p + L.b_out, q.data_ptr<float>(), B, static_cast<int>(L.atoms), L.head_out,
-      static_cast<int>(L.total_actions), branches);
+  head_bias_dueling_kernel<<<row_blocks(B), 64, 0, stream>>>(
+      logits.data_ptr<float>(), L.head_ld, p + L.b_out, head.data_ptr<float>(), q.data_ptr<float>(), B,
+      static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, head, x, h1, h2, hh};
 }

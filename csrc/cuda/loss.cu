@@ -1,8 +1,18 @@
-// dqn_loss on CUDA: one cooperative launch. A warp per sample (grid-stride) runs, per branch,
-// the double-DQN action choice, the target distribution's projection onto the support, the
-// cross-entropy and its gradient (C51), or the BDQ target and MSE/Huber (one atom); each block
-// sums its warps' losses in warp order, and after a grid barrier block 0 sums the blocks'
-// partials in block order: the loss is deterministic and no second launch is needed.
+// dqn_loss on CUDA: one cooperative launch.
+//
+// C51: a warp per (sample, branch). The warp first stages the rows it reads (the online and
+// target networks' next-state logits of the branch's actions, the logits of the taken action)
+// into shared memory with all loads in flight at once, then runs the double-DQN choice (the
+// expected Q of up to 4 actions reduced together), the target distribution's projection onto
+// the support (each atom gathers from the few sources that can reach it, found by binary
+// search: the positions are monotone in the source atom), the cross-entropy and its gradient.
+// MSE / Huber (one atom): a warp per sample, lanes over the branches.
+//
+// A block holds whole samples (`warps_per_sample` warps each), so the branch means and the
+// per-sample TD error are summed in shared memory in branch order; each block sums its samples
+// in order, and after a grid barrier block 0 sums the blocks' partials in block order: the loss
+// is deterministic and no second launch is needed. (v1, a warp per sample running the branches
+// one after the other and an all-pairs projection: 34 µs at B = 256 on the H200; bench/NOTES.md.)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -22,11 +32,12 @@ namespace {
 namespace cg = cooperative_groups;
 using at::Tensor;
 
-constexpr int kWarps = 8;
-constexpr int kThreads = 32 * kWarps;
-// Per warp the kernel keeps 3 vectors of `atoms` floats in shared memory (target
-// probabilities, their positions on the support, the projected distribution).
-constexpr int64_t kMaxAtoms = 256;  // 24 KiB of shared memory per block
+constexpr int kMaxWarps = 8;  // per block
+constexpr int64_t kMaxAtoms = 256;
+constexpr int kQChunk = 4;        // actions whose expected Q reduce together
+constexpr int kStageUnroll = 12;  // loads in flight per lane while staging
+// Shared memory per block without an opt-in; past it the rows are read from global memory.
+constexpr size_t kSmemBudget = 48 * 1024;
 
 struct LossParams {
   const float* q;
@@ -42,120 +53,182 @@ struct LossParams {
   float* mean_q;
   float* partials;  // [2, gridDim.x]
   int batch, total_actions, atoms;
+  int warps_per_sample, samples_per_block;
+  int max_actions;  // the largest branch: sizes the staging area
+  bool staged;      // the rows are copied to shared memory first
   float v_min, v_max, dz, gamma;
   LossType type;
 };
 
-// Expected value of the softmax of x over the support (every lane gets it). NaN in x gives NaN.
-__device__ float expected_q(const float* x, const LossParams& P, int lane) {
-  float mx = -INFINITY;
-  for (int j = lane; j < P.atoms; j += 32) mx = fmaxf(mx, x[j]);
-  mx = warp_max(mx);
-  float s = 0.f, sz = 0.f;
-  for (int j = lane; j < P.atoms; j += 32) {
-    const float e = expf(x[j] - mx);
-    s += e;
-    sz = fmaf(e, P.v_min + j * P.dz, sz);
-  }
-  return warp_sum(sz) / warp_sum(s);
+// Floats of shared memory per warp (C51): [staged online rows | staged target rows | staged
+// taken row] when staged, then the target probabilities, positions and projected distribution.
+__host__ __device__ inline int64_t c51_floats_per_warp(int64_t atoms, int64_t max_actions, bool staged) {
+  return (staged ? (2 * max_actions + 1) * atoms : 0) + 3 * atoms;
 }
 
-// The C51 loss of sample b: returns (cross-entropy, expected Q of the taken action), both
-// branch means; writes the rows of grad_q of this sample.
-__device__ float2 c51_sample(const BranchTable& br, const LossParams& P, int b, float scale, float* smem_warp,
+// Copies the three row groups into dst back to back, every load of a pass issued before the
+// first store (one memory latency per kStageUnroll * 32 floats instead of one per 32).
+__device__ void stage_rows(float* dst, const float* __restrict__ on, const float* __restrict__ tg,
+                           const float* __restrict__ xc, int n_na, int na, int lane) {
+  const int total = 2 * n_na + na;
+  for (int base = 0; base < total; base += kStageUnroll * 32) {
+    float v[kStageUnroll];
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      v[u] = i < n_na ? on[i] : i < 2 * n_na ? tg[i - n_na] : i < total ? xc[i - 2 * n_na] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < total) dst[i] = v[u];
+    }
+  }
+}
+
+// First index i in [0, n) with pos[i] >= x (ascending pos) or pos[i] <= x (descending).
+__device__ int first_reaching(const float* pos, int n, float x, bool ascending) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (ascending ? pos[mid] < x : pos[mid] > x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// The C51 loss of branch d of sample b: returns (cross-entropy, expected Q of the taken
+// action); writes the branch's rows of grad_q.
+__device__ float2 c51_branch(const BranchTable& br, const LossParams& P, int b, int d, float scale, float* work,
                              int lane) {
-  float* pt = smem_warp;             // target probabilities
-  float* pos = smem_warp + P.atoms;  // position of r + gamma z_i on the support, in atoms
-  float* m = pos + P.atoms;          // projected target distribution
-  const int NA = P.atoms;
+  const int NA = P.atoms, n = br.size[d];
+  const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
   const float discount = P.gamma * (1.f - P.dones[b]);
   const float r = P.rewards[b];
-  // Clamping onto the support would hide a NaN or Inf reward: such a sample is poisoned instead.
-  const bool finite_return = isfinite(r) && isfinite(discount);
-  float ce_sum = 0.f, q_sum = 0.f;
-  for (int d = 0; d < br.count; ++d) {
-    const int off = br.action_offset[d], n = br.size[d];
-    const int64_t row0 = int64_t(b) * P.total_actions + off;
-    // double DQN: the online network's greedy next action (the first of equal maxima; NaN wins)
-    int a_star = 0;
-    float best = -INFINITY;
-    for (int a = 0; a < n; ++a) {
-      const float qv = expected_q(P.q_next_online + (row0 + a) * NA, P, lane);
-      if (qv > best || qv != qv) {
-        best = qv;
-        a_star = a;
-        if (qv != qv) break;
-      }
-    }
-    // the target network's distribution at that action, and where each atom's return lands
-    const float* xt = P.q_next_target + (row0 + a_star) * NA;
-    float mx = -INFINITY;
-    for (int j = lane; j < NA; j += 32) mx = fmaxf(mx, xt[j]);
-    mx = warp_max(mx);
-    float s = 0.f;
-    for (int j = lane; j < NA; j += 32) s += (pt[j] = expf(xt[j] - mx));
-    s = warp_sum(s);
-    for (int j = lane; j < NA; j += 32) {
-      pt[j] /= s;
-      const float tz = fminf(fmaxf(fmaf(discount, P.v_min + j * P.dz, r), P.v_min), P.v_max);
-      pos[j] = fminf(fmaxf((tz - P.v_min) / P.dz, 0.f), float(NA - 1));
-    }
-    __syncwarp();
-    // projection: each lane gathers the mass of its atoms, scanning the sources in order
-    for (int j = lane; j < NA; j += 32) {
-      float mj = 0.f;
-      for (int i = 0; i < NA; ++i) {
-        const float bi = pos[i];
-        float l = floorf(bi), u = ceilf(bi);
-        if (l == u) {  // lands exactly on an atom: all its mass goes there
-          if (u > 0.f) l -= 1.f;
-          else u += 1.f;
-        }
-        if (int(l) == j) mj = fmaf(pt[i], u - bi, mj);
-        if (int(u) == j) mj = fmaf(pt[i], bi - l, mj);
-      }
-      m[j] = mj;
-    }
-    __syncwarp();
-    // cross-entropy on the taken action and its gradient (softmax - m); zero for the others
-    const int64_t a = P.actions[int64_t(b) * br.count + d];
-    const bool valid = a >= 0 && a < n;
-    if (!valid || !finite_return) {
-      // No host sync can report it: the sample's loss and gradient become NaN, so the
-      // optimizer skips the step and the trainer's non-finite check reports it (documented).
-      for (int k = 0; k < n; ++k)
-        for (int j = lane; j < NA; j += 32) P.grad_q[(row0 + k) * NA + j] = NAN;
-      ce_sum = NAN;
-      q_sum = NAN;
-      __syncwarp();
-      continue;
-    }
-    for (int k = 0; k < n; ++k) {
-      if (k == a) continue;
-      float* g = P.grad_q + (row0 + k) * NA;
-      for (int j = lane; j < NA; j += 32) g[j] = 0.f;
-    }
-    const float* xc = P.q + (row0 + a) * NA;
-    float mc = -INFINITY;
-    for (int j = lane; j < NA; j += 32) mc = fmaxf(mc, xc[j]);
-    mc = warp_max(mc);
-    float sc = 0.f;
-    for (int j = lane; j < NA; j += 32) sc += expf(xc[j] - mc);
-    const float lse = mc + logf(warp_sum(sc));
-    float ce = 0.f, qc = 0.f;
-    float* g = P.grad_q + (row0 + a) * NA;
-    for (int j = lane; j < NA; j += 32) {
-      const float logp = xc[j] - lse;
-      const float p = expf(logp);
-      ce = fmaf(-m[j], logp, ce);
-      qc = fmaf(p, P.v_min + j * P.dz, qc);
-      g[j] = (p - m[j]) * scale;
-    }
-    ce_sum += warp_sum(ce);
-    q_sum += warp_sum(qc);
-    __syncwarp();  // the next branch reuses pt / pos / m
+  const int64_t a = P.actions[int64_t(b) * br.count + d];
+  // Clamping onto the support would hide a NaN or Inf reward, and an out-of-range action has
+  // no row: no host sync can report either, so the sample's loss and gradient become NaN, the
+  // optimizer skips the step and the trainer's non-finite check reports it (documented).
+  if (!(a >= 0 && a < n) || !isfinite(r) || !isfinite(discount)) {
+    for (int i = lane; i < n * NA; i += 32) P.grad_q[row0 * NA + i] = NAN;
+    return make_float2(NAN, NAN);
   }
-  return make_float2(ce_sum / br.count, q_sum / br.count);
+  const float* on = P.q_next_online + row0 * NA;
+  const float* tg = P.q_next_target + row0 * NA;
+  const float* xc = P.q + (row0 + a) * NA;
+  if (P.staged) {
+    stage_rows(work, on, tg, xc, n * NA, NA, lane);
+    on = work;
+    tg = work + n * NA;
+    xc = work + 2 * n * NA;
+    work += (2 * P.max_actions + 1) * NA;
+  }
+  float* pt = work;             // target probabilities
+  float* pos = work + NA;       // position of r + gamma z_i on the support, in atoms
+  float* m = work + 2 * NA;     // projected target distribution
+  for (int k = 0; k < n; ++k) {  // the other actions' gradient rows are 0
+    if (k == a) continue;
+    for (int j = lane; j < NA; j += 32) P.grad_q[(row0 + k) * NA + j] = 0.f;
+  }
+  __syncwarp();
+
+  // double DQN: the online network's greedy next action (the first of equal maxima; NaN wins)
+  int a_star = 0;
+  float best = -INFINITY;
+  bool nan_seen = false;
+  for (int a0 = 0; a0 < n && !nan_seen; a0 += kQChunk) {
+    float mx[kQChunk], s[kQChunk], sz[kQChunk];
+#pragma unroll
+    for (int k = 0; k < kQChunk; ++k) {
+      mx[k] = -INFINITY;
+      if (a0 + k < n)
+        for (int j = lane; j < NA; j += 32) mx[k] = fmaxf(mx[k], on[(a0 + k) * NA + j]);
+    }
+#pragma unroll
+    for (int k = 0; k < kQChunk; ++k) mx[k] = warp_max(mx[k]);
+#pragma unroll
+    for (int k = 0; k < kQChunk; ++k) {
+      s[k] = 0.f;
+      sz[k] = 0.f;
+      if (a0 + k < n)
+        for (int j = lane; j < NA; j += 32) {
+          const float e = expf(on[(a0 + k) * NA + j] - mx[k]);
+          s[k] += e;
+          sz[k] = fmaf(e, P.v_min + j * P.dz, sz[k]);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < kQChunk; ++k) {
+      s[k] = warp_sum(s[k]);
+      sz[k] = warp_sum(sz[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kQChunk; ++k) {
+      const float qv = sz[k] / s[k];
+      if (a0 + k < n && !nan_seen && (qv > best || qv != qv)) {
+        best = qv;
+        a_star = a0 + k;
+        nan_seen = qv != qv;
+      }
+    }
+  }
+
+  // the target network's distribution at that action, and where each atom's return lands
+  const float* xt = tg + a_star * NA;
+  float mx = -INFINITY;
+  for (int j = lane; j < NA; j += 32) mx = fmaxf(mx, xt[j]);
+  mx = warp_max(mx);
+  float s = 0.f;
+  for (int j = lane; j < NA; j += 32) s += (pt[j] = expf(xt[j] - mx));
+  s = warp_sum(s);
+  for (int j = lane; j < NA; j += 32) {
+    pt[j] /= s;
+    const float tz = fminf(fmaxf(fmaf(discount, P.v_min + j * P.dz, r), P.v_min), P.v_max);
+    pos[j] = fminf(fmaxf((tz - P.v_min) / P.dz, 0.f), float(NA - 1));
+  }
+  __syncwarp();
+  // Projection: atom j receives mass only from sources with pos in [j - 1, j + 1] (its floor
+  // or ceiling is j), a contiguous range since pos is monotone in i (increasing, or constant
+  // for a terminal transition); the range's sources are added in increasing i, as a scan over
+  // every source would add them.
+  const bool ascending = pos[NA - 1] >= pos[0];
+  for (int j = lane; j < NA; j += 32) {
+    float mj = 0.f;
+    for (int i = first_reaching(pos, NA, ascending ? j - 1.f : j + 1.f, ascending); i < NA; ++i) {
+      const float bi = pos[i];
+      if (ascending ? bi > j + 1.f : bi < j - 1.f) break;
+      float l = floorf(bi), u = ceilf(bi);
+      if (l == u) {  // lands exactly on an atom: all its mass goes there
+        if (u > 0.f) l -= 1.f;
+        else u += 1.f;
+      }
+      if (int(l) == j) mj = fmaf(pt[i], u - bi, mj);
+      if (int(u) == j) mj = fmaf(pt[i], bi - l, mj);
+    }
+    m[j] = mj;
+  }
+  __syncwarp();
+
+  // cross-entropy on the taken action and its gradient (softmax - m)
+  float mc = -INFINITY;
+  for (int j = lane; j < NA; j += 32) mc = fmaxf(mc, xc[j]);
+  mc = warp_max(mc);
+  float sc = 0.f;
+  for (int j = lane; j < NA; j += 32) sc += expf(xc[j] - mc);
+  const float lse = mc + logf(warp_sum(sc));
+  float ce = 0.f, qc = 0.f;
+  float* g = P.grad_q + (row0 + a) * NA;
+  for (int j = lane; j < NA; j += 32) {
+    const float logp = xc[j] - lse;
+    const float p = expf(logp);
+    ce = fmaf(-m[j], logp, ce);
+    qc = fmaf(p, P.v_min + j * P.dz, qc);
+    g[j] = (p - m[j]) * scale;
+  }
+  ce = warp_sum(ce);
+  qc = warp_sum(qc);
+  __syncwarp();  // the warp's next branch reuses the work area
+  return make_float2(ce, qc);
 }
 
 // The MSE / Huber loss of sample b on the BDQ target: returns (loss, |td| mean, Q mean).
@@ -208,41 +281,72 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
   return make_float3(warp_sum(loss) / br.count, warp_sum(td) / br.count, warp_sum(qsum) / br.count);
 }
 
-__global__ void __launch_bounds__(kThreads) dqn_loss_kernel(const __grid_constant__ BranchTable br,
-                                                            const LossParams P) {
-  extern __shared__ float smem[];  // kWarps x 3 x atoms (C51 only)
-  __shared__ float block_loss[kWarps], block_q[kWarps];
+__global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_constant__ BranchTable br,
+                                                                   const LossParams P) {
+  extern __shared__ float smem[];  // C51: c51_floats_per_warp() per warp
+  __shared__ float part_a[kMaxWarps], part_b[kMaxWarps], part_c[kMaxWarps];
+  __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
   cg::grid_group grid = cg::this_grid();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float loss_acc = 0.f, q_acc = 0.f;
-  for (int b = blockIdx.x * kWarps + warp; b < P.batch; b += gridDim.x * kWarps) {
-    const float w = P.weights ? P.weights[b] : 1.f;
+  const int W = P.warps_per_sample, S = P.samples_per_block;
+  const int slot = warp / W, wi = warp % W;  // this warp's sample in the block, and its share
+  const bool c51 = P.type == LossType::kC51;
+  float* work = smem + warp * c51_floats_per_warp(P.atoms, P.max_actions, P.staged);
+  float loss_acc = 0.f, q_acc = 0.f;  // kept by each sample slot's first warp
+  for (int b0 = blockIdx.x * S; b0 < P.batch; b0 += gridDim.x * S) {  // uniform across the block
+    const int b = b0 + slot;
+    const bool live = slot < S && b < P.batch;
+    const float w = live && P.weights ? P.weights[b] : 1.f;
     const float scale = w / (float(P.batch) * br.count);
-    float sample_loss, td, q;
-    if (P.type == LossType::kC51) {
-      const float2 r = c51_sample(br, P, b, scale, smem + warp * 3 * P.atoms, lane);
-      sample_loss = td = r.x;
-      q = r.y;
-    } else {
-      const float3 r = bdq_sample(br, P, b, scale, lane);
-      sample_loss = r.x;
-      td = r.y;
-      q = r.z;
+    float x = 0.f, y = 0.f, z = 0.f;  // C51: cross-entropy and Q sums over this warp's branches
+    if (live) {
+      if (c51) {
+        for (int d = wi; d < br.count; d += W) {
+          const float2 r = c51_branch(br, P, b, d, scale, work, lane);
+          x += r.x;
+          y += r.y;
+        }
+      } else {
+        const float3 r = bdq_sample(br, P, b, scale, lane);
+        x = r.x;
+        z = r.y;
+        y = r.z;
+      }
     }
-    if (lane == 0) P.td_error[b] = td;
-    loss_acc = fmaf(w, sample_loss, loss_acc);
-    q_acc += q;
+    if (lane == 0) {
+      part_a[warp] = x;
+      part_b[warp] = y;
+      part_c[warp] = z;
+    }
+    __syncthreads();
+    if (live && wi == 0 && lane == 0) {
+      float sample_loss = 0.f, q = 0.f, td = 0.f;
+      for (int k = 0; k < W; ++k) {  // branch order (warp k took branches k, k + W, ...)
+        sample_loss += part_a[warp + k];
+        q += part_b[warp + k];
+        td += part_c[warp + k];
+      }
+      if (c51) {
+        sample_loss /= br.count;
+        q /= br.count;
+        td = sample_loss;
+      }
+      P.td_error[b] = td;
+      loss_acc = fmaf(w, sample_loss, loss_acc);
+      q_acc += q;
+    }
+    __syncthreads();  // part_* are rewritten in the next round
   }
-  if (lane == 0) {
-    block_loss[warp] = loss_acc;
-    block_q[warp] = q_acc;
+  if (wi == 0 && lane == 0 && slot < S) {
+    slot_loss[slot] = loss_acc;
+    slot_q[slot] = q_acc;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     float l = 0.f, q = 0.f;
-    for (int w = 0; w < kWarps; ++w) {
-      l += block_loss[w];
-      q += block_q[w];
+    for (int k = 0; k < S; ++k) {
+      l += slot_loss[k];
+      q += slot_q[k];
     }
     P.partials[blockIdx.x] = l;
     P.partials[gridDim.x + blockIdx.x] = q;
@@ -275,10 +379,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-  const size_t smem = S.type == LossType::kC51 ? size_t(kWarps) * 3 * S.atoms * sizeof(float) : 0;
-  const int cap = cooperative_block_cap(dqn_loss_kernel, kThreads, smem);
+  // Block shape: C51 gives each sample min(D, 8) warps (warp k takes branches k, k + 8, ...)
+  // and a block as many whole samples as fit in 8 warps; MSE / Huber a warp per sample.
+  const bool c51 = S.type == LossType::kC51;
+  const int warps_per_sample = c51 ? static_cast<int>(std::min<int64_t>(br.count, kMaxWarps)) : 1;
+  const int samples_per_block = kMaxWarps / warps_per_sample;
+  const int threads = 32 * warps_per_sample * samples_per_block;
+  int max_actions = 1;
+  for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
+  const int warps = threads / 32;
+  const bool staged = c51 && size_t(warps) * c51_floats_per_warp(S.atoms, max_actions, true) * sizeof(float) <=
+                                 kSmemBudget;
+  const size_t smem = c51 ? size_t(warps) * c51_floats_per_warp(S.atoms, max_actions, staged) * sizeof(float) : 0;
+  const int cap = cooperative_block_cap(dqn_loss_kernel, threads, smem);
   DQN_CHECK(cap > 0, kLossOp, ": the kernel cannot be resident on this device");
-  const int grid = static_cast<int>(std::min<int64_t>((S.batch + kWarps - 1) / kWarps, cap));
+  const int grid = static_cast<int>(std::min<int64_t>((S.batch + samples_per_block - 1) / samples_per_block, cap));
 
   Tensor loss = at::empty({}, q.options());
   Tensor grad_q = at::empty_like(q);
@@ -302,13 +417,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   P.batch = static_cast<int>(S.batch);
   P.total_actions = static_cast<int>(S.total_actions);
   P.atoms = static_cast<int>(S.atoms);
+  P.warps_per_sample = warps_per_sample;
+  P.samples_per_block = samples_per_block;
+  P.max_actions = max_actions;
+  P.staged = staged;
   P.v_min = static_cast<float>(v_min);
   P.v_max = static_cast<float>(v_max);
   P.dz = S.type == LossType::kC51 ? static_cast<float>((v_max - v_min) / double(S.atoms - 1)) : 0.f;
   P.gamma = static_cast<float>(gamma);
   P.type = S.type;
   void* args[] = {const_cast<BranchTable*>(&br), &P};
-  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dqn_loss_kernel), dim3(grid), dim3(kThreads), args,
+  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dqn_loss_kernel), dim3(grid), dim3(threads), args,
                                              smem, stream));
   return {loss, grad_q, td_error, mean_q};
 }

@@ -27,37 +27,40 @@ namespace {
 using at::Tensor;
 constexpr int kThreads = 256;
 
-// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q, one thread per (row, atom):
-//   dv = sum over every action of dq;  da[k] = dq[k] - mean over the branch's actions of dq.
-// Also writes the BF16 copy the `bf16` GEMMs read (d_head_bf16 may be null).
+// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q, a block per row (grid-striding),
+// a thread per atom:  dv = sum over every action of dq;  da[k] = dq[k] - mean over the
+// branch's actions of dq. d_head is compact [rows, head_out]; the BF16 copy the `bf16` GEMMs
+// read (d_head_bf16, may be null) is in the padded layout [rows, head_ld] of NetLayout.
 __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const float* __restrict__ grad_head,
                                         float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
-                                        int64_t rows, int atoms, int64_t head_out, int total_actions,
-                                        BranchTable branches) {
-  const int64_t n = rows * atoms;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t b = i / atoms;
-    const int z = static_cast<int>(i % atoms);
+                                        int64_t head_ld, int64_t rows, int atoms, int64_t head_out,
+                                        int total_actions, BranchTable branches) {
+  for (int64_t b = blockIdx.x; b < rows; b += gridDim.x) {
     const float* gh = grad_head ? grad_head + b * head_out : nullptr;
     float* dh = d_head + b * head_out;
-    float dv = gh ? gh[z] : 0.f;
-    for (int d = 0; d < branches.count; ++d) {
-      const int size = branches.size[d], first = branches.action_offset[d];
-      const float* dq = grad_q ? grad_q + (b * total_actions + first) * int64_t(atoms) + z : nullptr;
-      float sum = 0.f;
-      if (dq)
-        for (int k = 0; k < size; ++k) sum += dq[int64_t(k) * atoms];
-      dv += sum;
-      const float mean = sum / size;
-      for (int k = 0; k < size; ++k) {
-        const int64_t col = int64_t(atoms) * (1 + first + k) + z;
-        const float g = (dq ? dq[int64_t(k) * atoms] - mean : 0.f) + (gh ? gh[col] : 0.f);
-        dh[col] = g;
-        if (d_head_bf16) d_head_bf16[b * head_out + col] = __float2bfloat16_rn(g);
+    __nv_bfloat16* low = d_head_bf16 ? d_head_bf16 + b * head_ld : nullptr;
+    for (int z = threadIdx.x; z < atoms; z += blockDim.x) {
+      float dv = gh ? gh[z] : 0.f;
+      int64_t pad_col = round_up_to_align(atoms);  // branch d's first column in the padded copy
+      for (int d = 0; d < branches.count; ++d) {
+        const int size = branches.size[d], first = branches.action_offset[d];
+        const float* dq = grad_q ? grad_q + (b * total_actions + first) * int64_t(atoms) + z : nullptr;
+        float sum = 0.f;
+        if (dq)
+          for (int k = 0; k < size; ++k) sum += dq[int64_t(k) * atoms];
+        dv += sum;
+        const float mean = sum / size;
+        for (int k = 0; k < size; ++k) {
+          const int64_t col = int64_t(atoms) * (1 + first + k) + z;
+          const float g = (dq ? dq[int64_t(k) * atoms] - mean : 0.f) + (gh ? gh[col] : 0.f);
+          dh[col] = g;
+          if (low) low[pad_col + int64_t(k) * atoms + z] = __float2bfloat16_rn(g);
+        }
+        pad_col += round_up_to_align(int64_t(atoms) * size);
       }
+      dh[z] = dv;
+      if (low) low[z] = __float2bfloat16_rn(dv);
     }
-    dh[z] = dv;
-    if (d_head_bf16) d_head_bf16[b * head_out + z] = __float2bfloat16_rn(dv);
   }
 }
 
@@ -90,8 +93,10 @@ __global__ void upcast_kernel(UpcastJobs jobs) {
 
 // Column sums of up to 4 row-major F32 matrices [rows, cols_j] into dst_j: the bias
 // gradients. A block sums kColTile columns over all rows: kRowLanes threads per column
-// stride down the rows, then one fixed-order reduction in shared memory.
-constexpr int kColTile = 32, kRowLanes = 16;
+// stride down the rows with 4 independent accumulators (4 loads in flight per thread: at
+// B = 4096 one accumulator left the kernel latency-bound at 20 µs), then one fixed-order
+// reduction in shared memory. The order depends only on `rows`: results are deterministic.
+constexpr int kColTile = 32, kRowLanes = 32, kRowUnroll = 4;
 struct ColumnSumJobs {
   const float* src[4];
   float* dst[4];
@@ -101,14 +106,24 @@ struct ColumnSumJobs {
   int64_t rows;
 };
 
-__global__ void column_sum_kernel(ColumnSumJobs jobs) {
+__global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnSumJobs jobs) {
   int j = 0;
   while (j + 1 < jobs.count && blockIdx.x >= jobs.first_block[j + 1]) ++j;
   const int64_t cols = jobs.cols[j];
   const int64_t c = (blockIdx.x - jobs.first_block[j]) * kColTile + threadIdx.x;
   float s = 0.f;
-  if (c < cols)
-    for (int64_t r = threadIdx.y; r < jobs.rows; r += kRowLanes) s += jobs.src[j][r * cols + c];
+  if (c < cols) {
+    const float* src = jobs.src[j] + c;
+    const int64_t step = int64_t(kRowLanes) * kRowUnroll;
+    float acc[kRowUnroll] = {};
+    int64_t r = threadIdx.y;
+    for (; r + (kRowUnroll - 1) * kRowLanes < jobs.rows; r += step)
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) acc[u] += src[(r + u * kRowLanes) * cols];
+    for (; r < jobs.rows; r += kRowLanes) acc[0] += src[r * cols];
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) s += acc[u];
+  }
   __shared__ float part[kRowLanes][kColTile];
   part[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
@@ -178,22 +193,29 @@ std::tuple<Tensor, Tensor> mixed_backward_cuda(
   Tensor grad = at::zeros({L.numel}, f32);  // padding between segments stays 0
   float* g = grad.data_ptr<float>();
 
-  Grad d_head = make_grad(L.head_out);
-  dueling_backward_kernel<<<blocks_for(B * L.atoms, kThreads), kThreads, 0, stream>>>(
+  Grad d_head{at::empty({B, L.head_out}, f32), bf16 ? at::empty({B, L.head_ld}, bf16opt) : Tensor()};
+  dueling_backward_kernel<<<static_cast<unsigned>(std::min<int64_t>(B, 1 << 16)), 64, 0, stream>>>(
       grad_q.has_value() ? grad_q->data_ptr<float>() : nullptr,
       grad_head.has_value() ? grad_head->data_ptr<float>() : nullptr, d_head.f32.data_ptr<float>(), d_head.low_ptr(),
-      B, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
+      L.head_ld, B, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  // Output heads: dW_j = dY_j^T hh_j and d(hh)_j = dY_j W_j, each on its column slices.
+  // Output heads: dW_j = dY_j^T hh_j and d(hh)_j = dY_j W_j, each on its column slices; the
+  // branch heads as one strided batch when they share a shape. dY is the padded BF16 copy
+  // (aligned operands) in bf16 mode, the compact F32 d_head otherwise.
   Grad d_hh = make_grad(L.head_hidden);
-  for (const HeadSlice& s : L.heads) {
-    const Operand dy{at_elem(d_head.operand(bf16), s.out_col), op_type, L.head_out, false};
-    const Operand dy_t{dy.ptr, op_type, L.head_out, true};
-    gemm(op, "output head dW", s.out_width, s.in_width, B, dy_t, Operand{at_elem(act(3), s.in_col), op_type, L.head_hidden, false},
-         g + s.w_off, CUDA_R_32F, s.in_width, compute);
-    gemm(op, "output head dX", B, s.in_width, s.out_width, dy, Operand{at_elem(weights, s.w_off), op_type, s.in_width, false},
-         d_hh.f32.data_ptr<float>() + s.in_col, CUDA_R_32F, L.head_hidden, compute);
+  for (const HeadGroup& grp : head_groups(L)) {
+    const HeadSlice& s = grp.first;
+    const Operand dy = bf16 ? Operand{at_elem(d_head.low.data_ptr(), s.pad_col), op_type, L.head_ld, false}
+                            : Operand{at_elem(d_head.f32.data_ptr(), s.out_col), op_type, L.head_out, false};
+    const int64_t dy_stride = bf16 ? grp.pad_col_stride : grp.out_col_stride;
+    gemm_strided_batched(op, "output heads dW", s.out_width, s.in_width, B, Operand{dy.ptr, op_type, dy.ld, true},
+                         dy_stride, Operand{at_elem(act(3), s.in_col), op_type, L.head_hidden, false},
+                         grp.in_col_stride, g + s.w_off, CUDA_R_32F, s.in_width, grp.w_stride, grp.count, compute);
+    gemm_strided_batched(op, "output heads dX", B, s.in_width, s.out_width, dy, dy_stride,
+                         Operand{at_elem(weights, s.w_off), op_type, s.in_width, false}, grp.w_stride,
+                         d_hh.f32.data_ptr<float>() + s.in_col, CUDA_R_32F, L.head_hidden, grp.in_col_stride,
+                         grp.count, compute);
   }
 
   // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W.

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Kernel-level profile of one dqn_ops training step: every GPU kernel of the step, in order,
+with its duration, for the eager step and for a replay of the captured graph (torch profiler /
+CUPTI). This is where the launch counts and per-kernel times of bench/NOTES.md come from.
+
+    python3 scripts/profile_step.py --batches 256 4096 --out bench/results
+
+Writes <out>/<date>-<device>-profile.txt (every batch) and prints a summary.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
+
+from bench import random_batch  # noqa: E402
+from bench_common import run_meta  # noqa: E402
+
+
+def kernel_trace(fn, repeats: int = 5):
+    """[(name, µs)] of the GPU activity of the last of `repeats` calls of fn, in start order."""
+    for _ in range(repeats - 1):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.time_range.start)
+    span = (events[-1].time_range.end - events[0].time_range.start) if events else 0.0
+    return [(e.name, e.time_range.end - e.time_range.start) for e in events], span
+
+
+def short(name: str, width: int = 110) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "bench", "results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_step.py needs a CUDA device")
+    meta = run_meta()
+    os.makedirs(args.out, exist_ok=True)
+    c = DQNConfig()
+    lines = ["# dqn_ops training step, kernel traces (µs per kernel, in start order)", f"# {meta}", ""]
+    for B in args.batches:
+        lines += [f"# B = {B}", ""]
+        for graph in (False, True):
+            cfg = TrainerConfig(batch_size=B, use_cuda_graph=graph, readback_interval=100, on_non_finite="flag")
+            t = Trainer(c, cfg, device="cuda", seed=0)
+            batch = random_batch(c, B, torch.device("cuda"))
+            trace, span = kernel_trace(lambda: t.step(batch))
+            busy = sum(us for _, us in trace)
+            head = (f"## B = {B}, {'graph replay' if graph else 'eager'}: {len(trace)} kernels, sum of kernel times "
+                    f"{busy:.1f} µs, first start to last end {span:.1f} µs")
+            print(head[3:], flush=True)
+            lines += [head, ""] + [f"{us:8.2f}  {short(name)}" for name, us in trace] + [""]
+    path = os.path.join(args.out, f"{meta['date']}-{meta['device'].replace(' ', '_')}-profile.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
