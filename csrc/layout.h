@@ -29,6 +29,7 @@ struct HeadSlice {
   int64_t in_width;  // VH or AH
   int64_t out_col;   // first column of its logits in head_logits [B, head_out]
   int64_t pad_col;   // first column of its logits in the padded GEMM layout [B, head_ld] (see head_ld)
+  int64_t pad_width; // out_width rounded up to kLayoutAlign: its weight's rows, padding included
   int64_t out_width; // NA or n_d * NA
   int64_t w_off;     // offset of its weight [out_width, in_width] in the flat buffer
 };
@@ -40,10 +41,11 @@ struct NetLayout {
   int64_t total_actions;                // sum n_d
   int64_t head_hidden;                  // VH + D*AH
   int64_t head_out;                     // NA * (1 + total_actions)
-  // The CUDA kernels keep the output layer's GEMM results in a padded layout: each head's
-  // columns start at a multiple of kLayoutAlign and rows are head_ld apart, so every GEMM
-  // operand is 16-byte aligned (with head_out = 510 and heads at columns 51, 204, ... cuBLAS
-  // falls back to align-1 SM75 kernels plus split-K reductions: 2-3x slower, measured).
+  // The CUDA kernels keep the output layer's GEMM results in a padded layout: head j's
+  // pad_width columns start at pad_col (multiples of kLayoutAlign) and rows are head_ld apart,
+  // so every GEMM operand is 16-byte aligned and every GEMM size a multiple of 8 (with
+  // head_out = 510, heads at columns 51, 204, ... and 51 or 153 rows, cuBLAS fell back to
+  // align-1 SM75 kernels plus split-K reductions: 2-10x slower, measured).
   int64_t head_ld;
   int64_t w_s1, w_s2, w_h1;             // weight offsets
   std::vector<HeadSlice> heads;         // D + 1 output heads, value first
@@ -119,7 +121,8 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
     h.out_width = j == 0 ? L.atoms : L.atoms * L.branch_sizes[j - 1];
     h.w_off = v[p++];
     h.pad_col = L.head_ld;
-    L.head_ld += round_up_to_align(h.out_width);
+    h.pad_width = round_up_to_align(h.out_width);
+    L.head_ld += h.pad_width;
     L.heads.push_back(h);
   }
   L.b_s1 = v[p++];
@@ -133,7 +136,9 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
       {L.w_s1, L.trunk1 * L.state_dim}, {L.w_s2, L.trunk2 * L.trunk1}, {L.w_h1, L.head_hidden * L.trunk2},
       {L.b_s1, L.trunk1},               {L.b_s2, L.trunk2},            {L.b_h1, L.head_hidden},
       {L.b_out, L.head_out}};
-  for (const auto& h : L.heads) seg.emplace_back(h.w_off, h.out_width * h.in_width);
+  // An output head's weight segment reserves rows up to a multiple of kLayoutAlign (zero
+  // padding, see ParamLayout): the CUDA kernels run its GEMMs on the padded row count.
+  for (const auto& h : L.heads) seg.emplace_back(h.w_off, round_up_to_align(h.out_width) * h.in_width);
   for (const auto& s : seg) {
     DQN_CHECK(s.first >= 0 && s.first % kLayoutAlign == 0, op, ": layout: segment offset ", s.first,
                 " is not a non-negative multiple of ", kLayoutAlign);

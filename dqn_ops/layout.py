@@ -110,7 +110,12 @@ class ParamLayout:
         off = 0
         for name, shape in segments:
             self.segments[name] = (off, shape)
-            off = _align(off + shape_numel(shape))
+            # An output head's weight gets rows up to a multiple of 8 (zero, outside every
+            # view): the CUDA kernels run its GEMMs on the padded sizes, which keeps cuBLAS on
+            # aligned tensor-core kernels (51 or 153 rows sent it to align-1 kernels, 2-10x
+            # slower; bench/NOTES.md). csrc/layout.h checks the reservation.
+            rows = _align(shape[0]) if name.startswith("W_out") else shape[0]
+            off = _align(off + rows * shape_numel(shape[1:]))
         self.numel = off
 
         # Per-layer views, named as in a plain nn.Linear network: (name, shape, offset).

@@ -28,4 +28,10 @@ for tool in memcheck racecheck initcheck synccheck; do
   echo "$tool: exit $rc, $(grep -c '========= ' "$OUT/sanitizer-$tool.log") sanitizer lines; $(tail -1 "$OUT/sanitizer-$tool.log")"
   [ $rc -ne 0 ] && status=1
 done
+# Control (plain PyTorch, no dqn_ops): does initcheck see cuBLAS's GEMM writes at all?
+timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool initcheck --error-exitcode 9 --print-limit 5 \
+  $PY scripts/initcheck_control.py > "$OUT/sanitizer-initcheck-control.log" 2>&1
+echo "initcheck control (torch only, a cuBLAS GEMM's output read by a torch kernel): exit $?; $(tail -1 "$OUT/sanitizer-initcheck-control.log")"
+grep -A1 "Uninitialized" "$OUT/sanitizer-initcheck.log" | grep "  at " | sed 's/+0x[0-9a-f]* in / in /' | sort | uniq -c \
+  | sed 's/^/initcheck reports in: /'
 exit $status

@@ -118,7 +118,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
   const auto* hh_ptr = static_cast<const __nv_bfloat16*>(hh.data_ptr());
   for (const HeadGroup& g : head_groups(L)) {
     const HeadSlice& s = g.first;
-    gemm_strided_batched(kForwardOp, "output heads", B, s.out_width, s.in_width,
+    // pad_width rows of W: the padding rows (zero, reserved by the layout) give logits
+    // columns no one reads, and keep every GEMM size a multiple of 8.
+    gemm_strided_batched(kForwardOp, "output heads", B, s.pad_width, s.in_width,
                          Operand{hh_ptr + s.in_col, CUDA_R_16BF, L.head_hidden, false}, g.in_col_stride,
                          Operand{w + s.w_off, CUDA_R_16BF, s.in_width, true}, g.w_stride,
                          logits.data_ptr<float>() + s.pad_col, CUDA_R_32F, L.head_ld, g.pad_col_stride, g.count,

@@ -7,8 +7,8 @@
 //   tf32: F32 dY x F32 operands on TF32 tensor cores (COMPUTE_32F_FAST_TF32); dX reads the
 //         F32 master weights, dW the saved BF16 activations upcast to F32 (exact).
 //   fp32: as tf32 with COMPUTE_32F_PEDANTIC (full-precision FMA, for checks).
-// Bias gradients are column sums of the unrounded F32 dZ, all four layer groups in one
-// deterministic launch (fixed summation order: graph replays and eager calls agree bitwise).
+// Bias gradients are column sums of the unrounded F32 dZ, all four layer groups together in a
+// fixed summation order (graph replays and eager calls agree bitwise).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -30,7 +30,8 @@ constexpr int kThreads = 256;
 // d_head = grad_head + d(dueling aggregate)/d(head) . grad_q, a block per row (grid-striding),
 // a thread per atom:  dv = sum over every action of dq;  da[k] = dq[k] - mean over the
 // branch's actions of dq. d_head is compact [rows, head_out]; the BF16 copy the `bf16` GEMMs
-// read (d_head_bf16, may be null) is in the padded layout [rows, head_ld] of NetLayout.
+// read (d_head_bf16, may be null) is in the padded layout [rows, head_ld] of NetLayout, its
+// padding columns 0.
 __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const float* __restrict__ grad_head,
                                         float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
                                         int64_t head_ld, int64_t rows, int atoms, int64_t head_out,
@@ -60,6 +61,16 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
       }
       dh[z] = dv;
       if (low) low[z] = __float2bfloat16_rn(dv);
+    }
+    if (low) {  // the padding columns of every head: 0, so padded GEMM sizes add nothing
+      int64_t pad_col = 0;
+      for (int j = 0; j <= branches.count; ++j) {
+        const int64_t width = j == 0 ? atoms : int64_t(atoms) * branches.size[j - 1];
+        const int64_t pad_width = round_up_to_align(width);
+        for (int64_t i = width + threadIdx.x; i < pad_width; i += blockDim.x)
+          low[pad_col + i] = __float2bfloat16_rn(0.f);
+        pad_col += pad_width;
+      }
     }
   }
 }
@@ -92,35 +103,45 @@ __global__ void upcast_kernel(UpcastJobs jobs) {
 }
 
 // Column sums of up to 4 row-major F32 matrices [rows, cols_j] into dst_j: the bias
-// gradients. A block sums kColTile columns over all rows: kRowLanes threads per column
-// stride down the rows with 4 independent accumulators (4 loads in flight per thread: at
-// B = 4096 one accumulator left the kernel latency-bound at 20 µs), then one fixed-order
-// reduction in shared memory. The order depends only on `rows`: results are deterministic.
-constexpr int kColTile = 32, kRowLanes = 32, kRowUnroll = 4;
+// gradients. Block (x, y) sums kColTile columns of one job over the rows of chunk y
+// (kChunkRows rows): kRowLanes threads per column stride down the rows with 4 independent
+// accumulators, then one fixed-order reduction in shared memory. With one chunk (rows <=
+// kChunkRows) the block writes dst; otherwise it writes its chunk's partial sums and
+// column_sum_chunks_kernel adds the chunks in order. Deterministic: the order depends only
+// on `rows`. (v1, one block per column tile over all rows: 20 µs at B = 4096, 48 blocks.)
+constexpr int kColTile = 32, kRowLanes = 16, kRowUnroll = 4;
+constexpr int64_t kChunkRows = 512;
 struct ColumnSumJobs {
   const float* src[4];
   float* dst[4];
   int64_t cols[4];
-  int64_t first_block[5];  // job j owns blocks [first_block[j], first_block[j+1])
+  int64_t first_block[5];  // job j owns column tiles [first_block[j], first_block[j+1])
+  int64_t first_col[5];    // and columns [first_col[j], first_col[j+1]) of `partial`
   int count;
   int64_t rows;
+  float* partial;  // [chunks, first_col[count]] when there is more than one chunk
 };
 
-__global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnSumJobs jobs) {
+__device__ __forceinline__ int column_sum_job(const ColumnSumJobs& jobs, int64_t tile) {
   int j = 0;
-  while (j + 1 < jobs.count && blockIdx.x >= jobs.first_block[j + 1]) ++j;
+  while (j + 1 < jobs.count && tile >= jobs.first_block[j + 1]) ++j;
+  return j;
+}
+
+__global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnSumJobs jobs) {
+  const int j = column_sum_job(jobs, blockIdx.x);
   const int64_t cols = jobs.cols[j];
   const int64_t c = (blockIdx.x - jobs.first_block[j]) * kColTile + threadIdx.x;
+  const int64_t r_end = std::min<int64_t>(jobs.rows, (blockIdx.y + 1) * kChunkRows);
   float s = 0.f;
   if (c < cols) {
     const float* src = jobs.src[j] + c;
-    const int64_t step = int64_t(kRowLanes) * kRowUnroll;
     float acc[kRowUnroll] = {};
-    int64_t r = threadIdx.y;
-    for (; r + (kRowUnroll - 1) * kRowLanes < jobs.rows; r += step)
+    int64_t r = blockIdx.y * kChunkRows + threadIdx.y;
+    for (; r + (kRowUnroll - 1) * kRowLanes < r_end; r += kRowUnroll * kRowLanes)
 #pragma unroll
       for (int u = 0; u < kRowUnroll; ++u) acc[u] += src[(r + u * kRowLanes) * cols];
-    for (; r < jobs.rows; r += kRowLanes) acc[0] += src[r * cols];
+    for (; r < r_end; r += kRowLanes) acc[0] += src[r * cols];
 #pragma unroll
     for (int u = 0; u < kRowUnroll; ++u) s += acc[u];
   }
@@ -130,7 +151,19 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnS
   if (threadIdx.y == 0 && c < cols) {
     float t = 0.f;
     for (int i = 0; i < kRowLanes; ++i) t += part[i][threadIdx.x];
-    jobs.dst[j][c] = t;
+    if (gridDim.y == 1) jobs.dst[j][c] = t;
+    else jobs.partial[blockIdx.y * jobs.first_col[jobs.count] + jobs.first_col[j] + c] = t;
+  }
+}
+
+__global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
+  const int64_t total = jobs.first_col[jobs.count];
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    int j = 0;
+    while (j + 1 < jobs.count && i >= jobs.first_col[j + 1]) ++j;
+    float t = 0.f;
+    for (int k = 0; k < chunks; ++k) t += jobs.partial[k * total + i];
+    jobs.dst[j][i - jobs.first_col[j]] = t;
   }
 }
 
@@ -201,18 +234,21 @@ std::tuple<Tensor, Tensor> mixed_backward_cuda(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   // Output heads: dW_j = dY_j^T hh_j and d(hh)_j = dY_j W_j, each on its column slices; the
-  // branch heads as one strided batch when they share a shape. dY is the padded BF16 copy
-  // (aligned operands) in bf16 mode, the compact F32 d_head otherwise.
+  // branch heads as one strided batch when they share a shape. In bf16 mode dY is the padded
+  // BF16 copy, whose padding columns are 0: the GEMMs run on pad_width (aligned operands,
+  // sizes multiples of 8), the padding rows of W add 0 to dX and their dW rows are 0. The
+  // tf32 / fp32 checks read the compact F32 d_head on the exact sizes.
   Grad d_hh = make_grad(L.head_hidden);
   for (const HeadGroup& grp : head_groups(L)) {
     const HeadSlice& s = grp.first;
     const Operand dy = bf16 ? Operand{at_elem(d_head.low.data_ptr(), s.pad_col), op_type, L.head_ld, false}
                             : Operand{at_elem(d_head.f32.data_ptr(), s.out_col), op_type, L.head_out, false};
     const int64_t dy_stride = bf16 ? grp.pad_col_stride : grp.out_col_stride;
-    gemm_strided_batched(op, "output heads dW", s.out_width, s.in_width, B, Operand{dy.ptr, op_type, dy.ld, true},
+    const int64_t width = bf16 ? s.pad_width : s.out_width;
+    gemm_strided_batched(op, "output heads dW", width, s.in_width, B, Operand{dy.ptr, op_type, dy.ld, true},
                          dy_stride, Operand{at_elem(act(3), s.in_col), op_type, L.head_hidden, false},
                          grp.in_col_stride, g + s.w_off, CUDA_R_32F, s.in_width, grp.w_stride, grp.count, compute);
-    gemm_strided_batched(op, "output heads dX", B, s.in_width, s.out_width, dy, dy_stride,
+    gemm_strided_batched(op, "output heads dX", B, s.in_width, width, dy, dy_stride,
                          Operand{at_elem(weights, s.w_off), op_type, s.in_width, false}, grp.w_stride,
                          d_hh.f32.data_ptr<float>() + s.in_col, CUDA_R_32F, L.head_hidden, grp.in_col_stride,
                          grp.count, compute);
@@ -239,21 +275,35 @@ std::tuple<Tensor, Tensor> mixed_backward_cuda(
   Grad d_h1 = hidden_backward(d_h2, 2, 1, L.w_s2, L.trunk2, L.trunk1, true, "trunk layer 2");
   Grad d_x = hidden_backward(d_h1, 1, 0, L.w_s1, L.trunk1, L.state_dim, need_grad_states, "trunk layer 1");
 
-  // Bias gradients of the four groups (b_out, b_h1, b_s2, b_s1) in one launch.
+  // Bias gradients of the four groups (b_out, b_h1, b_s2, b_s1): one launch, two past kChunkRows rows.
   ColumnSumJobs jobs{};
   const std::pair<const Tensor*, int64_t> bias_groups[4] = {
       {&d_head.f32, L.b_out}, {&d_hh.f32, L.b_h1}, {&d_h2.f32, L.b_s2}, {&d_h1.f32, L.b_s1}};
   jobs.count = 4;
   jobs.rows = B;
-  jobs.first_block[0] = 0;
+  jobs.first_block[0] = jobs.first_col[0] = 0;
   for (int j = 0; j < 4; ++j) {
     jobs.src[j] = bias_groups[j].first->data_ptr<float>();
     jobs.cols[j] = bias_groups[j].first->size(1);
     jobs.dst[j] = g + bias_groups[j].second;
     jobs.first_block[j + 1] = jobs.first_block[j] + (jobs.cols[j] + kColTile - 1) / kColTile;
+    jobs.first_col[j + 1] = jobs.first_col[j] + jobs.cols[j];
   }
-  column_sum_kernel<<<static_cast<unsigned>(jobs.first_block[4]), dim3(kColTile, kRowLanes), 0, stream>>>(jobs);
+  const int64_t chunks = std::max<int64_t>(1, (B + kChunkRows - 1) / kChunkRows);
+  DQN_CHECK(chunks <= 65535, op, ": batch too large for the bias-gradient kernel (", B, " rows)");
+  Tensor partial;
+  if (chunks > 1) {
+    partial = at::empty({chunks * jobs.first_col[4]}, f32);
+    jobs.partial = partial.data_ptr<float>();
+  }
+  column_sum_kernel<<<dim3(static_cast<unsigned>(jobs.first_block[4]), static_cast<unsigned>(chunks)),
+                      dim3(kColTile, kRowLanes), 0, stream>>>(jobs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (chunks > 1) {
+    column_sum_chunks_kernel<<<blocks_for(jobs.first_col[4], kThreads), kThreads, 0, stream>>>(
+        jobs, static_cast<int>(chunks));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 
   Tensor grad_states = need_grad_states ? d_x.f32 : at::empty({0}, f32);
   return {grad, grad_states};
