@@ -105,8 +105,9 @@ class Trainer:
     Non-finite steps (NaN/Inf in states, rewards or dones; an out-of-range action on CUDA):
     the gradient is non-finite, so the optimizer skips the step on the device (parameters,
     moments and step count unchanged; the spectral clamp and the target EMA still apply). A
-    sticky device flag copied to pinned memory after each step makes the host notice within
-    a step or two; it then reads back at once and raises ``NonFiniteError`` naming the step
+    sticky device flag copied to pinned memory after each step makes the host notice a step
+    or two after the GPU ran it (the host may be further ahead: the launch queue); it then
+    reads back at once and raises ``NonFiniteError`` naming the step
     (``on_non_finite='raise'``) or appends it to ``non_finite_steps`` (``'flag'``).
     """
 
