@@ -9,6 +9,7 @@
 #   PARITY_EPOCHS=50 bash scripts/gpu_check.sh   # also the convergence-parity check
 #   BENCHES=step STEP_BENCH_ARGS="--batches 256 4096" bash scripts/gpu_check.sh   # the whole-step benchmark
 #   SANITIZE=1 bash scripts/gpu_check.sh         # also scripts/verify_gpu.sh (compute-sanitizer, 4 tools)
+#   NCU=1 NCU_BATCH=256 bash scripts/gpu_check.sh  # also scripts/ncu_step.sh (Nsight Compute counters per kernel)
 #   PROFILE=1 bash scripts/gpu_check.sh          # also scripts/profile_step.py (every kernel of the step, timed)
 #   SOAK=1 bash scripts/gpu_check.sh             # also scripts/soak.py (100,000 graphed + 10,000 eager steps)
 # Sanitizers: scripts/verify_gpu.sh.
@@ -56,6 +57,10 @@ fi
 if [ -n "${SANITIZE:-}" ]; then
   echo "== compute-sanitizer (scripts/verify_gpu.sh)"
   SKIP_BUILD=1 OUT="$OUT" bash scripts/verify_gpu.sh 2>&1 | tee "$OUT/verify.log" || echo "SANITIZER FOUND ERRORS"
+fi
+if [ -n "${NCU:-}" ]; then
+  echo "== Nsight Compute (scripts/ncu_step.sh, B = ${NCU_BATCH:-256})"
+  SKIP_BUILD=1 OUT="$OUT" bash scripts/ncu_step.sh 2>&1 | tail -60 | tee "$OUT/ncu-summary.log"
 fi
 if [ -n "${PROFILE:-}" ]; then
   echo "== kernel trace of the step"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Nsight Compute counters for the kernels of one dqn_ops training step (eager: the same kernels
+# the CUDA graph replays), on a GPU machine whose runtime lets ncu read the counters (see the
+# device tool's KINDS.md). Clocks are left alone (--clock-control none). Builds in place first
+# unless SKIP_BUILD is set. Writes $OUT/ncu-B<batch>.txt (default OUT: ./gpu_out).
+#
+#   bash scripts/ncu_step.sh                       # B = 256, every kernel of the step
+#   NCU_BATCH=4096 NCU_KERNELS='regex:dqn_loss|spectral' bash scripts/ncu_step.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if [ -z "${SKIP_BUILD:-}" ]; then
+  $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+fi
+B=${NCU_BATCH:-256}
+# Only the profiled step (between cudaProfilerStart/Stop in ncu_driver.py) is measured.
+ncu --clock-control none --profile-from-start off --kernel-name "${NCU_KERNELS:-regex:.*}" \
+  --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+  --section MemoryWorkloadAnalysis \
+  $PY scripts/ncu_driver.py --batch "$B" > "$OUT/ncu-B$B.txt" 2>&1
+rc=$?
+grep -E "^  [a-zA-Z_].*\(|Duration|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Stall" \
+  "$OUT/ncu-B$B.txt" | head -200
+exit $rc
