@@ -9,6 +9,7 @@
 #   PARITY_EPOCHS=50 bash scripts/gpu_check.sh   # also the convergence-parity check
 #   BENCHES=step STEP_BENCH_ARGS="--batches 256 4096" bash scripts/gpu_check.sh   # the whole-step benchmark
 #   SANITIZE=1 bash scripts/gpu_check.sh         # also scripts/verify_gpu.sh (compute-sanitizer, 4 tools)
+#   DIST=1 bash scripts/gpu_check.sh             # on a multi-GPU machine: data-parallel scaling, 1 vs all GPUs
 #   NCU=1 NCU_BATCH=256 bash scripts/gpu_check.sh  # also scripts/ncu_step.sh (Nsight Compute counters per kernel)
 #   PROFILE=1 bash scripts/gpu_check.sh          # also scripts/profile_step.py (every kernel of the step, timed)
 #   SOAK=1 bash scripts/gpu_check.sh             # also scripts/soak.py (100,000 graphed + 10,000 eager steps)
@@ -25,6 +26,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+# NVLink multicast off for every NCCL / PyTorch / NVSHMEM user (the device tool's KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
 
 {
@@ -57,6 +60,15 @@ fi
 if [ -n "${SANITIZE:-}" ]; then
   echo "== compute-sanitizer (scripts/verify_gpu.sh)"
   SKIP_BUILD=1 OUT="$OUT" bash scripts/verify_gpu.sh 2>&1 | tee "$OUT/verify.log" || echo "SANITIZER FOUND ERRORS"
+fi
+if [ -n "${DIST:-}" ]; then
+  gpus=$(nvidia-smi -L | wc -l)
+  echo "== data-parallel scaling, 1 and $gpus GPUs (scripts/bench_distributed.py)"
+  for w in 1 "$gpus"; do
+    $PY -m torch.distributed.run --nproc-per-node "$w" scripts/bench_distributed.py --out "$OUT" \
+      --batches ${DIST_BATCHES:-4096 65536} || echo "DISTRIBUTED BENCHMARK FAILED (world $w)"
+  done 2>&1 | tee "$OUT/distributed.log" | tail -8
+  $PY scripts/bench_distributed.py --merge "$OUT" 2>&1 | tail -12
 fi
 if [ -n "${NCU:-}" ]; then
   echo "== Nsight Compute (scripts/ncu_step.sh, B = ${NCU_BATCH:-256})"
