@@ -17,10 +17,10 @@ smoke test of the script, not a measurement.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -31,40 +31,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
 
 from bench import random_batch  # noqa: E402
-from bench_common import run_meta, write_results  # noqa: E402
+from bench_common import run_meta, time_us, write_results  # noqa: E402
 
 TINY = DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=5, branches=(2, 3))
 
 
-def step_us(trainer: Trainer, batch, iters: int, repeats: int, cuda: bool) -> float:
-    """Median over `repeats` of the mean µs per step over `iters` back-to-back steps."""
-    samples = []
-    for _ in range(repeats):
-        if cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(iters):
-                trainer.step(batch)
-            e1.record()
-            e1.synchronize()
-            samples.append(e0.elapsed_time(e1) * 1000 / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                trainer.step(batch)
-            samples.append((time.perf_counter() - t0) * 1e6 / iters)
-    return statistics.median(samples)
-
-
-def run(args):
+def run(args, rank=None, world=None, init_method=None):
+    """One rank's part. Under torchrun the rank, world size and rendezvous come from its
+    environment; otherwise (the CPU test) from the arguments."""
     cuda = args.device == "cuda"
     if cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local = int(os.environ.get("LOCAL_RANK", 0)) if rank is None else rank
         device = torch.device(f"cuda:{local}")
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo")
+    backend = "nccl" if cuda else "gloo"
+    if init_method is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
         c = DQNConfig() if cuda else TINY
@@ -77,7 +63,7 @@ def run(args):
             for _ in range(cfg.warmup_steps + 5):  # eager warm-up, capture, a few replays
                 t.step(batch)
             iters = args.iters or (200 if B <= 4096 else 30)
-            us = torch.tensor([step_us(t, batch, iters, 3, cuda)], device=device)
+            us = torch.tensor([time_us(functools.partial(t.step, batch), iters, 3, warmup=0, device=device)], device=device)
             dist.all_reduce(us, op=dist.ReduceOp.MAX)  # the step is as slow as the slowest rank
             rows.append(dict(world=world, batch_per_gpu=B, step_us=round(float(us), 2), graphed=t.graphed,
                              samples_per_s=round(world * B / float(us) * 1e6)))

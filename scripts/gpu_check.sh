@@ -20,15 +20,7 @@
 #
 # This is exactly what runs on the H200 through the device tool (its python3 has torch,
 # nvcc, pytest and ninja; nothing can be downloaded there).
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
-# NVLink multicast off for every NCCL / PyTorch / NVSHMEM user (the device tool's KINDS.md).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/gpu_common.sh"
 
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
@@ -39,10 +31,7 @@ PY=${PYTHON:-python3}
 cat "$OUT/env.txt"
 
 echo "== build"
-# In place, not `pip install -e`: pip's editable path wants build dependencies from an index.
-if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
-  tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
-fi
+build_in_place
 $PY -c "import dqn_ops; assert dqn_ops.cuda_kernels_built(), 'built without CUDA kernels'; print('CUDA kernels built')" || exit 1
 
 echo "== tests"

@@ -6,16 +6,8 @@
 #
 #   bash scripts/ncu_step.sh                       # B = 256, every kernel of the step
 #   NCU_BATCH=4096 NCU_KERNELS='regex:dqn_loss|spectral' bash scripts/ncu_step.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-if [ -z "${SKIP_BUILD:-}" ]; then
-  $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
-fi
+source "$(dirname "$0")/gpu_common.sh"
+build_in_place
 B=${NCU_BATCH:-256}
 # Only the profiled step (between cudaProfilerStart/Stop in ncu_driver.py) is measured.
 ncu --clock-control none --profile-from-start off --kernel-name "${NCU_KERNELS:-regex:.*}" \

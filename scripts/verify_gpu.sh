@@ -4,16 +4,8 @@
 # Needs a machine whose driver the sanitizer supports (see the device tool's KINDS.md).
 #
 #   bash scripts/verify_gpu.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-if [ -z "${SKIP_BUILD:-}" ]; then
-  $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
-fi
+source "$(dirname "$0")/gpu_common.sh"
+build_in_place
 # Without the caching allocator every tensor is its own allocation, so memcheck sees an
 # access past a tensor's end and initcheck a read of memory no one wrote.
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
