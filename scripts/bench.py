@@ -37,7 +37,7 @@ import dqn_ops  # noqa: E402
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
 from dqn_ops.baseline import TorchTrainer  # noqa: E402
 
-from bench_common import graphed, kernels_per_call, run_meta, time_us, write_results  # noqa: E402
+from bench_common import graphed, headless_pyplot, kernels_per_call, run_meta, time_us, write_results  # noqa: E402
 
 MODES = ("torch_eager_f32", "torch_eager_bf16", "torch_graph_f32", "torch_graph_bf16", "torch_compile_graph_f32",
          "torch_compile_graph_bf16", "torch_compile_reduce_overhead", "dqn_ops_eager", "dqn_ops_graph")
@@ -200,12 +200,8 @@ def main():
 
 
 def _plot(rows, modes, path, meta):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    plt = headless_pyplot("no plot")
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 5))
     for m in modes:

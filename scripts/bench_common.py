@@ -76,3 +76,18 @@ def write_results(out_dir, kind, meta, rows, markdown_lines):
         f.write("\n".join(markdown_lines) + "\n")
     print(f"wrote {stem}.json and {stem}.md")
     return stem
+
+
+def headless_pyplot(what):
+    """matplotlib.pyplot on the Agg backend (no display needed), or None with a note on stderr
+    that `what` is not drawn when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        import sys
+
+        print(f"matplotlib not installed: {what}", file=sys.stderr)
+        return None
+    return plt

@@ -28,6 +28,8 @@ from dqn_ops.baseline import TorchTrainer  # noqa: E402
 from dqn_ops.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate, flat_policy, random_policy  # noqa: E402
 from dqn_ops.replay import ReplayBuffer  # noqa: E402
 
+from bench_common import headless_pyplot  # noqa: E402
+
 BACKENDS = ("dqn_ops", "torch", "torch-bf16")
 
 
@@ -184,12 +186,8 @@ def train(args) -> dict:
 
 
 def _plot(rows, baselines, path, title):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no learning-curve PNG", file=sys.stderr)
+    plt = headless_pyplot("no learning-curve PNG")
+    if plt is None:
         return
     ep = [r["epoch"] for r in rows]
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(10, 4))
