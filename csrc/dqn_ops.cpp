@@ -46,6 +46,9 @@ TORCH_LIBRARY(dqn_ops, m) {
       "Tensor(g!) found_inf) -> ()");
   // Polyak averaging target = lerp(target, online, tau), writing the target's BF16 mirror in the same pass.
   m.def("ema_update(Tensor(a!) target, Tensor(b!) target_bf16, Tensor online, float tau) -> ()");
+  // Deferred readback (dqn_ops/readback.py): ring[slot] = values (one-element F32 tensors, one
+  // per ring column), slot = (slot + 1) % rows, flag = max(flag, non_finite); all on the device.
+  m.def("record_step(Tensor(a!) ring, Tensor(b!) slot, Tensor(c!) flag, Tensor[] values, Tensor non_finite) -> ()");
   // Spectral norm of every weight matrix at once: n_power_iterations of power iteration from
   // each matrix's persistent u / v (updated in place), sigma[m] = the estimate of its largest
   // singular value, then W <- W * min(1, sigma_max[m] / sigma[m]) in params, with the rescaled

@@ -50,10 +50,11 @@ class DeferredReadback:
     # -- inside the step, on the device (capturable, no sync) ---------------------------
     def record(self, values: Sequence[Tensor], non_finite: Tensor):
         """Writes this step's scalars into the ring; `non_finite` (one element, 1.0 = bad) sets the flag."""
-        row = torch.stack([v.reshape(()).to(self.ring.dtype) for v in values])
-        self.ring.index_copy_(0, self.slot, row[None])
-        self.slot.add_(1).remainder_(self.interval)
-        torch.maximum(self.flag, non_finite.reshape(1).to(self.flag.dtype), out=self.flag)
+        # One kernel (dqn_ops.record_step) instead of five torch ones: stack, index_copy, add,
+        # remainder, maximum.
+        torch.ops.dqn_ops.record_step.default(self.ring, self.slot, self.flag,
+                                              [v.reshape(1).to(self.ring.dtype) for v in values],
+                                              non_finite.reshape(1).to(self.flag.dtype))
 
     # -- on the host, after each step -------------------------------------------------
     def after_step(self) -> bool:
@@ -122,3 +123,10 @@ class DeferredReadback:
             for name, t in host_extra.items():
                 self.extra[name] = t.tolist()
             self._free.append((host_ring, host_extra))
+
+
+@torch.library.register_fake("dqn_ops::record_step")
+def _(ring, slot, flag, values, non_finite):
+    torch._check(len(values) == ring.shape[1],
+                 lambda: f"dqn_ops.record_step: values: expected {ring.shape[1]} tensors, got {len(values)}")
+    return None

@@ -1,0 +1,47 @@
+// Argument validation of record_step, shared by the CPU and CUDA kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "checks.h"
+
+namespace dqn_ops {
+
+constexpr const char* kRecordOp = "dqn_ops.record_step";
+constexpr int kMaxRecordValues = 8;
+
+// ring [interval, F] F32, slot [1] int64 (the next row), flag [1] F32 (sticky), values: F
+// one-element F32 tensors, non_finite: one element F32. All on one device.
+inline void check_record_args(const at::Tensor& ring, const at::Tensor& slot, const at::Tensor& flag,
+                              at::TensorList values, const at::Tensor& non_finite) {
+  const char* op = kRecordOp;
+  const at::Device dev = ring.device();
+  check_tensor(ring, op, "ring", dev, at::kFloat, {-1, -1});
+  DQN_CHECK(ring.size(0) >= 1, op, ": ring: expected at least one row, got shape ", shape_str(ring.sizes()));
+  check_tensor(slot, op, "slot", dev, at::kLong, {1});
+  check_tensor(flag, op, "flag", dev, at::kFloat, {1});
+  DQN_CHECK(static_cast<int64_t>(values.size()) == ring.size(1), op, ": values: expected ", ring.size(1),
+            " tensors (one per ring column), got ", values.size());
+  DQN_CHECK(values.size() <= static_cast<size_t>(kMaxRecordValues), op, ": at most ", kMaxRecordValues,
+            " values, got ", values.size());
+  for (const at::Tensor& v : values) {
+    check_device(v, op, "values[i]", dev);
+    check_dtype(v, op, "values[i]", at::kFloat);
+    DQN_CHECK(v.numel() == 1, op, ": values[i]: expected one element, got shape ", shape_str(v.sizes()));
+  }
+  check_device(non_finite, op, "non_finite", dev);
+  check_dtype(non_finite, op, "non_finite", at::kFloat);
+  DQN_CHECK(non_finite.numel() == 1, op, ": non_finite: expected one element, got shape ",
+            shape_str(non_finite.sizes()));
+  check_no_overlap(ring, "ring", slot, "slot", op);
+  check_no_overlap(ring, "ring", flag, "flag", op);
+  check_no_overlap(slot, "slot", flag, "flag", op);
+}
+
+// torch.maximum's rule: NaN if either is NaN.
+template <typename T>
+C10_HOST_DEVICE inline T max_propagating_nan(T a, T b) {
+  return (a != a || b != b) ? (a != a ? a : b) : (a > b ? a : b);
+}
+
+}  // namespace dqn_ops
