@@ -47,6 +47,8 @@ constexpr int64_t kMaxVirtualBlocks = 64;
 // Phase A covers 128 columns a pass: 32 lanes x 4 columns, with every warp on its own rows.
 constexpr int kColsPerLane = 4;
 constexpr int kChunkCols = 32 * kColsPerLane;
+// Phase B: rows a warp reduces together.
+constexpr int kRowsPerPass = 4;
 // Kernel parameters are limited to 4 KiB; 48 descriptors of 64 bytes leave room for the rest.
 constexpr int kMaxMatricesPerLaunch = 48;
 
@@ -110,7 +112,7 @@ __global__ void __launch_bounds__(kThreads)
       const int warp = tid / 32, lane = tid % 32;
       for (int c0 = 0; c0 < d.cols; c0 += kChunkCols) {
         float acc[kColsPerLane] = {};
-#pragma unroll 2
+#pragma unroll 4
         for (int r = r0 + warp; r < r1; r += kWarps) {
           const float ur = um[r];
           const float* row = W + int64_t(r) * d.cols;
@@ -174,21 +176,37 @@ __global__ void __launch_bounds__(kThreads)
       const float* vm = v + d.v_off;
       const int warp = tid / 32, lane = tid % 32;
       float sq = 0.f;
-      for (int r = r0 + warp; r < r1; r += kWarps) {
-        const float* row = W + int64_t(r) * d.cols;
-        float acc[4] = {};  // independent sums: four loads in flight per lane
-        int c = lane;
-        for (; c + 96 < d.cols; c += 128) {
+      // kRowsPerPass rows of the warp at a time (rows kWarps apart), their loads and their warp
+      // sums interleaved: one memory latency and one shuffle chain per pass instead of per row
+      // (v2 took a row at a time). Each row's sum runs in the same order as before.
+      for (int rp = r0 + warp; rp < r1; rp += kWarps * kRowsPerPass) {
+        float dot[kRowsPerPass];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) acc[j] = fmaf(row[c + 32 * j], vm[c + 32 * j], acc[j]);
+        for (int q = 0; q < kRowsPerPass; ++q) {
+          const int r = rp + q * kWarps;
+          float acc[4] = {};  // independent sums: four loads in flight per lane and row
+          if (r < r1) {
+            const float* row = W + int64_t(r) * d.cols;
+            int c = lane;
+            for (; c + 96 < d.cols; c += 128) {
+#pragma unroll
+              for (int j = 0; j < 4; ++j) acc[j] = fmaf(row[c + 32 * j], vm[c + 32 * j], acc[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < 3; ++j)  // the tail: fewer than 4 x 32 columns are left
+              if (c + 32 * j < d.cols) acc[j] = fmaf(row[c + 32 * j], vm[c + 32 * j], acc[j]);
+          }
+          dot[q] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         }
 #pragma unroll
-        for (int j = 0; j < 3; ++j)  // the tail: fewer than 4 x 32 columns are left
-          if (c + 32 * j < d.cols) acc[j] = fmaf(row[c + 32 * j], vm[c + 32 * j], acc[j]);
-        const float dot = warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3])) * inv_v;
-        if (lane == 0) {
-          u[d.u_off + r] = dot;
-          sq = fmaf(dot, dot, sq);
+        for (int q = 0; q < kRowsPerPass; ++q) dot[q] = warp_sum(dot[q]) * inv_v;
+#pragma unroll
+        for (int q = 0; q < kRowsPerPass; ++q) {
+          const int r = rp + q * kWarps;
+          if (lane == 0 && r < r1) {  // rows in increasing order: the same |u~|^2 sum as before
+            u[d.u_off + r] = dot[q];
+            sq = fmaf(dot[q], dot[q], sq);
+          }
         }
       }
       sq = block_sum<kThreads>(sq, smem);
