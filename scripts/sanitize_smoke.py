@@ -29,8 +29,9 @@ def main():
         for _ in range(3):
             t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=r, dones=d))
         t.readback()
-    # spectral norm: small matrices, one split over blocks (grid barriers), and the per-matrix path
-    shapes = [(3, 5), (64, 48), (300, 257)]
+    # spectral norm: small matrices (a thread-block cluster each on sm_90), one too large for a
+    # cluster (split over blocks with grid barriers), and the per-matrix path
+    shapes = [(3, 5), (64, 48), (300, 257), (700, 600)]
     n = sum(r * c for r, c in shapes)
     params = torch.randn(n, device=dev)
     mirror = params.to(torch.bfloat16)
@@ -42,7 +43,7 @@ def main():
     v = torch.nn.functional.normalize(torch.randn(sum(c for _, c in shapes), device=dev), dim=0)
     sigma = torch.empty(len(shapes), device=dev)
     for per_matrix in (False, True):
-        dqn_ops.batched_spectral_norm(params, mirror, u, v, sigma, mats, [0.5, 1.0, 2.0], 2, 1e-12, per_matrix)
+        dqn_ops.batched_spectral_norm(params, mirror, u, v, sigma, mats, [0.5, 1.0, 2.0, 4.0], 2, 1e-12, per_matrix)
     torch.cuda.synchronize()
     print("sanitize_smoke: every kernel ran")
 

@@ -19,12 +19,17 @@
 //
 // Descriptors travel by value as the kernel's parameter (a CUDA graph records them), up to
 // kMaxMatricesPerLaunch per launch; more matrices take more launches.
+//
+// This is v2, for matrices too large for v4 (below: one thread-block cluster per matrix, no
+// grid barrier, sm_90) and for devices before sm_90.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
+#include <mutex>
+#include <set>
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
@@ -244,6 +249,177 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// v4: matrices whose rows fit in the shared memory of a thread-block cluster (sm_90) run one
+// matrix per cluster of kCluster blocks, with no grid barrier. Block k of the cluster holds
+// rows [k rows / kCluster, (k + 1) rows / kCluster) of W and its u slice in shared memory
+// (W is read from global memory once per call, not once per phase), and the blocks exchange
+// partial sums through distributed shared memory, separated by cluster barriers (hardware,
+// not a grid-wide spin on global memory as in v2):
+//   A  partial_k = W_k^T u_k;  barrier;  every block: v~ = sum_k partial_k (k order), |v~|^2
+//   B  u~_k = W_k v~ / |v~|, partial |u~_k|^2;  barrier;  every block: |u~| (k order)
+//   C  u = u~ / |u~|; rank 0 writes v = v~ / |v~| and sigma; W_k rescaled where sigma > sigma_max.
+// A matrix's result depends on its shape and values alone (its own cluster): batched and
+// one-launch-per-matrix still agree bit for bit. Larger matrices, and devices before sm_90,
+// take the v2 kernel above.
+constexpr int kCluster = 8;
+constexpr int64_t kClusterSmemFloats = 40 * 1024;  // 160 KiB of dynamic shared memory per block
+
+// Floats of dynamic shared memory a block of the cluster kernel needs for a [rows, cols] matrix.
+int64_t cluster_smem_floats(int64_t rows, int64_t cols) {
+  const int64_t slice_rows = (rows + kCluster - 1) / kCluster;
+  // W slice, u slice, u~ slice, partial (this block's W^T u), v~, group scratch, |u~|^2 partial
+  return slice_rows * cols + 2 * slice_rows + 2 * cols + kThreads + 1;
+}
+
+bool cluster_eligible(int64_t rows, int64_t cols) { return cluster_smem_floats(rows, cols) <= kClusterSmemFloats; }
+
+// Sum over the block in a fixed order; every thread gets the result. scratch: >= kWarps floats.
+__device__ float block_sum_fixed(float x, float* scratch) {
+  x = warp_sum(x);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch may still be read from a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float t = 0.f;
+  for (int w = 0; w < kWarps; ++w) t += scratch[w];
+  return t;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    spectral_norm_cluster_kernel(const __grid_constant__ Batch b, float* __restrict__ params,
+                                 __nv_bfloat16* __restrict__ mirror, float* __restrict__ u_all,
+                                 float* __restrict__ v_all, float* __restrict__ sigma, int iterations, float eps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ float dyn[];
+  namespace cgx = cooperative_groups;
+  cgx::cluster_group cluster = cgx::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const MatrixDesc& d = b.m[blockIdx.x / kCluster];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rows = d.rows, cols = d.cols;
+  const int r0 = int(int64_t(rank) * rows / kCluster), r1 = int(int64_t(rank + 1) * rows / kCluster);
+  const int nr = r1 - r0;
+  const int slice_rows = (rows + kCluster - 1) / kCluster;
+  float* W = dyn;                              // [nr, cols]
+  float* us = W + int64_t(slice_rows) * cols;  // u slice [nr]
+  float* uu = us + slice_rows;                 // u~ slice [nr]
+  float* part = uu + slice_rows;               // [cols]: this block's W^T u (read by the cluster)
+  float* vv = part + cols;                     // [cols]: v~, then v
+  float* scratch = vv + cols;                  // [kThreads]
+  float* sq_part = scratch + kThreads;         // [1]: this block's |u~|^2 (read by the cluster)
+
+  const float* Wg = params + d.w_off + int64_t(r0) * cols;
+  for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) W[e] = Wg[e];
+  for (int r = tid; r < nr; r += kThreads) us[r] = u_all[d.u_off + r0 + r];
+  __syncthreads();
+
+  // Phase A's thread map: ct columns a pass, G row groups (rows g, g + G, ...), group sums in g order.
+  const int ct = min(cols, kThreads), G = max(1, kThreads / ct);
+  const int tc = tid % ct, g = tid / ct;
+  float s = 0.f;
+  for (int it = 0; it < iterations; ++it) {
+    // A: part[c] = sum over the slice's rows of W[r, c] u[r]
+    for (int c0 = 0; c0 < cols; c0 += ct) {
+      const int c = c0 + tc;
+      float acc = 0.f;
+      if (g < G && c < cols)
+        for (int r = g; r < nr; r += G) acc = fmaf(W[int64_t(r) * cols + c], us[r], acc);
+      __syncthreads();  // scratch is free
+      scratch[tid] = acc;
+      __syncthreads();
+      if (g == 0 && c < cols) {
+        float t = scratch[tc];
+        for (int j = 1; j < G; ++j) t += scratch[j * ct + tc];
+        part[c] = t;
+      }
+    }
+    cluster.sync();  // every block's part is complete
+    // v~ = sum over the cluster's blocks of part, in rank order, computed by every block
+    float sqv = 0.f;
+    for (int c = tid; c < cols; c += kThreads) {
+      float t = 0.f;
+      for (int k = 0; k < kCluster; ++k) t += cluster.map_shared_rank(part, k)[c];
+      vv[c] = t;
+      sqv = fmaf(t, t, sqv);
+    }
+    sqv = block_sum_fixed(sqv, scratch);
+    const float inv_v = 1.f / fmaxf(sqrtf(sqv), eps);
+    // B: u~[r] = W[r, :] . v~ / |v~|, a warp per row; this block's |u~|^2 in row order
+    for (int r = warp; r < nr; r += kWarps) {
+      float acc = 0.f;
+      for (int c = lane; c < cols; c += 32) acc = fmaf(W[int64_t(r) * cols + c], vv[c], acc);
+      acc = warp_sum(acc) * inv_v;
+      if (lane == 0) uu[r] = acc;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float q = 0.f;
+      for (int r = 0; r < nr; ++r) q = fmaf(uu[r], uu[r], q);
+      sq_part[0] = q;
+    }
+    cluster.sync();  // every block's |u~|^2 partial is complete; no one reads part any more
+    float squ = 0.f;
+    for (int k = 0; k < kCluster; ++k) squ += cluster.map_shared_rank(sq_part, k)[0];
+    s = sqrtf(squ);
+    const float inv_u = 1.f / fmaxf(s, eps);
+    // C: normalise; u stays in shared memory for the next iteration
+    for (int r = tid; r < nr; r += kThreads) {
+      us[r] = uu[r] * inv_u;
+      u_all[d.u_off + r0 + r] = us[r];
+    }
+    if (rank == 0)
+      for (int c = tid; c < cols; c += kThreads) v_all[d.v_off + c] = vv[c] * inv_v;
+    __syncthreads();
+  }
+  if (rank == 0 && tid == 0) sigma[d.index] = s;
+  if (s > d.sigma_max) {  // false for NaN: W is left alone and sigma reports the NaN
+    const float scale = d.sigma_max / s;
+    float* Wo = params + d.w_off + int64_t(r0) * cols;
+    __nv_bfloat16* Mo = mirror + d.w_off + int64_t(r0) * cols;
+    for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) {
+      const float w = W[e] * scale;
+      Wo[e] = w;
+      Mo[e] = __float2bfloat16_rn(w);
+    }
+  }
+  cluster.sync();  // no block leaves while another may still read its shared memory
+#else
+  __trap();  // launched only on sm_90 and newer (see batched_spectral_norm_cuda)
+#endif
+}
+
+void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
+                     int iterations, float eps, cudaStream_t stream) {
+  int64_t floats = 0;
+  for (int i = 0; i < b.count; ++i) floats = std::max(floats, cluster_smem_floats(b.m[i].rows, b.m[i].cols));
+  {  // above 48 KiB a kernel needs the opt-in, once per device
+    static std::mutex mutex;
+    static std::set<int> opted_in;
+    const int device = static_cast<int>(c10::cuda::current_device());
+    std::lock_guard<std::mutex> lock(mutex);
+    if (opted_in.insert(device).second)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(spectral_norm_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(kClusterSmemFloats * sizeof(float))));
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(b.count * kCluster));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(floats) * sizeof(float);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  float* p = params.data_ptr<float>();
+  auto* mirror = static_cast<__nv_bfloat16*>(params_bf16.data_ptr());
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, spectral_norm_cluster_kernel, b, p, mirror, u.data_ptr<float>(),
+                                    v.data_ptr<float>(), sigma.data_ptr<float>(), iterations, eps));
+}
+
 // Blocks of spectral_norm_kernel that fit on the device at once (a cooperative launch's cap).
 void launch(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma, float* partial,
             float* sq_v, float* sq_u, int iterations, float eps, cudaStream_t stream) {
@@ -298,12 +474,24 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
   float* sq_v = partial + partial_len;
   float* sq_u = sq_v + norm_len;
 
+  // Clusters need sm_90; the choice depends on the device and the matrix's shape alone.
+  const bool clusters = at::cuda::getCurrentDeviceProperties()->major >= 9;
+  std::vector<MatrixDesc> small, large;
+  for (const MatrixDesc& d : descs)
+    (clusters && cluster_eligible(d.rows, d.cols) ? small : large).push_back(d);
   const size_t per_launch = one_launch_per_matrix ? 1 : kMaxMatricesPerLaunch;
-  for (size_t first = 0; first < descs.size(); first += per_launch) {
+  for (size_t first = 0; first < small.size(); first += per_launch) {
     Batch b{};
-    b.count = static_cast<int>(std::min(per_launch, descs.size() - first));
+    b.count = static_cast<int>(std::min(per_launch, small.size() - first));
+    for (int i = 0; i < b.count; ++i) b.m[i] = small[first + i];
+    launch_clusters(b, params, params_bf16, u, v, sigma, static_cast<int>(n_power_iterations),
+                    static_cast<float>(eps), stream);
+  }
+  for (size_t first = 0; first < large.size(); first += per_launch) {
+    Batch b{};
+    b.count = static_cast<int>(std::min(per_launch, large.size() - first));
     for (int i = 0; i < b.count; ++i) {
-      b.m[i] = descs[first + i];
+      b.m[i] = large[first + i];
       b.m[i].first_vblock = b.total_vblocks;
       DQN_CHECK(int64_t(b.total_vblocks) + b.m[i].vblocks <= INT_MAX, kSpectralOp, ": too many blocks");
       b.total_vblocks += b.m[i].vblocks;
