@@ -1,4 +1,4 @@
-// dqn_loss on CUDA: one cooperative launch.
+// dqn_loss on CUDA: one launch (and a 4-byte memset).
 //
 // C51: a warp per (sample, branch). The warp first stages the rows it reads (the online and
 // target networks' next-state logits of the branch's actions, the logits of the taken action)
@@ -10,15 +10,15 @@
 //
 // A block holds whole samples (`warps_per_sample` warps each), so the branch means and the
 // per-sample TD error are summed in shared memory in branch order; each block sums its samples
-// in order, and after a grid barrier block 0 sums the blocks' partials in block order: the loss
-// is deterministic and no second launch is needed. (v1, a warp per sample running the branches
+// in order, and the last block to finish sums the blocks' partials in block order: the loss is
+// deterministic, with no grid barrier and no second kernel. (v2 used a cooperative launch and a
+// grid barrier.) (v1, a warp per sample running the branches
 // one after the other and an all-pairs projection: 34 µs at B = 256 on the H200; bench/NOTES.md.)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cooperative_groups.h>
 #include <torch/library.h>
 
 #include "branch_table.cuh"
@@ -29,7 +29,6 @@ namespace dqn_ops {
 namespace cuda {
 namespace {
 
-namespace cg = cooperative_groups;
 using at::Tensor;
 
 constexpr int kMaxWarps = 8;  // per block
@@ -51,7 +50,8 @@ struct LossParams {
   float* td_error;
   float* loss;
   float* mean_q;
-  float* partials;  // [2, gridDim.x]
+  float* partials;    // [2, gridDim.x]
+  unsigned* counter;  // blocks finished: 0 at launch
   int batch, total_actions, atoms;
   int warps_per_sample, samples_per_block;
   int max_actions;  // the largest branch: sizes the staging area
@@ -286,7 +286,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_c
   extern __shared__ float smem[];  // C51: c51_floats_per_warp() per warp
   __shared__ float part_a[kMaxWarps], part_b[kMaxWarps], part_c[kMaxWarps];
   __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
-  cg::grid_group grid = cg::this_grid();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int W = P.warps_per_sample, S = P.samples_per_block;
   const int slot = warp / W, wi = warp % W;  // this warp's sample in the block, and its share
@@ -342,6 +341,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_c
     slot_q[slot] = q_acc;
   }
   __syncthreads();
+  __shared__ bool last_block;
   if (threadIdx.x == 0) {
     float l = 0.f, q = 0.f;
     for (int k = 0; k < S; ++k) {
@@ -350,16 +350,21 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_c
     }
     P.partials[blockIdx.x] = l;
     P.partials[gridDim.x + blockIdx.x] = q;
+    // The last block to finish sums every block's partial (threadFenceReduction, CUDA
+    // samples): the fence makes this block's partials visible before its ticket is taken.
+    __threadfence();
+    last_block = atomicAdd(P.counter, 1u) == gridDim.x - 1;
   }
-  grid.sync();
-  if (blockIdx.x == 0) {
-    // Block 0 sums the blocks' partials: thread t takes partials t, t + blockDim.x, ... in
-    // order, then the warps' sums and theirs in fixed order. (One thread looping over the
-    // grid paid an L2 round trip per block: ~40 µs of the 61 µs at B = 4096, v2.)
+  __syncthreads();
+  if (last_block) {
+    // Every other block's partials are visible (their fences came before their tickets).
+    // Thread t takes partials t, t + blockDim.x, ... in order, then the warps' sums and
+    // theirs in fixed order: the sum does not depend on which block came last.
+    __threadfence();
     float l = 0.f, q = 0.f;
     for (unsigned i = threadIdx.x; i < gridDim.x; i += blockDim.x) {
-      l += P.partials[i];
-      q += P.partials[gridDim.x + i];
+      l += __ldcg(P.partials + i);
+      q += __ldcg(P.partials + gridDim.x + i);
     }
     l = warp_sum(l);
     q = warp_sum(q);
@@ -408,15 +413,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   const bool staged = c51 && size_t(warps) * c51_floats_per_warp(S.atoms, max_actions, true) * sizeof(float) <=
                                  kSmemBudget;
   const size_t smem = c51 ? size_t(warps) * c51_floats_per_warp(S.atoms, max_actions, staged) * sizeof(float) : 0;
-  const int cap = cooperative_block_cap(dqn_loss_kernel, threads, smem);
-  DQN_CHECK(cap > 0, kLossOp, ": the kernel cannot be resident on this device");
-  const int grid = static_cast<int>(std::min<int64_t>((S.batch + samples_per_block - 1) / samples_per_block, cap));
+  // A block per sample group, at most 16 per SM (later groups loop): no grid barrier, so no
+  // co-residency cap; the last block to finish sums the partials.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int grid = static_cast<int>(std::min<int64_t>((S.batch + samples_per_block - 1) / samples_per_block, 16 * sms));
 
   Tensor loss = at::empty({}, q.options());
   Tensor grad_q = at::empty_like(q);
   Tensor td_error = at::empty({S.batch}, q.options());
   Tensor mean_q = at::empty({}, q.options());
-  Tensor partials = at::empty({2 * grid}, q.options());
+  Tensor partials = at::empty({2 * grid + 1}, q.options());  // and the counter, zeroed below
 
   LossParams P{};
   P.q = q.data_ptr<float>();
@@ -431,6 +437,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   P.loss = loss.data_ptr<float>();
   P.mean_q = mean_q.data_ptr<float>();
   P.partials = partials.data_ptr<float>();
+  P.counter = reinterpret_cast<unsigned*>(P.partials + 2 * grid);
+  C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
   P.batch = static_cast<int>(S.batch);
   P.total_actions = static_cast<int>(S.total_actions);
   P.atoms = static_cast<int>(S.atoms);
@@ -443,9 +451,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   P.dz = S.type == LossType::kC51 ? static_cast<float>((v_max - v_min) / double(S.atoms - 1)) : 0.f;
   P.gamma = static_cast<float>(gamma);
   P.type = S.type;
-  void* args[] = {const_cast<BranchTable*>(&br), &P};
-  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dqn_loss_kernel), dim3(grid), dim3(threads), args,
-                                             smem, stream));
+  dqn_loss_kernel<<<grid, threads, smem, stream>>>(br, P);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {loss, grad_q, td_error, mean_q};
 }
 
