@@ -6,13 +6,14 @@
 #
 #   bash scripts/ncu_step.sh                       # B = 256, every kernel of the step
 #   NCU_BATCH=4096 NCU_KERNELS='regex:dqn_loss|spectral' bash scripts/ncu_step.sh
+#   NCU_EXTRA="--section SourceCounters" bash scripts/ncu_step.sh   # more sections (ncu --list-sections)
 source "$(dirname "$0")/gpu_common.sh"
 build_in_place
 B=${NCU_BATCH:-256}
 # Only the profiled step (between cudaProfilerStart/Stop in ncu_driver.py) is measured.
 ncu --clock-control none --profile-from-start off --kernel-name "${NCU_KERNELS:-regex:.*}" \
   --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
-  --section MemoryWorkloadAnalysis \
+  --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} \
   $PY scripts/ncu_driver.py --batch "$B" > "$OUT/ncu-B$B.txt" 2>&1
 rc=$?
 grep -E "^  [a-zA-Z_].*\(|Duration|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Stall" \
