@@ -29,6 +29,11 @@ def main():
         for _ in range(3):
             t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=r, dones=d))
         t.readback()
+    # the loss kernel's general version (more than 64 atoms)
+    B, branches, atoms = 9, (3, 2), 70
+    q = [torch.randn(B, sum(branches), atoms, device=dev) for _ in range(3)]
+    a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in branches], 1)
+    dqn_ops.dqn_loss(*q, a, torch.randn(B, device=dev) * 20, (torch.rand(B, device=dev) < 0.3).float(), branches)
     # spectral norm: small matrices (a thread-block cluster each on sm_90), one too large for a
     # cluster (split over blocks with grid barriers), and the per-matrix path
     shapes = [(3, 5), (64, 48), (300, 257), (700, 600)]

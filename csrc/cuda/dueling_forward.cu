@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "branch_table.cuh"
+#include "elementwise.cuh"
 #include "gemm.cuh"
 #include "network_args.h"
 
@@ -23,54 +24,75 @@ namespace {
 using at::Tensor;
 constexpr int kThreads = 256;
 
+// 4 elements per thread (16-byte loads) where n and both pointers allow it.
 __global__ void cast_to_bf16_kernel(const float* __restrict__ in, __nv_bfloat16* __restrict__ out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __float2bfloat16_rn(in[i]);
 }
+__global__ void cast_to_bf16_x4_kernel(const float4* __restrict__ in, uint2* __restrict__ out, int64_t n4) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 v = in[i];
+    out[i] = pack_bf16x4(v.x, v.y, v.z, v.w);
+  }
+}
 
-// Row-wise kernels: a block per row (grid-striding over rows), threads over the columns, so
-// no index needs a 64-bit division (a per-element `i % cols` cost more than the memory traffic).
-inline unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(std::min<int64_t>(rows, 1 << 16)); }
+// out = bf16(relu(z + bias)), z [rows, cols] row-major, V consecutive columns per thread
+// (V = 4: 16-byte loads, 8-byte stores). `v < 0 ? 0 : v` keeps a NaN a NaN (as torch.relu
+// does) so a non-finite input stays visible downstream.
+__device__ __forceinline__ float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
 
-// out = bf16(relu(z + bias)), z [rows, cols] row-major. `v < 0 ? 0 : v` keeps a NaN a NaN
-// (as torch.relu does) so a non-finite input stays visible downstream.
 __global__ void bias_relu_bf16_kernel(const float* __restrict__ z, const float* __restrict__ bias,
                                       __nv_bfloat16* __restrict__ out, int64_t rows, int64_t cols) {
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      const float v = z[r * cols + c] + bias[c];
-      out[r * cols + c] = __float2bfloat16_rn(v < 0.f ? 0.f : v);
+  const RowGroup g = row_group(cols);
+  if (g.idle) return;
+  for (int64_t r = g.first_row; r < rows; r += g.row_stride)
+    for (int64_t c = g.col; c < cols; c += g.width)
+      out[r * cols + c] = __float2bfloat16_rn(relu_keep_nan(z[r * cols + c] + bias[c]));
+}
+__global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const float4* __restrict__ bias,
+                                         uint2* __restrict__ out, int64_t rows, int64_t cols4) {
+  const RowGroup g = row_group(cols4);
+  if (g.idle) return;
+  for (int64_t r = g.first_row; r < rows; r += g.row_stride)
+    for (int64_t c = g.col; c < cols4; c += g.width) {
+      const float4 v = z[r * cols4 + c], b = bias[c];
+      out[r * cols4 + c] = pack_bf16x4(relu_keep_nan(v.x + b.x), relu_keep_nan(v.y + b.y),
+                                       relu_keep_nan(v.z + b.z), relu_keep_nan(v.w + b.w));
     }
 }
 
 // From the output layer's GEMM results in the padded layout (logits [rows, head_ld], see
 // NetLayout::head_ld) writes head = logits + b_out in the compact layout [rows, head_out] and
 // the dueling aggregate q[b, action, z] = v[b, z] + a[b, action, z] - mean over the branch's
-// actions. A block per row, a thread per atom: consecutive threads read consecutive atoms.
+// actions. A thread per (row, atom) (row_group): every load of a row is independent of the
+// row's stores (the advantages are read again, from L1, for q instead of from `head`).
 __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64_t head_ld,
                                          const float* __restrict__ b_out, float* __restrict__ head,
                                          float* __restrict__ q, int64_t rows, int atoms, int64_t head_out,
                                          int total_actions, BranchTable branches) {
-  for (int64_t b = blockIdx.x; b < rows; b += gridDim.x) {
+  const RowGroup g = row_group(atoms);
+  if (g.idle) return;
+  for (int64_t b = g.first_row; b < rows; b += g.row_stride) {
     const float* in = logits + b * head_ld;
     float* row = head + b * head_out;
     float* q_row = q + b * int64_t(total_actions) * atoms;
-    for (int z = threadIdx.x; z < atoms; z += blockDim.x) {
+    for (int z = g.col; z < atoms; z += g.width) {
       const float v = in[z] + b_out[z];
       row[z] = v;
       int64_t pad_col = round_up_to_align(atoms);  // branch d's first column in `logits`
       for (int d = 0; d < branches.count; ++d) {
         const int size = branches.size[d], first = branches.action_offset[d];
+        const float* adv = in + pad_col + z;
+        const float* bias = b_out + int64_t(atoms) * (1 + first) + z;
         float sum = 0.f;
         for (int k = 0; k < size; ++k) {
-          const int64_t col = int64_t(atoms) * (1 + first + k) + z;
-          const float a = in[pad_col + int64_t(k) * atoms + z] + b_out[col];
-          row[col] = a;
+          const float a = adv[int64_t(k) * atoms] + bias[int64_t(k) * atoms];
+          row[int64_t(atoms) * (1 + first + k) + z] = a;
           sum += a;
         }
         const float mean = sum / size;
         for (int k = 0; k < size; ++k)
-          q_row[int64_t(first + k) * atoms + z] = v + row[int64_t(atoms) * (1 + first + k) + z] - mean;
+          q_row[int64_t(first + k) * atoms + z] = v + (adv[int64_t(k) * atoms] + bias[int64_t(k) * atoms]) - mean;
         pad_col += round_up_to_align(int64_t(atoms) * size);
       }
     }
@@ -93,8 +115,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
   const float* p = params.data_ptr<float>();
 
   Tensor x = at::empty({B, L.state_dim}, bf16);
-  cast_to_bf16_kernel<<<blocks_for(x.numel(), kThreads), kThreads, 0, stream>>>(
-      states.data_ptr<float>(), static_cast<__nv_bfloat16*>(x.data_ptr()), x.numel());
+  const float* s_ptr = states.data_ptr<float>();
+  auto* x_ptr = static_cast<__nv_bfloat16*>(x.data_ptr());
+  if (x.numel() % 4 == 0 && aligned16(s_ptr, x_ptr))
+    cast_to_bf16_x4_kernel<<<blocks_for(x.numel() / 4, kThreads), kThreads, 0, stream>>>(
+        reinterpret_cast<const float4*>(s_ptr), reinterpret_cast<uint2*>(x_ptr), x.numel() / 4);
+  else
+    cast_to_bf16_kernel<<<blocks_for(x.numel(), kThreads), kThreads, 0, stream>>>(s_ptr, x_ptr, x.numel());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   // One F32 scratch for the pre-activations of all three hidden GEMMs (stream-ordered reuse).
@@ -103,8 +130,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
     Tensor h = at::empty({B, out}, bf16);
     gemm(kForwardOp, what, B, out, in_width, Operand{in.data_ptr(), CUDA_R_16BF, in_width, false},
          Operand{w + w_off, CUDA_R_16BF, in_width, true}, z.data_ptr(), CUDA_R_32F, out, CUBLAS_COMPUTE_32F);
-    bias_relu_bf16_kernel<<<row_blocks(B), kThreads, 0, stream>>>(
-        z.data_ptr<float>(), p + b_off, static_cast<__nv_bfloat16*>(h.data_ptr()), B, out);
+    const float* zp = z.data_ptr<float>();
+    const float* bias = p + b_off;
+    auto* hp = static_cast<__nv_bfloat16*>(h.data_ptr());
+    if (out % 4 == 0 && aligned16(zp, bias, hp))
+      bias_relu_bf16_x4_kernel<<<row_group_blocks(B, out / 4, kThreads), kThreads, 0, stream>>>(
+          reinterpret_cast<const float4*>(zp), reinterpret_cast<const float4*>(bias), reinterpret_cast<uint2*>(hp), B,
+          out / 4);
+    else
+      bias_relu_bf16_kernel<<<row_group_blocks(B, out, kThreads), kThreads, 0, stream>>>(zp, bias, hp, B, out);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return h;
   };
@@ -128,7 +162,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
   }
   Tensor head = at::empty({B, L.head_out}, f32);
   Tensor q = at::empty({B, L.total_actions, L.atoms}, f32);
-  head_bias_dueling_kernel<<<row_blocks(B), 64, 0, stream>>>(
+  head_bias_dueling_kernel<<<row_group_blocks(B, L.atoms, kThreads), kThreads, 0, stream>>>(
       logits.data_ptr<float>(), L.head_ld, p + L.b_out, head.data_ptr<float>(), q.data_ptr<float>(), B,
       static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -1,11 +1,16 @@
 // dqn_loss on CUDA: one launch (and a 4-byte memset).
 //
-// C51: a warp per (sample, branch). The warp first stages the rows it reads (the online and
-// target networks' next-state logits of the branch's actions, the logits of the taken action)
-// into shared memory with all loads in flight at once, then runs the double-DQN choice (the
-// expected Q of up to 4 actions reduced together), the target distribution's projection onto
-// the support (each atom gathers from the few sources that can reach it, found by binary
-// search: the positions are monotone in the source atom), the cross-entropy and its gradient.
+// C51: a warp per (sample, branch): the double-DQN choice (the expected Q of up to 4 actions
+// reduced together), the target distribution's projection onto the support (each atom gathers
+// from the few sources that can reach it, found by binary search: the positions are monotone
+// in the source atom), the cross-entropy and its gradient. Two versions of the branch, chosen
+// at launch (two kernel instantiations, so each gets its own register allocation):
+//   atoms <= 64 (C51's 51): a lane owns atoms `lane` and `lane + 32`; every row is read
+//     straight into registers, the target rows together with the online rows they are chosen
+//     by (no dependent load after the argmax). (v4; v3 ran the general version here: 2,125
+//     instructions per warp and 80 registers at B = 4096, bench/NOTES.md.)
+//   general: the warp stages its rows in shared memory (all loads in flight at once), then
+//     loops over the atoms 32 at a time.
 // MSE / Huber (one atom): a warp per sample, lanes over the branches.
 //
 // A block holds whole samples (`warps_per_sample` warps each), so the branch means and the
@@ -55,13 +60,15 @@ struct LossParams {
   int batch, total_actions, atoms;
   int warps_per_sample, samples_per_block;
   int max_actions;  // the largest branch: sizes the staging area
-  bool staged;      // the rows are copied to shared memory first
+  bool staged;      // general version: the rows are copied to shared memory first
+  int work_floats;  // C51: shared memory per warp
   float v_min, v_max, dz, gamma;
   LossType type;
 };
 
-// Floats of shared memory per warp (C51): [staged online rows | staged target rows | staged
-// taken row] when staged, then the target probabilities, positions and projected distribution.
+// Floats of shared memory per warp, C51's general version: [staged online rows | staged target
+// rows | staged taken row] when staged, then the target probabilities, positions and projected
+// distribution. (The <= 64-atom version: 2 * atoms.)
 __host__ __device__ inline int64_t c51_floats_per_warp(int64_t atoms, int64_t max_actions, bool staged) {
   return (staged ? (2 * max_actions + 1) * atoms : 0) + 3 * atoms;
 }
@@ -95,6 +102,26 @@ __device__ int first_reaching(const float* pos, int n, float x, bool ascending) 
     else hi = mid;
   }
   return lo;
+}
+
+// The projected target mass of atom j: atom j receives mass only from sources with pos in
+// [j - 1, j + 1] (its floor or ceiling is j), a contiguous range since pos is monotone in i
+// (increasing, or constant for a terminal transition); the range's sources are added in
+// increasing i, as a scan over every source would add them.
+__device__ float projected_mass(const float* pt, const float* pos, int NA, int j, bool ascending) {
+  float mj = 0.f;
+  for (int i = first_reaching(pos, NA, ascending ? j - 1.f : j + 1.f, ascending); i < NA; ++i) {
+    const float bi = pos[i];
+    if (ascending ? bi > j + 1.f : bi < j - 1.f) break;
+    float l = floorf(bi), u = ceilf(bi);
+    if (l == u) {  // lands exactly on an atom: all its mass goes there
+      if (u > 0.f) l -= 1.f;
+      else u += 1.f;
+    }
+    if (int(l) == j) mj = fmaf(pt[i], u - bi, mj);
+    if (int(u) == j) mj = fmaf(pt[i], bi - l, mj);
+  }
+  return mj;
 }
 
 // The C51 loss of branch d of sample b: returns (cross-entropy, expected Q of the taken
@@ -187,26 +214,8 @@ __device__ float2 c51_branch(const BranchTable& br, const LossParams& P, int b, 
     pos[j] = fminf(fmaxf((tz - P.v_min) / P.dz, 0.f), float(NA - 1));
   }
   __syncwarp();
-  // Projection: atom j receives mass only from sources with pos in [j - 1, j + 1] (its floor
-  // or ceiling is j), a contiguous range since pos is monotone in i (increasing, or constant
-  // for a terminal transition); the range's sources are added in increasing i, as a scan over
-  // every source would add them.
   const bool ascending = pos[NA - 1] >= pos[0];
-  for (int j = lane; j < NA; j += 32) {
-    float mj = 0.f;
-    for (int i = first_reaching(pos, NA, ascending ? j - 1.f : j + 1.f, ascending); i < NA; ++i) {
-      const float bi = pos[i];
-      if (ascending ? bi > j + 1.f : bi < j - 1.f) break;
-      float l = floorf(bi), u = ceilf(bi);
-      if (l == u) {  // lands exactly on an atom: all its mass goes there
-        if (u > 0.f) l -= 1.f;
-        else u += 1.f;
-      }
-      if (int(l) == j) mj = fmaf(pt[i], u - bi, mj);
-      if (int(u) == j) mj = fmaf(pt[i], bi - l, mj);
-    }
-    m[j] = mj;
-  }
+  for (int j = lane; j < NA; j += 32) m[j] = projected_mass(pt, pos, NA, j, ascending);
   __syncwarp();
 
   // cross-entropy on the taken action and its gradient (softmax - m)
@@ -224,6 +233,116 @@ __device__ float2 c51_branch(const BranchTable& br, const LossParams& P, int b, 
     ce = fmaf(-m[j], logp, ce);
     qc = fmaf(p, P.v_min + j * P.dz, qc);
     g[j] = (p - m[j]) * scale;
+  }
+  ce = warp_sum(ce);
+  qc = warp_sum(qc);
+  __syncwarp();  // the warp's next branch reuses the work area
+  return make_float2(ce, qc);
+}
+
+// c51_branch for atoms <= 64: lane owns atoms j0 = lane and j1 = lane + 32 (if j1 < atoms).
+// The same arithmetic in the same order as c51_branch (its loops visit j0 then j1), so both
+// give the same bits. `work` holds 2 * atoms floats: the target probabilities and positions
+// the projection gathers from.
+__device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, int b, int d, float scale,
+                                   float* work, int lane) {
+  const int NA = P.atoms, n = br.size[d];
+  const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
+  const float discount = P.gamma * (1.f - P.dones[b]);
+  const float r = P.rewards[b];
+  const int64_t a = P.actions[int64_t(b) * br.count + d];
+  if (!(a >= 0 && a < n) || !isfinite(r) || !isfinite(discount)) {  // see c51_branch
+    for (int i = lane; i < n * NA; i += 32) P.grad_q[row0 * NA + i] = NAN;
+    return make_float2(NAN, NAN);
+  }
+  const int j0 = lane, j1 = lane + 32;
+  const bool has1 = j1 < NA;
+  const float z0 = P.v_min + j0 * P.dz, z1 = P.v_min + j1 * P.dz;
+  // A missing atom reads as -inf: exp(-inf - max) = 0 adds nothing to any sum.
+  auto load2 = [&](const float* row, float& x0, float& x1) {
+    x0 = row[j0];
+    x1 = has1 ? row[j1] : -INFINITY;
+  };
+  const float* xc_row = P.q + (row0 + a) * NA;
+  float xc0, xc1;
+  load2(xc_row, xc0, xc1);
+
+  // double DQN: the online network's greedy next action (the first of equal maxima; NaN wins),
+  // and the target network's logits of that action, loaded beside the online ones.
+  const float* on = P.q_next_online + row0 * NA;
+  const float* tg = P.q_next_target + row0 * NA;
+  float best = -INFINITY, t0 = 0.f, t1 = 0.f;
+  bool nan_seen = false;
+  for (int a0 = 0; a0 < n && !nan_seen; a0 += kQChunk) {
+    const int live = min(kQChunk, n - a0);  // warp-uniform
+    float x0[kQChunk], x1[kQChunk], y0[kQChunk], y1[kQChunk], mx[kQChunk], s[kQChunk], sz[kQChunk];
+#pragma unroll
+    for (int k = 0; k < kQChunk; ++k)
+      if (k < live) {
+        load2(on + (a0 + k) * NA, x0[k], x1[k]);
+        load2(tg + (a0 + k) * NA, y0[k], y1[k]);
+      }
+#pragma unroll
+    for (int k = 0; k < kQChunk; ++k)
+      if (k < live) mx[k] = warp_max(fmaxf(fmaxf(-INFINITY, x0[k]), x1[k]));
+#pragma unroll
+    for (int k = 0; k < kQChunk; ++k)
+      if (k < live) {
+        const float e0 = expf(x0[k] - mx[k]), e1 = expf(x1[k] - mx[k]);
+        s[k] = warp_sum((0.f + e0) + e1);
+        sz[k] = warp_sum(fmaf(e1, z1, fmaf(e0, z0, 0.f)));
+      }
+#pragma unroll
+    for (int k = 0; k < kQChunk; ++k) {
+      if (k >= live) break;
+      const float qv = sz[k] / s[k];
+      if (!nan_seen && (qv > best || qv != qv)) {
+        best = qv;
+        t0 = y0[k];
+        t1 = y1[k];
+        nan_seen = qv != qv;
+      }
+    }
+  }
+  for (int k = 0; k < n; ++k)  // the other actions' gradient rows are 0
+    if (k != a) {
+      P.grad_q[(row0 + k) * NA + j0] = 0.f;
+      if (has1) P.grad_q[(row0 + k) * NA + j1] = 0.f;
+    }
+
+  // the target network's distribution at the chosen action, and where each atom's return lands
+  float* pt = work;        // target probabilities
+  float* pos = work + NA;  // position of r + gamma z_i on the support, in atoms
+  const float mt = warp_max(fmaxf(fmaxf(-INFINITY, t0), t1));
+  const float e0 = expf(t0 - mt), e1 = expf(t1 - mt);
+  const float st = warp_sum((0.f + e0) + e1);
+  auto position = [&](int j) {
+    const float tz = fminf(fmaxf(fmaf(discount, P.v_min + j * P.dz, r), P.v_min), P.v_max);
+    return fminf(fmaxf((tz - P.v_min) / P.dz, 0.f), float(NA - 1));
+  };
+  pt[j0] = e0 / st;
+  pos[j0] = position(j0);
+  if (has1) {
+    pt[j1] = e1 / st;
+    pos[j1] = position(j1);
+  }
+  __syncwarp();
+  const bool ascending = pos[NA - 1] >= pos[0];
+  const float m0 = projected_mass(pt, pos, NA, j0, ascending);
+  const float m1 = has1 ? projected_mass(pt, pos, NA, j1, ascending) : 0.f;
+
+  // cross-entropy on the taken action and its gradient (softmax - m)
+  const float mc = warp_max(fmaxf(fmaxf(-INFINITY, xc0), xc1));
+  const float lse = mc + logf(warp_sum((0.f + expf(xc0 - mc)) + expf(xc1 - mc)));
+  float* g = P.grad_q + (row0 + a) * NA;
+  const float logp0 = xc0 - lse, p0 = expf(logp0);
+  float ce = fmaf(-m0, logp0, 0.f), qc = fmaf(p0, z0, 0.f);
+  g[j0] = (p0 - m0) * scale;
+  if (has1) {
+    const float logp1 = xc1 - lse, p1 = expf(logp1);
+    ce = fmaf(-m1, logp1, ce);
+    qc = fmaf(p1, z1, qc);
+    g[j1] = (p1 - m1) * scale;
   }
   ce = warp_sum(ce);
   qc = warp_sum(qc);
@@ -281,16 +400,17 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
   return make_float3(warp_sum(loss) / br.count, warp_sum(td) / br.count, warp_sum(qsum) / br.count);
 }
 
+template <bool kSmallAtoms>  // C51 with atoms <= 64: c51_branch_small
 __global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_constant__ BranchTable br,
                                                                    const LossParams P) {
-  extern __shared__ float smem[];  // C51: c51_floats_per_warp() per warp
+  extern __shared__ float smem[];  // C51: P.work_floats per warp
   __shared__ float part_a[kMaxWarps], part_b[kMaxWarps], part_c[kMaxWarps];
   __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int W = P.warps_per_sample, S = P.samples_per_block;
   const int slot = warp / W, wi = warp % W;  // this warp's sample in the block, and its share
   const bool c51 = P.type == LossType::kC51;
-  float* work = smem + warp * c51_floats_per_warp(P.atoms, P.max_actions, P.staged);
+  float* work = smem + warp * P.work_floats;
   float loss_acc = 0.f, q_acc = 0.f;  // kept by each sample slot's first warp
   for (int b0 = blockIdx.x * S; b0 < P.batch; b0 += gridDim.x * S) {  // uniform across the block
     const int b = b0 + slot;
@@ -301,7 +421,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_c
     if (live) {
       if (c51) {
         for (int d = wi; d < br.count; d += W) {
-          const float2 r = c51_branch(br, P, b, d, scale, work, lane);
+          const float2 r = kSmallAtoms ? c51_branch_small(br, P, b, d, scale, work, lane)
+                                       : c51_branch(br, P, b, d, scale, work, lane);
           x += r.x;
           y += r.y;
         }
@@ -410,9 +531,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   int max_actions = 1;
   for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
   const int warps = threads / 32;
-  const bool staged = c51 && size_t(warps) * c51_floats_per_warp(S.atoms, max_actions, true) * sizeof(float) <=
-                                 kSmemBudget;
-  const size_t smem = c51 ? size_t(warps) * c51_floats_per_warp(S.atoms, max_actions, staged) * sizeof(float) : 0;
+  const bool small_atoms = c51 && S.atoms <= 64;
+  const bool staged = c51 && !small_atoms &&
+                      size_t(warps) * c51_floats_per_warp(S.atoms, max_actions, true) * sizeof(float) <= kSmemBudget;
+  const int64_t work_floats =
+      !c51 ? 0 : small_atoms ? 2 * S.atoms : c51_floats_per_warp(S.atoms, max_actions, staged);
+  const size_t smem = size_t(warps) * work_floats * sizeof(float);
   // A block per sample group, at most 16 per SM (later groups loop): no grid barrier, so no
   // co-residency cap; the last block to finish sums the partials.
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -446,12 +570,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   P.samples_per_block = samples_per_block;
   P.max_actions = max_actions;
   P.staged = staged;
+  P.work_floats = static_cast<int>(work_floats);
   P.v_min = static_cast<float>(v_min);
   P.v_max = static_cast<float>(v_max);
   P.dz = S.type == LossType::kC51 ? static_cast<float>((v_max - v_min) / double(S.atoms - 1)) : 0.f;
   P.gamma = static_cast<float>(gamma);
   P.type = S.type;
-  dqn_loss_kernel<<<grid, threads, smem, stream>>>(br, P);
+  if (small_atoms) dqn_loss_kernel<true><<<grid, threads, smem, stream>>>(br, P);
+  else dqn_loss_kernel<false><<<grid, threads, smem, stream>>>(br, P);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {loss, grad_q, td_error, mean_q};
 }
