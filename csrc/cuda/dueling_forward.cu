@@ -23,6 +23,7 @@ namespace {
 
 using at::Tensor;
 constexpr int kThreads = 256;
+constexpr int kLoadsInFlight = 4;  // per thread, in the output-bias + dueling kernel
 
 // 4 elements per thread (16-byte loads) where n and both pointers allow it.
 __global__ void cast_to_bf16_kernel(const float* __restrict__ in, __nv_bfloat16* __restrict__ out, int64_t n) {
@@ -64,8 +65,9 @@ __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const flo
 // From the output layer's GEMM results in the padded layout (logits [rows, head_ld], see
 // NetLayout::head_ld) writes head = logits + b_out in the compact layout [rows, head_out] and
 // the dueling aggregate q[b, action, z] = v[b, z] + a[b, action, z] - mean over the branch's
-// actions. A thread per (row, atom) (row_group): every load of a row is independent of the
-// row's stores (the advantages are read again, from L1, for q instead of from `head`).
+// actions. A thread per (row, atom) (row_group); a branch's advantages are loaded together
+// (kLoadsInFlight at a time: one memory latency per branch, not one per action) and read again,
+// from L1, for q instead of from `head`.
 __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64_t head_ld,
                                          const float* __restrict__ b_out, float* __restrict__ head,
                                          float* __restrict__ q, int64_t rows, int atoms, int64_t head_out,
@@ -85,12 +87,20 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
         const float* adv = in + pad_col + z;
         const float* bias = b_out + int64_t(atoms) * (1 + first) + z;
         float sum = 0.f;
-        for (int k = 0; k < size; ++k) {
-          const float a = adv[int64_t(k) * atoms] + bias[int64_t(k) * atoms];
-          row[int64_t(atoms) * (1 + first + k) + z] = a;
-          sum += a;
+        for (int k0 = 0; k0 < size; k0 += kLoadsInFlight) {  // the chunk's loads first, then its stores
+          float a[kLoadsInFlight];
+#pragma unroll
+          for (int j = 0; j < kLoadsInFlight; ++j)
+            if (k0 + j < size) a[j] = adv[int64_t(k0 + j) * atoms] + bias[int64_t(k0 + j) * atoms];
+#pragma unroll
+          for (int j = 0; j < kLoadsInFlight; ++j)
+            if (k0 + j < size) {
+              row[int64_t(atoms) * (1 + first + k0 + j) + z] = a[j];
+              sum += a[j];
+            }
         }
         const float mean = sum / size;
+#pragma unroll 4
         for (int k = 0; k < size; ++k)
           q_row[int64_t(first + k) * atoms + z] = v + (adv[int64_t(k) * atoms] + bias[int64_t(k) * atoms]) - mean;
         pad_col += round_up_to_align(int64_t(atoms) * size);

@@ -68,7 +68,7 @@ struct LossParams {
 
 // Floats of shared memory per warp, C51's general version: [staged online rows | staged target
 // rows | staged taken row] when staged, then the target probabilities, positions and projected
-// distribution. (The <= 64-atom version: 2 * atoms.)
+// distribution. (The <= 64-atom version: 4 * atoms.)
 __host__ __device__ inline int64_t c51_floats_per_warp(int64_t atoms, int64_t max_actions, bool staged) {
   return (staged ? (2 * max_actions + 1) * atoms : 0) + 3 * atoms;
 }
@@ -240,10 +240,68 @@ __device__ float2 c51_branch(const BranchTable& br, const LossParams& P, int b, 
   return make_float2(ce, qc);
 }
 
-// c51_branch for atoms <= 64: lane owns atoms j0 = lane and j1 = lane + 32 (if j1 < atoms).
-// The same arithmetic in the same order as c51_branch (its loops visit j0 then j1), so both
-// give the same bits. `work` holds 2 * atoms floats: the target probabilities and positions
-// the projection gathers from.
+// The projection for atoms <= 64, by one warp. Source i splits its probability between its
+// lower atom l_i and l_i + 1 (pt_i (u - b_i) and pt_i (b_i - l_i); u = l + 1 always, the
+// exact-landing case included). l_i is monotone in i, so the sources sharing a lower atom form
+// one run: a segmented scan over the warp (lane L holds sources 2L and 2L + 1) sums every run,
+// and each run's last source writes its two sums, lower[l] and upper[l] (zeroed before); atom j
+// then receives lower[j] + upper[j - 1]. Every lane runs the same few steps however long the
+// runs are: the gather (projected_mass) looped over all 51 sources on one lane for a terminal
+// transition (one run) and for long runs clipped at v_min / v_max. A fixed tree order:
+// deterministic.
+__device__ void project_by_runs(const float* pt, const float* pos, float* lower, float* upper, int NA, int lane) {
+  constexpr int kNone = INT_MAX;  // no source (past the last atom)
+  constexpr unsigned kAll = 0xffffffffu;
+  int key[2];
+  float cl[2], cu[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int i = 2 * lane + e;
+    key[e] = kNone;
+    cl[e] = cu[e] = 0.f;
+    if (i < NA) {
+      const float bi = pos[i];
+      float l = floorf(bi), u = ceilf(bi);
+      if (l == u) {  // lands exactly on an atom: all its mass goes there
+        if (u > 0.f) l -= 1.f;
+        else u += 1.f;
+      }
+      key[e] = int(l);
+      cl[e] = pt[i] * (u - bi);
+      cu[e] = pt[i] * (bi - l);
+    }
+  }
+  // The lane's last run: source 1, with source 0 when they share a lower atom.
+  const bool joined = key[0] == key[1];
+  float vl = joined ? cl[0] + cl[1] : cl[1];
+  float vu = joined ? cu[0] + cu[1] : cu[1];
+  // Inclusive segmented scan keyed by the lane's last run (equal keys are contiguous).
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const float ul = __shfl_up_sync(kAll, vl, d), uu = __shfl_up_sync(kAll, vu, d);
+    const int uk = __shfl_up_sync(kAll, key[1], d);
+    if (lane >= d && uk == key[1]) {
+      vl += ul;
+      vu += uu;
+    }
+  }
+  const float prev_l = __shfl_up_sync(kAll, vl, 1), prev_u = __shfl_up_sync(kAll, vu, 1);
+  const int prev_key = __shfl_up_sync(kAll, key[1], 1), next_key = __shfl_down_sync(kAll, key[0], 1);
+  if (!joined && key[0] != kNone) {  // source 0 ends its run, which may have begun in earlier lanes
+    const bool carry = lane > 0 && prev_key == key[0];
+    lower[key[0]] = carry ? prev_l + cl[0] : cl[0];
+    upper[key[0]] = carry ? prev_u + cu[0] : cu[0];
+  }
+  if (key[1] != kNone && (lane == 31 || next_key != key[1])) {  // source 1 ends its run
+    lower[key[1]] = vl;
+    upper[key[1]] = vu;
+  }
+}
+
+// c51_branch for atoms <= 64: lane owns atoms j0 = lane and j1 = lane + 32, those < atoms.
+// The same arithmetic as c51_branch but for the projection's summation order
+// (project_by_runs). `work` holds 4 * atoms floats: the target probabilities, the positions
+// and the two projected halves.
 __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, int b, int d, float scale,
                                    float* work, int lane) {
   const int NA = P.atoms, n = br.size[d];
@@ -256,11 +314,12 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
     return make_float2(NAN, NAN);
   }
   const int j0 = lane, j1 = lane + 32;
-  const bool has1 = j1 < NA;
+  const bool has0 = j0 < NA, has1 = j1 < NA;  // has1 implies has0
   const float z0 = P.v_min + j0 * P.dz, z1 = P.v_min + j1 * P.dz;
-  // A missing atom reads as -inf: exp(-inf - max) = 0 adds nothing to any sum.
+  // A missing atom reads as -inf: exp(-inf - max) = 0 adds nothing to any sum; nothing is
+  // written for it (atoms < 32 leave lanes without one).
   auto load2 = [&](const float* row, float& x0, float& x1) {
-    x0 = row[j0];
+    x0 = has0 ? row[j0] : -INFINITY;
     x1 = has1 ? row[j1] : -INFINITY;
   };
   const float* xc_row = P.q + (row0 + a) * NA;
@@ -306,7 +365,7 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
   }
   for (int k = 0; k < n; ++k)  // the other actions' gradient rows are 0
     if (k != a) {
-      P.grad_q[(row0 + k) * NA + j0] = 0.f;
+      if (has0) P.grad_q[(row0 + k) * NA + j0] = 0.f;
       if (has1) P.grad_q[(row0 + k) * NA + j1] = 0.f;
     }
 
@@ -320,24 +379,35 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
     const float tz = fminf(fmaxf(fmaf(discount, P.v_min + j * P.dz, r), P.v_min), P.v_max);
     return fminf(fmaxf((tz - P.v_min) / P.dz, 0.f), float(NA - 1));
   };
-  pt[j0] = e0 / st;
-  pos[j0] = position(j0);
+  float* lower = work + 2 * NA;  // projected mass by atom, from sources it is the lower atom of
+  float* upper = work + 3 * NA;  // from sources whose lower atom is this one, for the atom above
+  if (has0) {
+    pt[j0] = e0 / st;
+    pos[j0] = position(j0);
+    lower[j0] = upper[j0] = 0.f;
+  }
   if (has1) {
     pt[j1] = e1 / st;
     pos[j1] = position(j1);
+    lower[j1] = upper[j1] = 0.f;
   }
   __syncwarp();
-  const bool ascending = pos[NA - 1] >= pos[0];
-  const float m0 = projected_mass(pt, pos, NA, j0, ascending);
-  const float m1 = has1 ? projected_mass(pt, pos, NA, j1, ascending) : 0.f;
+  project_by_runs(pt, pos, lower, upper, NA, lane);
+  __syncwarp();
+  const float m0 = has0 ? lower[j0] + (j0 > 0 ? upper[j0 - 1] : 0.f) : 0.f;
+  const float m1 = has1 ? lower[j1] + upper[j1 - 1] : 0.f;
 
   // cross-entropy on the taken action and its gradient (softmax - m)
   const float mc = warp_max(fmaxf(fmaxf(-INFINITY, xc0), xc1));
   const float lse = mc + logf(warp_sum((0.f + expf(xc0 - mc)) + expf(xc1 - mc)));
   float* g = P.grad_q + (row0 + a) * NA;
-  const float logp0 = xc0 - lse, p0 = expf(logp0);
-  float ce = fmaf(-m0, logp0, 0.f), qc = fmaf(p0, z0, 0.f);
-  g[j0] = (p0 - m0) * scale;
+  float ce = 0.f, qc = 0.f;
+  if (has0) {
+    const float logp0 = xc0 - lse, p0 = expf(logp0);
+    ce = fmaf(-m0, logp0, ce);
+    qc = fmaf(p0, z0, qc);
+    g[j0] = (p0 - m0) * scale;
+  }
   if (has1) {
     const float logp1 = xc1 - lse, p1 = expf(logp1);
     ce = fmaf(-m1, logp1, ce);
@@ -535,7 +605,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   const bool staged = c51 && !small_atoms &&
                       size_t(warps) * c51_floats_per_warp(S.atoms, max_actions, true) * sizeof(float) <= kSmemBudget;
   const int64_t work_floats =
-      !c51 ? 0 : small_atoms ? 2 * S.atoms : c51_floats_per_warp(S.atoms, max_actions, staged);
+      !c51 ? 0 : small_atoms ? 4 * S.atoms : c51_floats_per_warp(S.atoms, max_actions, staged);
   const size_t smem = size_t(warps) * work_floats * sizeof(float);
   // A block per sample group, at most 16 per SM (later groups loop): no grid barrier, so no
   // co-residency cap; the last block to finish sums the partials.

@@ -27,9 +27,10 @@ namespace {
 
 using at::Tensor;
 constexpr int kThreads = 256;
+constexpr int kLoadsInFlight = 4;  // per thread, in the dueling backward kernel
 
 // d_head = grad_head + d(dueling aggregate)/d(head) . grad_q, a thread per (row, atom)
-// (row_group):  dv = sum over every action of dq;  da[k] = dq[k] - mean over the
+// (row_group), a branch's dq loaded kLoadsInFlight at a time:  dv = sum over every action of dq;  da[k] = dq[k] - mean over the
 // branch's actions of dq. d_head is compact [rows, head_out]; the BF16 copy the `bf16` GEMMs
 // read (d_head_bf16, may be null) is in the padded layout [rows, head_ld] of NetLayout, its
 // padding columns 0.
@@ -51,9 +52,18 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
         const float* dq = grad_q ? grad_q + (b * total_actions + first) * int64_t(atoms) + z : nullptr;
         float sum = 0.f;
         if (dq)
-          for (int k = 0; k < size; ++k) sum += dq[int64_t(k) * atoms];
+          for (int k0 = 0; k0 < size; k0 += kLoadsInFlight) {  // the chunk's loads first
+            float x[kLoadsInFlight];
+#pragma unroll
+            for (int j = 0; j < kLoadsInFlight; ++j)
+              if (k0 + j < size) x[j] = dq[int64_t(k0 + j) * atoms];
+#pragma unroll
+            for (int j = 0; j < kLoadsInFlight; ++j)
+              if (k0 + j < size) sum += x[j];
+          }
         dv += sum;
         const float mean = sum / size;
+#pragma unroll 4
         for (int k = 0; k < size; ++k) {
           const int64_t col = int64_t(atoms) * (1 + first + k) + z;
           const float g = (dq ? dq[int64_t(k) * atoms] - mean : 0.f) + (gh ? gh[col] : 0.f);
