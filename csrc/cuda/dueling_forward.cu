@@ -25,7 +25,8 @@ using at::Tensor;
 constexpr int kThreads = 256;
 constexpr int kLoadsInFlight = 4;  // per thread, in the output-bias + dueling kernel
 
-// 4 elements per thread (16-byte loads) where n and both pointers allow it.
+// states -> BF16; the x4 version takes 4 elements a thread (16-byte loads) where n and both
+// pointers allow it.
 __global__ void cast_to_bf16_kernel(const float* __restrict__ in, __nv_bfloat16* __restrict__ out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __float2bfloat16_rn(in[i]);
@@ -37,9 +38,9 @@ __global__ void cast_to_bf16_x4_kernel(const float4* __restrict__ in, uint2* __r
   }
 }
 
-// out = bf16(relu(z + bias)), z [rows, cols] row-major, V consecutive columns per thread
-// (V = 4: 16-byte loads, 8-byte stores). `v < 0 ? 0 : v` keeps a NaN a NaN (as torch.relu
-// does) so a non-finite input stays visible downstream.
+// out = bf16(relu(z + bias)), z [rows, cols] row-major; the x4 version takes 4 consecutive
+// columns a thread (16-byte loads, 8-byte stores). `v < 0 ? 0 : v` keeps a NaN a NaN (as
+// torch.relu does) so a non-finite input stays visible downstream.
 __device__ __forceinline__ float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
 
 __global__ void bias_relu_bf16_kernel(const float* __restrict__ z, const float* __restrict__ bias,

@@ -1,16 +1,18 @@
 // dqn_loss on CUDA: one launch (and a 4-byte memset).
 //
 // C51: a warp per (sample, branch): the double-DQN choice (the expected Q of up to 4 actions
-// reduced together), the target distribution's projection onto the support (each atom gathers
-// from the few sources that can reach it, found by binary search: the positions are monotone
-// in the source atom), the cross-entropy and its gradient. Two versions of the branch, chosen
-// at launch (two kernel instantiations, so each gets its own register allocation):
-//   atoms <= 64 (C51's 51): a lane owns atoms `lane` and `lane + 32`; every row is read
+// reduced together), the projection of the target distribution onto the support, the
+// cross-entropy and its gradient. Two versions of the branch, chosen at launch (two kernel
+// instantiations, so each gets its own register allocation):
+//   atoms <= 64 (C51's 51; v4): a lane owns atoms `lane` and `lane + 32`; every row is read
 //     straight into registers, the target rows together with the online rows they are chosen
-//     by (no dependent load after the argmax). (v4; v3 ran the general version here: 2,125
-//     instructions per warp and 80 registers at B = 4096, bench/NOTES.md.)
-//   general: the warp stages its rows in shared memory (all loads in flight at once), then
-//     loops over the atoms 32 at a time.
+//     by (no dependent load after the argmax); the projection is a segmented scan over the
+//     warp (project_by_runs), the same steps for every transition. (v3 ran the general
+//     version here: 57.6 µs at B = 4096 and 14.1 at 256 on the H200, v4 34.3 and 7.7;
+//     bench/NOTES.md.)
+//   general: the warp stages its rows in shared memory (all loads in flight at once), loops
+//     over the atoms 32 at a time, and each atom gathers from the sources that can reach it,
+//     found by binary search (projected_mass).
 // MSE / Huber (one atom): a warp per sample, lanes over the branches.
 //
 // A block holds whole samples (`warps_per_sample` warps each), so the branch means and the
