@@ -7,6 +7,7 @@
 #   PYTEST_ARGS=tests/test_spectral_norm.py BENCHES="spectral" bash scripts/gpu_check.sh
 #   TRAIN_EPOCHS=5 bash scripts/gpu_check.sh     # also a short training run per backend
 #   PARITY_EPOCHS=50 bash scripts/gpu_check.sh   # also the convergence-parity check
+#   PARITY_EPOCHS=50 PARITY_ARGS="--seeds 0 1 2 3 4 5 --jobs 6" bash scripts/gpu_check.sh   # more seeds, runs at once
 #   BENCHES=step STEP_BENCH_ARGS="--batches 256 4096" bash scripts/gpu_check.sh   # the whole-step benchmark
 #   SANITIZE=1 bash scripts/gpu_check.sh         # also scripts/verify_gpu.sh (compute-sanitizer, 4 tools)
 #   DIST=1 bash scripts/gpu_check.sh             # on a multi-GPU machine: data-parallel scaling, 1 vs all GPUs
@@ -77,7 +78,7 @@ if [ -n "${TRAIN_EPOCHS:-}" ]; then
 fi
 if [ -n "${PARITY_EPOCHS:-}" ]; then
   echo "== convergence parity (${PARITY_EPOCHS} epochs)"
-  timeout "${PARITY_TIMEOUT:-3600}" $PY scripts/parity.py --epochs "$PARITY_EPOCHS" --out "$OUT" --runs runs/parity 2>&1 | tee "$OUT/parity.log" | tail -20
+  timeout "${PARITY_TIMEOUT:-3600}" $PY scripts/parity.py --epochs "$PARITY_EPOCHS" --out "$OUT" --runs runs/parity ${PARITY_ARGS:-} 2>&1 | tee "$OUT/parity.log" | tail -20
 fi
 if [ -n "${SOAK:-}" ]; then
   echo "== soak"

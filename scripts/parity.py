@@ -14,6 +14,11 @@ comparison each figure used. No band is widened.
 "Final Sharpe" is the mean of the last 5 epochs' held-out evaluations (each a greedy episode
 on 128 unseen markets), so that one noisy evaluation does not decide it.
 
+`--jobs N` runs N training processes at once (one GPU is mostly idle at B=256: each process
+is bound by its own host work). Every compared figure is per process (peak VRAM is the
+process's own allocator peak), so concurrency changes none of them; the wall-clock timings in
+the result file are then not comparable with a run alone, and the file records `jobs`.
+
 Writes <out>/parity.json (top-level "pass") and parity.md.
 """
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -31,6 +37,10 @@ TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 BANDS = dict(final_sharpe=0.05, mean_q=0.10, grad_norm_mean=0.20, grad_norm_max=0.20, peak_vram_bytes=0.10)
 FIGURE_KEYS = dict(final_sharpe="final_sharpe_mean_last5", mean_q="mean_q", grad_norm_mean="grad_norm_mean",
                    grad_norm_max="grad_norm_max", peak_vram_bytes="peak_vram_bytes")
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
 
 
 def rel(a, b):
@@ -44,23 +54,31 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "bench", "results"))
     ap.add_argument("--runs", default="runs/parity")
+    ap.add_argument("--jobs", type=int, default=1, help="training processes at once (default 1)")
     args = ap.parse_args()
+    if args.jobs < 1:
+        ap.error(f"--jobs: expected at least 1, got {args.jobs}")
 
+    def run(path: str, backend: str, seed: int) -> dict:
+        # One process per run: peak VRAM and every other figure measured from a clean start.
+        out = os.path.join(args.runs, f"{path}-seed{seed}")
+        subprocess.run([sys.executable, TRAIN, "--backend", backend, "--epochs", str(args.epochs), "--seed",
+                        str(seed), "--device", args.device, "--quiet", "--out", out], check=True,
+                       stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "summary.json")) as f:
+            s = json.load(f)
+        r = {k: s[v] for k, v in FIGURE_KEYS.items()}
+        r.update(non_finite=s["non_finite"], epoch_seconds_median=s["epoch_seconds_median"],
+                 train_step_ms_per_epoch_median=s["train_step_ms_per_epoch_median"])
+        print(f"{path} seed {seed}: " + ", ".join(f"{k}={_fmt(r[k])}" for k in FIGURE_KEYS), flush=True)
+        return r
+
+    jobs = [(path, backend, seed) for seed in args.seeds for path, backend in (("f32", "torch"), ("bf16", "dqn_ops"))]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda j: run(*j), jobs))
     runs = {"f32": {}, "bf16": {}}
-    for seed in args.seeds:
-        for path, backend in (("f32", "torch"), ("bf16", "dqn_ops")):
-            # One process per run: peak VRAM and every other figure measured from a clean start.
-            out = os.path.join(args.runs, f"{path}-seed{seed}")
-            subprocess.run([sys.executable, TRAIN, "--backend", backend, "--epochs", str(args.epochs), "--seed",
-                            str(seed), "--device", args.device, "--quiet", "--out", out], check=True,
-                           stdout=subprocess.DEVNULL)
-            with open(os.path.join(out, "summary.json")) as f:
-                s = json.load(f)
-            runs[path][seed] = {k: s[v] for k, v in FIGURE_KEYS.items()}
-            runs[path][seed].update(non_finite=s["non_finite"], epoch_seconds_median=s["epoch_seconds_median"],
-                                    train_step_ms_per_epoch_median=s["train_step_ms_per_epoch_median"])
-            print(f"{path} seed {seed}: " + ", ".join(f"{k}={runs[path][seed][k]:.4g}" for k in FIGURE_KEYS),
-                  flush=True)
+    for (path, _, seed), r in zip(jobs, results):
+        runs[path][seed] = r
 
     seeds = args.seeds
     ref_seed = seeds[0]
@@ -68,6 +86,11 @@ def main():
     for name, band in BANDS.items():
         f32 = [runs["f32"][s][name] for s in seeds]
         bf16 = [runs["bf16"][s][name] for s in seeds]
+        if None in f32 or None in bf16:  # peak VRAM on the CPU: not measured, not compared
+            figures[name] = dict(band=band, compared="not measured on this device", bf16=None, f32=None,
+                                 relative_difference=None, passed=None, f32_control_spread=None,
+                                 f32_per_seed=f32, bf16_per_seed=bf16)
+            continue
         mean_f32, mean_bf16 = sum(f32) / len(f32), sum(bf16) / len(bf16)
         control_spread = max(rel(x, mean_f32) for x in f32) if len(f32) > 1 else 0.0
         if control_spread <= band:
@@ -83,7 +106,8 @@ def main():
     ok &= no_nan
     result = {"pass": ok, "no_nan_or_inf": no_nan, "figures": figures, "runs": runs,
               "meta": dict(epochs=args.epochs, steps_per_epoch=300, batch=256, seeds=seeds, device=args.device,
-                           gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                           jobs=args.jobs,
+                           gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                            torch=torch.__version__, date=__import__("datetime").date.today().isoformat(),
                            final_sharpe_definition="mean of the last 5 epochs' held-out evaluations",
                            f32_path="dqn_ops.baseline.TorchTrainer (plain PyTorch, F32, TF32 off)",
@@ -92,12 +116,16 @@ def main():
     stem = os.path.join(args.out, f"{result['meta']['date']}-parity")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    lines = [f"# Convergence parity, BF16 (dqn_ops) vs F32 (PyTorch) — {result['meta']['gpu']}, "
+    lines = [f"# Convergence parity, BF16 (dqn_ops) vs F32 (PyTorch) — {result['meta']['gpu'] or args.device}, "
              f"torch {torch.__version__}, {result['meta']['date']}", "",
-             f"{args.epochs} epochs x 300 steps, B=256, seeds {seeds}. **pass: {ok}** (no NaN/Inf: {no_nan})", "",
+             f"{args.epochs} epochs x 300 steps, B=256, seeds {seeds}, {args.jobs} run(s) at a time. "
+             f"**pass: {ok}** (no NaN/Inf: {no_nan})", "",
              "| figure | band | compared | BF16 | F32 | rel. diff | F32 seed spread | pass |",
              "|---|---|---|---|---|---|---|---|"]
     for name, f in figures.items():
+        if f["passed"] is None:
+            lines.append(f"| {name} | {f['band']:.0%} | {f['compared']} | | | | | |")
+            continue
         lines.append(f"| {name} | {f['band']:.0%} | {f['compared']} | {f['bf16']:.4g} | {f['f32']:.4g} | "
                      f"{f['relative_difference']:.1%} | {f['f32_control_spread']:.1%} | {f['passed']} |")
     with open(stem + ".md", "w") as f:
