@@ -55,6 +55,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "bench", "results"))
     ap.add_argument("--runs", default="runs/parity")
     ap.add_argument("--jobs", type=int, default=1, help="training processes at once (default 1)")
+    ap.add_argument("--steps", type=int, default=300, help="training steps per epoch (the check: 300)")
+    ap.add_argument("--tiny", action="store_true", help="train.py's small network (a smoke test of this script)")
     args = ap.parse_args()
     if args.jobs < 1:
         ap.error(f"--jobs: expected at least 1, got {args.jobs}")
@@ -63,7 +65,8 @@ def main():
         # One process per run: peak VRAM and every other figure measured from a clean start.
         out = os.path.join(args.runs, f"{path}-seed{seed}")
         subprocess.run([sys.executable, TRAIN, "--backend", backend, "--epochs", str(args.epochs), "--seed",
-                        str(seed), "--device", args.device, "--quiet", "--out", out], check=True,
+                        str(seed), "--steps", str(args.steps), "--device", args.device, "--quiet", "--out", out]
+                       + (["--tiny"] if args.tiny else []), check=True,
                        stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "summary.json")) as f:
             s = json.load(f)
@@ -105,8 +108,8 @@ def main():
     no_nan = not any(r["non_finite"] for p in runs.values() for r in p.values())
     ok &= no_nan
     result = {"pass": ok, "no_nan_or_inf": no_nan, "figures": figures, "runs": runs,
-              "meta": dict(epochs=args.epochs, steps_per_epoch=300, batch=256, seeds=seeds, device=args.device,
-                           jobs=args.jobs,
+              "meta": dict(epochs=args.epochs, steps_per_epoch=args.steps, batch=256, seeds=seeds,
+                           device=args.device, jobs=args.jobs, tiny_network=args.tiny,
                            gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                            torch=torch.__version__, date=__import__("datetime").date.today().isoformat(),
                            final_sharpe_definition="mean of the last 5 epochs' held-out evaluations",
@@ -118,7 +121,8 @@ def main():
         json.dump(result, f, indent=1)
     lines = [f"# Convergence parity, BF16 (dqn_ops) vs F32 (PyTorch) — {result['meta']['gpu'] or args.device}, "
              f"torch {torch.__version__}, {result['meta']['date']}", "",
-             f"{args.epochs} epochs x 300 steps, B=256, seeds {seeds}, {args.jobs} run(s) at a time. "
+             f"{args.epochs} epochs x {args.steps} steps, B=256, seeds {seeds}, {args.jobs} run(s) at a time"
+             f"{' (tiny network: a smoke test)' if args.tiny else ''}. "
              f"**pass: {ok}** (no NaN/Inf: {no_nan})", "",
              "| figure | band | compared | BF16 | F32 | rel. diff | F32 seed spread | pass |",
              "|---|---|---|---|---|---|---|---|"]
