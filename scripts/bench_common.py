@@ -63,13 +63,20 @@ def run_meta(**extra):
                 cuda=torch.version.cuda, **extra)
 
 
-def write_results(out_dir, kind, meta, rows, markdown_lines):
-    """Writes <out_dir>/<date>-<device>-<kind>.json (meta + rows) and .md; returns the path stem."""
-    import json
+def result_path(out_dir, meta, name):
+    """<out_dir>/<date>-<device>-<name>, the name every result file of the scripts gets (the
+    folder is created)."""
     import os
 
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{meta['date']}-{meta['device'].replace(' ', '_')}-{kind}")
+    return os.path.join(out_dir, f"{meta['date']}-{meta['device'].replace(' ', '_')}-{name}")
+
+
+def write_results(out_dir, kind, meta, rows, markdown_lines):
+    """Writes <out_dir>/<date>-<device>-<kind>.json (meta + rows) and .md; returns the path stem."""
+    import json
+
+    stem = result_path(out_dir, meta, kind)
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(stem + ".md", "w") as f:

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
 
 from bench import random_batch  # noqa: E402
-from bench_common import run_meta  # noqa: E402
+from bench_common import result_path, run_meta  # noqa: E402
 
 
 def kernel_trace(fn, repeats: int = 5):
@@ -48,7 +48,6 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a CUDA device")
     meta = run_meta()
-    os.makedirs(args.out, exist_ok=True)
     c = DQNConfig()
     lines = ["# dqn_ops training step, kernel traces (µs per kernel, in start order)", f"# {meta}", ""]
     for B in args.batches:
@@ -63,7 +62,7 @@ def main():
                     f"{busy:.1f} µs, first start to last end {span:.1f} µs")
             print(head[3:], flush=True)
             lines += [head, ""] + [f"{us:8.2f}  {short(name)}" for name, us in trace] + [""]
-    path = os.path.join(args.out, f"{meta['date']}-{meta['device'].replace(' ', '_')}-profile.txt")
+    path = result_path(args.out, meta, "profile.txt")
     with open(path, "w") as f:
         f.write("\n".join(lines))
     print("wrote", path)

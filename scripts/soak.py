@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
 
 from bench import random_batch  # noqa: E402
-from bench_common import run_meta  # noqa: E402
+from bench_common import result_path, run_meta  # noqa: E402
 
 
 TOLERANCE = 1 << 20  # bytes
@@ -108,8 +108,7 @@ def main():
         print(json.dumps(r, indent=1), flush=True)
     meta = run_meta(batch=256, config="reference")
     out = {"pass": all(r["passed"] for r in results), "meta": meta, "runs": results}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{meta['date']}-{meta['device'].replace(' ', '_')}-soak.json")
+    path = result_path(args.out, meta, "soak.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"soak pass: {out['pass']}; wrote {path}")
