@@ -65,8 +65,7 @@ def make_step(mode: str, c: DQNConfig, B: int, device):
             trainer.compile_parts()
     trainer.step(random_batch(c, B, device))
     if mode == "torch_compile_reduce_overhead":
-        compiled = torch.compile(trainer._step_body, mode="reduce-overhead")
-        return compiled
+        return torch.compile(trainer._step_body, mode="reduce-overhead")
     return trainer.step
 
 
@@ -105,20 +104,29 @@ def per_op_rows(c: DQNConfig, B: int, device):
     net, tgt, x, cfg = t.online, t.target, t.inputs, t.config
     L, prec = net._layout_ints, cfg.backward_precision
     fwd = torch.ops.dqn_ops.bf16_dueling_forward.default
-    out = fwd(x["states"], net.flat_params, net.params_bf16, L, prec)
-    qn = fwd(x["next_states"], net.flat_params, net.params_bf16, L, prec)[0]
-    loss = torch.ops.dqn_ops.dqn_loss.default(out[0], qn, qn, x["actions"], x["rewards"], x["dones"], None,
-                                              list(c.branches), cfg.v_min, cfg.v_max, cfg.gamma, t.loss_type)
-    grad = torch.ops.dqn_ops.mixed_backward.default(loss[1], None, *out[2:], net.flat_params, net.params_bf16, L,
-                                                    prec, False)[0]
-    net.flat_params.grad = grad
+
+    def forward(states):
+        return fwd(states, net.flat_params, net.params_bf16, L, prec)
+
+    # Each op's inputs come from one eager call of the op before it.
+    out = forward(x["states"])
+    qn = forward(x["next_states"])[0]
+
+    def loss_op():
+        return torch.ops.dqn_ops.dqn_loss.default(out[0], qn, qn, x["actions"], x["rewards"], x["dones"], None,
+                                                  list(c.branches), cfg.v_min, cfg.v_max, cfg.gamma, t.loss_type)
+
+    grad_q = loss_op()[1]
+
+    def backward_op():
+        return torch.ops.dqn_ops.mixed_backward.default(grad_q, None, *out[2:], net.flat_params, net.params_bf16, L,
+                                                        prec, False)
+
+    net.flat_params.grad = backward_op()[0]
     ops = {
-        "forward (one pass)": lambda: fwd(x["states"], net.flat_params, net.params_bf16, L, prec),
-        "loss (C51 + grad)": lambda: torch.ops.dqn_ops.dqn_loss.default(
-            out[0], qn, qn, x["actions"], x["rewards"], x["dones"], None, list(c.branches), cfg.v_min, cfg.v_max,
-            cfg.gamma, t.loss_type),
-        f"backward ({prec})": lambda: torch.ops.dqn_ops.mixed_backward.default(
-            loss[1], None, *out[2:], net.flat_params, net.params_bf16, L, prec, False),
+        "forward (one pass)": lambda: forward(x["states"]),
+        "loss (C51 + grad)": loss_op,
+        f"backward ({prec})": backward_op,
         "optimizer (clip + Adam + mirror)": lambda: t.optimizer.step(),
         "spectral norm (10 matrices)": lambda: t.spectral(),
         "EMA + target mirror": lambda: dqn_ops.ema_update(tgt.flat_params, tgt.params_bf16, net.flat_params, cfg.tau),
@@ -158,7 +166,8 @@ def main():
             rows.append(row)
             print(f"B={B:6d}  {mode:30s}  " + (f"{row['step_us']:10.1f} us/step  kernels {row['kernels']}"
                                                 if row["status"] == "ok" else row["status"]), flush=True)
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     flops_rows = []
     if device.type == "cuda":
         for B in [b for b in args.batches if b >= 4096]:
