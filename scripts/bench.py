@@ -182,8 +182,7 @@ def main():
                                    ratio_to_floor=round(ours["step_us"] / floor, 2) if ours else None))
     op_rows = [r for B in (256, 4096) if device.type == "cuda" for r in per_op_rows(c, B, device)]
 
-    meta = run_meta(config="reference (287,998 parameters)", tf32=False) if device.type == "cuda" else dict(
-        date=time.strftime("%Y-%m-%d"), device="cpu", torch=torch.__version__)
+    meta = run_meta(device, config="reference (287,998 parameters)", tf32=False)
     lines = [f"# Training step, side by side — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
              "µs per step (median of 3 timings of back-to-back steps); kernels per step from the torch profiler.", "",
              "| B | " + " | ".join(args.modes) + " |", "|---|" + "---|" * len(args.modes)]

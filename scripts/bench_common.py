@@ -55,12 +55,16 @@ def kernels_per_call(fn):
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def run_meta(**extra):
-    """What every result file records: date, device, torch and CUDA versions, plus `extra`."""
+def run_meta(device="cuda", **extra):
+    """What every result file records: date, device, torch and CUDA versions, plus `extra`
+    (on the CPU: date, "cpu", torch)."""
     import datetime
 
-    return dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                cuda=torch.version.cuda, **extra)
+    date = datetime.date.today().isoformat()
+    if torch.device(device).type == "cpu":
+        return dict(date=date, device="cpu", torch=torch.__version__, **extra)
+    return dict(date=date, device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+                **extra)
 
 
 def result_path(out_dir, meta, name):

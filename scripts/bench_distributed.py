@@ -24,7 +24,6 @@ import glob
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -68,10 +67,8 @@ def run(args):
             del t
         if rank == 0:
             os.makedirs(args.out, exist_ok=True)
-            if cuda:
-                meta = run_meta(world=world, nccl=list(torch.cuda.nccl.version()))
-            else:
-                meta = dict(date=time.strftime("%Y-%m-%d"), device="cpu", torch=torch.__version__, world=world)
+            nccl = dict(nccl=list(torch.cuda.nccl.version())) if cuda else {}
+            meta = run_meta(device, world=world, **nccl)
             with open(os.path.join(args.out, f"distributed-world{world}.json"), "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1)
     finally:
