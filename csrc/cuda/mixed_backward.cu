@@ -31,9 +31,9 @@ constexpr int kLoadsInFlight = 4;  // per thread, in the dueling backward kernel
 
 // d_head = grad_head + d(dueling aggregate)/d(head) . grad_q, a thread per (row, atom)
 // (row_group), a branch's dq loaded kLoadsInFlight at a time:  dv = sum over every action of
-// dq;  da[k] = dq[k] - mean over the branch's actions of dq. d_head is compact [rows, head_out]; the BF16 copy the `bf16` GEMMs
-// read (d_head_bf16, may be null) is in the padded layout [rows, head_ld] of NetLayout, its
-// padding columns 0.
+// dq;  da[k] = dq[k] - mean over the branch's actions of dq. d_head is compact [rows,
+// head_out]; the BF16 copy the `bf16` GEMMs read (d_head_bf16, may be null) is in the padded
+// layout [rows, head_ld] of NetLayout, its padding columns 0.
 __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const float* __restrict__ grad_head,
                                         float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
                                         int64_t head_ld, int64_t rows, int atoms, int64_t head_out,

@@ -420,7 +420,8 @@ void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, T
                                     v.data_ptr<float>(), sigma.data_ptr<float>(), iterations, eps));
 }
 
-// Blocks of spectral_norm_kernel that fit on the device at once (a cooperative launch's cap).
+// v2: one cooperative launch, its grid capped at the blocks of spectral_norm_kernel that fit on
+// the device at once (virtual blocks beyond it loop).
 void launch(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma, float* partial,
             float* sq_v, float* sq_u, int iterations, float eps, cudaStream_t stream) {
   const int cap = cooperative_block_cap(spectral_norm_kernel, kThreads, 0);
