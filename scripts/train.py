@@ -145,7 +145,9 @@ def train(args) -> dict:
         row = dict(epoch=epoch + 1, steps=step, loss=last.get("loss"), mean_q=last.get("mean_q"),
                    grad_norm_mean=last.get("grad_norm_mean"), grad_norm_max=last.get("grad_norm_max"),
                    skipped=last.get("skipped"), eval_sharpe=ev["sharpe"], eval_pnl_pct=ev["mean_pnl_pct"],
-                   eval_turnover=ev["turnover"], epsilon=eps, epoch_seconds=epoch_s, train_step_ms_total=step_ms)
+                   eval_turnover=ev["turnover"], epsilon=eps, epoch_seconds=epoch_s, train_step_ms_total=step_ms,
+                   # the allocator's peak so far (evaluation included): flat after epoch 1 unless memory leaks
+                   peak_vram_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
         rows.append(row)
         if not args.quiet:
             print(f"epoch {epoch + 1:3d}  loss {row['loss']:.4f}  mean Q {row['mean_q']:+.3f}  "
@@ -176,6 +178,7 @@ def train(args) -> dict:
                    grad_norm_mean=whole_run["grad_norm_mean"], grad_norm_max=whole_run["grad_norm_max"],
                    non_finite=not finite, skipped=whole_run["skipped"],
                    peak_vram_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+                   peak_vram_first_epoch_bytes=rows[0]["peak_vram_bytes"],
                    epoch_seconds_median=sorted(r["epoch_seconds"] for r in rows)[len(rows) // 2],
                    train_step_ms_per_epoch_median=sorted(r["train_step_ms_total"] for r in rows)[len(rows) // 2],
                    baseline_sharpe=baselines)
