@@ -26,7 +26,7 @@ is bound by its own host work). Every compared figure is per process (peak VRAM 
 process's own allocator peak), so concurrency changes none of them; the wall-clock timings in
 the result file are then not comparable with a run alone, and the file records `jobs`.
 
-Writes <out>/parity.json (top-level "pass") and parity.md.
+Writes <out>/<date>-parity.json (top-level "pass") and <date>-parity.md.
 """
 from __future__ import annotations
 
