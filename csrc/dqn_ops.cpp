@@ -77,4 +77,27 @@ TORCH_LIBRARY(dqn_ops, m) {
       "dqn_loss(Tensor q, Tensor q_next_online, Tensor q_next_target, Tensor actions, Tensor rewards, "
       "Tensor dones, Tensor? weights, int[] branches, float v_min, float v_max, float gamma, "
       "str loss_type=\"c51\") -> (Tensor loss, Tensor grad_q, Tensor td_error, Tensor mean_q)");
+
+  // The trainer's fused CUDA path (dqn_ops/trainer.py): the three ops above with the dueling
+  // aggregation and its backward moved into the loss, so the logits make one trip through
+  // memory instead of three. CUDA only (and fake kernels); each result equals, bit for bit,
+  // what the public ops compute (tests/test_fused_step.py).
+  //   _dueling_logits: bf16_dueling_forward stopped before the aggregation: the output
+  //     layer's GEMM results, no bias, in the padded layout [B, head_ld] (csrc/layout.h).
+  //   _dqn_loss_on_logits: dqn_loss ('c51', atoms <= 64, at most 8 branches) on those
+  //     logits, biases read from each network's params; returns d(loss)/d(head logits) as
+  //     mixed_backward's dueling step would form it: F32 compact [B, head_out] and BF16
+  //     padded [B, head_ld] (padding 0).
+  //   _mixed_backward_from_head: mixed_backward from that gradient.
+  m.def(
+      "_dueling_logits(Tensor states, Tensor params, Tensor params_bf16, int[] layout) -> (Tensor logits, "
+      "Tensor states_bf16, Tensor h1, Tensor h2, Tensor hh)");
+  m.def(
+      "_dqn_loss_on_logits(Tensor logits, Tensor logits_next_online, Tensor logits_next_target, Tensor params, "
+      "Tensor target_params, Tensor actions, Tensor rewards, Tensor dones, Tensor? weights, int[] layout, "
+      "float v_min, float v_max, float gamma) -> (Tensor loss, Tensor grad_head, Tensor grad_head_bf16, "
+      "Tensor td_error, Tensor mean_q)");
+  m.def(
+      "_mixed_backward_from_head(Tensor grad_head, Tensor grad_head_bf16, Tensor states_bf16, Tensor h1, "
+      "Tensor h2, Tensor hh, Tensor params, Tensor params_bf16, int[] layout, str precision=\"bf16\") -> Tensor");
 }

@@ -13,6 +13,7 @@
 namespace dqn_ops {
 
 constexpr const char* kLossOp = "dqn_ops.dqn_loss";
+constexpr const char* kLossOnLogitsOp = "dqn_ops._dqn_loss_on_logits";
 
 enum class LossType {
   kC51,    // distributional: projection of r + gamma z onto the support, cross-entropy (atoms > 1)

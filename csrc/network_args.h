@@ -14,6 +14,8 @@ namespace dqn_ops {
 
 constexpr const char* kForwardOp = "dqn_ops.bf16_dueling_forward";
 constexpr const char* kBackwardOp = "dqn_ops.mixed_backward";
+constexpr const char* kLogitsOp = "dqn_ops._dueling_logits";
+constexpr const char* kBackwardFromHeadOp = "dqn_ops._mixed_backward_from_head";
 
 // Operand types of the backward GEMMs (DESIGN.md fact 1: cuBLAS takes no F32 x BF16 mix).
 enum class BackwardPrecision {
@@ -57,8 +59,8 @@ inline void check_params(const at::Tensor& params, const at::Tensor& params_bf16
 }
 
 inline void check_forward_args(const at::Tensor& states, const at::Tensor& params, const at::Tensor& params_bf16,
-                               const NetLayout& L, const std::string& backward_precision) {
-  const char* op = kForwardOp;
+                               const NetLayout& L, const std::string& backward_precision,
+                               const char* op = kForwardOp) {
   parse_precision(backward_precision, op);
   check_params(params, params_bf16, L, op);
   check_device(states, op, "states", params.device());

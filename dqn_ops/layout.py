@@ -80,6 +80,12 @@ class DQNConfig:
         return self.atoms * (1 + self.total_actions)
 
     @property
+    def head_ld(self) -> int:
+        """Row length of the CUDA kernels' padded output logits (csrc/layout.h, NetLayout::head_ld):
+        each head's logits start at a multiple of ALIGN columns."""
+        return _align(self.atoms) + sum(_align(self.atoms * n) for n in self.branches)
+
+    @property
     def num_parameters(self) -> int:
         return sum(shape_numel(s) for _, s, _ in ParamLayout(self).tensors)
 

@@ -11,12 +11,15 @@
 namespace dqn_ops {
 namespace cuda {
 
-constexpr int kMaxBranches = 256;  // 2 KiB of kernel parameters
+constexpr int kMaxBranches = 256;  // 3 KiB of kernel parameters
 
 struct BranchTable {
   int32_t count;
   int32_t size[kMaxBranches];
   int32_t action_offset[kMaxBranches];
+  // Branch d's first column in the padded logits layout (NetLayout::heads[d + 1].pad_col);
+  // filled only by the NetLayout overload (dqn_loss's table, from branch sizes alone, has none).
+  int32_t pad_col[kMaxBranches];
 };
 
 inline BranchTable make_branch_table(const NetLayout& L, const char* op) {
@@ -27,6 +30,7 @@ inline BranchTable make_branch_table(const NetLayout& L, const char* op) {
   for (int64_t d = 0; d < L.num_branches(); ++d) {
     t.size[d] = static_cast<int32_t>(L.branch_sizes[d]);
     t.action_offset[d] = static_cast<int32_t>(L.action_offsets[d]);
+    t.pad_col[d] = static_cast<int32_t>(L.heads[d + 1].pad_col);
   }
   return t;
 }

@@ -5,6 +5,7 @@
 // head, then the branch heads as one strided batch when they share a shape; else D + 1)
 // + 1 (output bias + dueling aggregation) = 11 for the reference config. The value head's
 // and all branches' first layers run as one GEMM over the adjacent rows of W_h1.
+// _dueling_logits, the trainer's fused path, stops before the last kernel.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -82,10 +83,9 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
     for (int z = g.col; z < atoms; z += g.width) {
       const float v = in[z] + b_out[z];
       row[z] = v;
-      int64_t pad_col = round_up_to_align(atoms);  // branch d's first column in `logits`
       for (int d = 0; d < branches.count; ++d) {
         const int size = branches.size[d], first = branches.action_offset[d];
-        const float* adv = in + pad_col + z;
+        const float* adv = in + branches.pad_col[d] + z;
         const float* bias = b_out + int64_t(atoms) * (1 + first) + z;
         float sum = 0.f;
         for (int k0 = 0; k0 < size; k0 += kLoadsInFlight) {  // the chunk's loads first, then its stores
@@ -104,18 +104,18 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
 #pragma unroll 4
         for (int k = 0; k < size; ++k)
           q_row[int64_t(first + k) * atoms + z] = v + (adv[int64_t(k) * atoms] + bias[int64_t(k) * atoms]) - mean;
-        pad_col += round_up_to_align(int64_t(atoms) * size);
       }
     }
   }
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
-    const Tensor& states, const Tensor& params, const Tensor& params_bf16, c10::IntArrayRef layout,
-    c10::string_view backward_precision) {
-  const NetLayout L = parse_layout(layout, kForwardOp);
-  check_forward_args(states, params, params_bf16, L, std::string(backward_precision));
-  const BranchTable branches = make_branch_table(L, kForwardOp);
+// Everything up to the aggregation: the output layer's GEMM results in the padded layout
+// (no bias) and the activations the backward reads.
+struct Logits {
+  Tensor logits, x, h1, h2, hh;
+};
+
+Logits forward_to_logits(const Tensor& states, const Tensor& params, const Tensor& params_bf16, const NetLayout& L) {
   // Kernels and cuBLAS must run on the tensors' device, whichever device is current.
   const c10::cuda::CUDAGuard guard(states.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -171,18 +171,45 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
                          logits.data_ptr<float>() + s.pad_col, CUDA_R_32F, L.head_ld, g.pad_col_stride, g.count,
                          CUBLAS_COMPUTE_32F);
   }
-  Tensor head = at::empty({B, L.head_out}, f32);
-  Tensor q = at::empty({B, L.total_actions, L.atoms}, f32);
-  head_bias_dueling_kernel<<<row_group_blocks(B, L.atoms, kThreads), kThreads, 0, stream>>>(
-      logits.data_ptr<float>(), L.head_ld, p + L.b_out, head.data_ptr<float>(), q.data_ptr<float>(), B,
-      static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
+  return {logits, x, h1, h2, hh};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
+    const Tensor& states, const Tensor& params, const Tensor& params_bf16, c10::IntArrayRef layout,
+    c10::string_view backward_precision) {
+  const NetLayout L = parse_layout(layout, kForwardOp);
+  check_forward_args(states, params, params_bf16, L, std::string(backward_precision));
+  const BranchTable branches = make_branch_table(L, kForwardOp);
+  Logits f = forward_to_logits(states, params, params_bf16, L);
+  const c10::cuda::CUDAGuard guard(states.device());
+  const int64_t B = states.size(0);
+  Tensor head = at::empty({B, L.head_out}, params.options());
+  Tensor q = at::empty({B, L.total_actions, L.atoms}, params.options());
+  head_bias_dueling_kernel<<<row_group_blocks(B, L.atoms, kThreads), kThreads, 0,
+                             at::cuda::getCurrentCUDAStream()>>>(
+      f.logits.data_ptr<float>(), L.head_ld, params.data_ptr<float>() + L.b_out, head.data_ptr<float>(),
+      q.data_ptr<float>(), B, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {q, head, x, h1, h2, hh};
+  return {q, head, f.x, f.h1, f.h2, f.hh};
+}
+
+// _dueling_logits (the trainer's fused path; csrc/dqn_ops.cpp): the same checks and kernels,
+// without the aggregation, which the fused loss does as it reads the logits.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dueling_logits_cuda(const Tensor& states, const Tensor& params,
+                                                                        const Tensor& params_bf16,
+                                                                        c10::IntArrayRef layout) {
+  const NetLayout L = parse_layout(layout, kLogitsOp);
+  check_forward_args(states, params, params_bf16, L, "bf16", kLogitsOp);
+  Logits f = forward_to_logits(states, params, params_bf16, L);
+  return {f.logits, f.x, f.h1, f.h2, f.hh};
 }
 
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) { m.impl("bf16_dueling_forward", &cuda::dueling_forward_cuda); }
+TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {
+  m.impl("bf16_dueling_forward", &cuda::dueling_forward_cuda);
+  m.impl("_dueling_logits", &cuda::dueling_logits_cuda);
+}
 
 }  // namespace dqn_ops

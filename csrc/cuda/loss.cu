@@ -26,9 +26,11 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
 #include <torch/library.h>
 
 #include "branch_table.cuh"
+#include "layout.h"
 #include "loss_args.h"
 #include "reductions.cuh"
 
@@ -66,7 +68,109 @@ struct LossParams {
   int work_floats;  // C51: shared memory per warp
   float v_min, v_max, dz, gamma;
   LossType type;
+  // _dqn_loss_on_logits (kDueling): q, q_next_online and q_next_target are the output layer's
+  // raw GEMM rows [batch, head_ld] (padded layout, no bias); the biases are b_online / b_target
+  // (each network's b_out); the gradient goes to grad_head (F32 [batch, head_out]) and
+  // grad_head_bf16 (padded [batch, head_ld]) instead of grad_q.
+  const float* b_online;
+  const float* b_target;
+  float* grad_head;
+  __nv_bfloat16* grad_head_bf16;
+  int64_t head_ld, head_out;
 };
+
+constexpr int kDuelingMaxAtoms = 64;  // the fused path runs the <= 64-atom version only
+
+// One network pass's rows of branch d of sample b, as the loss reads them. dqn_loss: the
+// dueling-aggregated rows, action k's atom j at row[k * atoms + j]. The fused loss
+// (kDueling): the raw advantage logits at the same place, aggregated as they are read, with
+// head_bias_dueling_kernel's arithmetic (dueling_forward.cu) so that q is the same bits:
+// q = (v + (a_k + bias_k)) - mean, v = the value logit + its bias, mean = (sum over k in
+// order of a_k + bias_k) / n. v and mean are per lane, at its atoms j0 and j1.
+struct BranchRows {
+  const float* row;
+  const float* bias;  // kDueling only
+  float v0, v1, mean0, mean1;
+};
+
+template <bool kDueling>
+__device__ BranchRows branch_rows(const float* base, const float* b_out, const BranchTable& br, const LossParams& P,
+                                  int b, int d, int j0, int j1, bool has0, bool has1) {
+  const int NA = P.atoms;
+  BranchRows r{};
+  if constexpr (!kDueling) {
+    r.row = base + (int64_t(b) * P.total_actions + br.action_offset[d]) * NA;
+  } else {
+    const float* in = base + int64_t(b) * P.head_ld;
+    const int n = br.size[d];
+    r.row = in + br.pad_col[d];
+    r.bias = b_out + int64_t(NA) * (1 + br.action_offset[d]);
+    float s0 = 0.f, s1 = 0.f;
+    if (has0) r.v0 = in[j0] + b_out[j0];
+    if (has1) r.v1 = in[j1] + b_out[j1];
+    for (int k = 0; k < n; ++k) {
+      if (has0) s0 += r.row[int64_t(k) * NA + j0] + r.bias[int64_t(k) * NA + j0];
+      if (has1) s1 += r.row[int64_t(k) * NA + j1] + r.bias[int64_t(k) * NA + j1];
+    }
+    r.mean0 = s0 / n;
+    r.mean1 = s1 / n;
+  }
+  return r;
+}
+
+// q of action k at atom j (i = k * atoms + j), v and mean at that atom.
+template <bool kDueling>
+__device__ __forceinline__ float q_at(const BranchRows& r, int64_t i, float v, float mean) {
+  if constexpr (kDueling) return (v + (r.row[i] + r.bias[i])) - mean;
+  else return r.row[i];
+}
+
+// The fused loss's gradient of branch d of sample b w.r.t. the head logits:
+// dueling_backward_kernel's arithmetic (mixed_backward.cu) on dq = g at the taken action a and
+// 0 at the others (a < 0: a poisoned sample, every dq NaN): sum = the sum of dq over the
+// actions in order, da_k = (dq_k - sum / n) + 0. Writes the branch's advantage columns (F32
+// compact; BF16 padded, its padding columns 0) and leaves sum per atom in branch_sum, which
+// the value column adds up over the branches (write_value_grad).
+__device__ void write_branch_head_grad(const LossParams& P, const BranchTable& br, int b, int d, int a, float g0,
+                                       float g1, float* branch_sum, int lane) {
+  const int NA = P.atoms, n = br.size[d];
+  float* dh = P.grad_head + int64_t(b) * P.head_out + int64_t(NA) * (1 + br.action_offset[d]);
+  __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld + br.pad_col[d];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int j = lane + 32 * e;
+    if (j >= NA) break;
+    const float g = e == 0 ? g0 : g1;
+    auto dq = [&](int k) { return a < 0 ? NAN : k == a ? g : 0.f; };
+    float sum = 0.f;
+    for (int k = 0; k < n; ++k) sum += dq(k);
+    const float mean = sum / n;
+    for (int k = 0; k < n; ++k) {
+      const float x = (dq(k) - mean) + 0.f;
+      dh[int64_t(k) * NA + j] = x;
+      low[int64_t(k) * NA + j] = __float2bfloat16_rn(x);
+    }
+    branch_sum[j] = sum;
+  }
+  const int width = n * NA;
+  for (int64_t i = width + lane; i < round_up_to_align(width); i += 32) low[i] = __float2bfloat16_rn(0.f);
+}
+
+// The value column of sample b's head-logit gradient: the branches' sums in branch order
+// (dueling_backward_kernel's dv), then its BF16 copy and padding. branch_sums: one row of
+// kDuelingMaxAtoms per branch.
+__device__ void write_value_grad(const LossParams& P, int b, const float* branch_sums, int branches, int lane) {
+  const int NA = P.atoms;
+  float* dh = P.grad_head + int64_t(b) * P.head_out;
+  __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld;
+  for (int j = lane; j < NA; j += 32) {
+    float dv = 0.f;
+    for (int d = 0; d < branches; ++d) dv += branch_sums[d * kDuelingMaxAtoms + j];
+    dh[j] = dv;
+    low[j] = __float2bfloat16_rn(dv);
+  }
+  for (int64_t j = NA + lane; j < round_up_to_align(NA); j += 32) low[j] = __float2bfloat16_rn(0.f);
+}
 
 // Floats of shared memory per warp, C51's general version: [staged online rows | staged target
 // rows | staged taken row] when staged, then the target probabilities, positions and projected
@@ -304,15 +408,22 @@ __device__ void project_by_runs(const float* pt, const float* pos, float* lower,
 // The same arithmetic as c51_branch but for the projection's summation order
 // (project_by_runs). `work` holds 4 * atoms floats: the target probabilities, the positions
 // and the two projected halves.
+//
+// kDueling (the fused loss, _dqn_loss_on_logits): the rows are raw head logits, aggregated as
+// they are read (BranchRows), and the gradient is written w.r.t. the head logits
+// (write_branch_head_grad; branch_sum: this warp's row of per-atom sums for the value column).
+template <bool kDueling>
 __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, int b, int d, float scale,
-                                   float* work, int lane) {
+                                   float* work, float* branch_sum, int lane) {
   const int NA = P.atoms, n = br.size[d];
   const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
   const float discount = P.gamma * (1.f - P.dones[b]);
   const float r = P.rewards[b];
   const int64_t a = P.actions[int64_t(b) * br.count + d];
   if (!(a >= 0 && a < n) || !isfinite(r) || !isfinite(discount)) {  // see c51_branch
-    for (int i = lane; i < n * NA; i += 32) P.grad_q[row0 * NA + i] = NAN;
+    if constexpr (kDueling) write_branch_head_grad(P, br, b, d, -1, NAN, NAN, branch_sum, lane);
+    else
+      for (int i = lane; i < n * NA; i += 32) P.grad_q[row0 * NA + i] = NAN;
     return make_float2(NAN, NAN);
   }
   const int j0 = lane, j1 = lane + 32;
@@ -320,18 +431,17 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
   const float z0 = P.v_min + j0 * P.dz, z1 = P.v_min + j1 * P.dz;
   // A missing atom reads as -inf: exp(-inf - max) = 0 adds nothing to any sum; nothing is
   // written for it (atoms < 32 leave lanes without one).
-  auto load2 = [&](const float* row, float& x0, float& x1) {
-    x0 = has0 ? row[j0] : -INFINITY;
-    x1 = has1 ? row[j1] : -INFINITY;
+  auto load2 = [&](const BranchRows& rows, int k, float& x0, float& x1) {
+    x0 = has0 ? q_at<kDueling>(rows, int64_t(k) * NA + j0, rows.v0, rows.mean0) : -INFINITY;
+    x1 = has1 ? q_at<kDueling>(rows, int64_t(k) * NA + j1, rows.v1, rows.mean1) : -INFINITY;
   };
-  const float* xc_row = P.q + (row0 + a) * NA;
   float xc0, xc1;
-  load2(xc_row, xc0, xc1);
+  load2(branch_rows<kDueling>(P.q, P.b_online, br, P, b, d, j0, j1, has0, has1), int(a), xc0, xc1);
 
   // double DQN: the online network's greedy next action (the first of equal maxima; NaN wins),
   // and the target network's logits of that action, loaded beside the online ones.
-  const float* on = P.q_next_online + row0 * NA;
-  const float* tg = P.q_next_target + row0 * NA;
+  const BranchRows on = branch_rows<kDueling>(P.q_next_online, P.b_online, br, P, b, d, j0, j1, has0, has1);
+  const BranchRows tg = branch_rows<kDueling>(P.q_next_target, P.b_target, br, P, b, d, j0, j1, has0, has1);
   float best = -INFINITY, t0 = 0.f, t1 = 0.f;
   bool nan_seen = false;
   for (int a0 = 0; a0 < n && !nan_seen; a0 += kQChunk) {
@@ -340,8 +450,8 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k)
       if (k < live) {
-        load2(on + (a0 + k) * NA, x0[k], x1[k]);
-        load2(tg + (a0 + k) * NA, y0[k], y1[k]);
+        load2(on, a0 + k, x0[k], x1[k]);
+        load2(tg, a0 + k, y0[k], y1[k]);
       }
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k)
@@ -365,11 +475,12 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
       }
     }
   }
-  for (int k = 0; k < n; ++k)  // the other actions' gradient rows are 0
-    if (k != a) {
-      if (has0) P.grad_q[(row0 + k) * NA + j0] = 0.f;
-      if (has1) P.grad_q[(row0 + k) * NA + j1] = 0.f;
-    }
+  if constexpr (!kDueling)
+    for (int k = 0; k < n; ++k)  // the other actions' gradient rows are 0
+      if (k != a) {
+        if (has0) P.grad_q[(row0 + k) * NA + j0] = 0.f;
+        if (has1) P.grad_q[(row0 + k) * NA + j1] = 0.f;
+      }
 
   // the target network's distribution at the chosen action, and where each atom's return lands
   float* pt = work;        // target probabilities
@@ -402,19 +513,27 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
   // cross-entropy on the taken action and its gradient (softmax - m)
   const float mc = warp_max(fmaxf(fmaxf(-INFINITY, xc0), xc1));
   const float lse = mc + logf(warp_sum((0.f + expf(xc0 - mc)) + expf(xc1 - mc)));
-  float* g = P.grad_q + (row0 + a) * NA;
-  float ce = 0.f, qc = 0.f;
+  float ce = 0.f, qc = 0.f, g0 = 0.f, g1 = 0.f;
   if (has0) {
     const float logp0 = xc0 - lse, p0 = expf(logp0);
     ce = fmaf(-m0, logp0, ce);
     qc = fmaf(p0, z0, qc);
-    g[j0] = (p0 - m0) * scale;
+    g0 = __fmul_rn(p0 - m0, scale);  // see g1
   }
   if (has1) {
     const float logp1 = xc1 - lse, p1 = expf(logp1);
     ce = fmaf(-m1, logp1, ce);
     qc = fmaf(p1, z1, qc);
-    g[j1] = (p1 - m1) * scale;
+    // Rounded on its own (__fmul_rn is never contracted into an FMA): the fused path subtracts
+    // the branch mean from it next, and must round as the public ops do, which store it first.
+    g1 = __fmul_rn(p1 - m1, scale);
+  }
+  if constexpr (kDueling) {
+    write_branch_head_grad(P, br, b, d, int(a), g0, g1, branch_sum, lane);
+  } else {
+    float* g = P.grad_q + (row0 + a) * NA;
+    if (has0) g[j0] = g0;
+    if (has1) g[j1] = g1;
   }
   ce = warp_sum(ce);
   qc = warp_sum(qc);
@@ -472,11 +591,16 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
   return make_float3(warp_sum(loss) / br.count, warp_sum(td) / br.count, warp_sum(qsum) / br.count);
 }
 
-template <bool kSmallAtoms>  // C51 with atoms <= 64: c51_branch_small
+// kSmallAtoms: C51 with atoms <= 64 (c51_branch_small). kDueling: the fused loss on head
+// logits (C51, atoms <= 64, a warp per branch: warps_per_sample == branches).
+template <bool kSmallAtoms, bool kDueling>
 __global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_constant__ BranchTable br,
                                                                    const LossParams P) {
+  static_assert(!kDueling || kSmallAtoms, "the fused loss runs the <= 64-atom version");
   extern __shared__ float smem[];  // C51: P.work_floats per warp
   __shared__ float part_a[kMaxWarps], part_b[kMaxWarps], part_c[kMaxWarps];
+  // kDueling: each warp's branch sums of dq per atom, for the value column's gradient.
+  __shared__ float branch_sums[kDueling ? kMaxWarps * kDuelingMaxAtoms : 1];
   __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int W = P.warps_per_sample, S = P.samples_per_block;
@@ -493,12 +617,16 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_c
     if (live) {
       if (c51) {
         for (int d = wi; d < br.count; d += W) {
-          const float2 r = kSmallAtoms ? c51_branch_small(br, P, b, d, scale, work, lane)
-                                       : c51_branch(br, P, b, d, scale, work, lane);
+          float2 r;
+          if constexpr (kSmallAtoms)
+            r = c51_branch_small<kDueling>(br, P, b, d, scale, work,
+                                          kDueling ? branch_sums + warp * kDuelingMaxAtoms : nullptr, lane);
+          else
+            r = c51_branch(br, P, b, d, scale, work, lane);
           x += r.x;
           y += r.y;
         }
-      } else {
+      } else if constexpr (!kDueling) {
         const float3 r = bdq_sample(br, P, b, scale, lane);
         x = r.x;
         z = r.y;
@@ -511,6 +639,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_c
       part_c[warp] = z;
     }
     __syncthreads();
+    if constexpr (kDueling)  // the sample's warps hold its branches 0 .. W - 1, in order
+      if (live && wi == 0) write_value_grad(P, b, branch_sums + slot * W * kDuelingMaxAtoms, W, lane);
     if (live && wi == 0 && lane == 0) {
       float sample_loss = 0.f, q = 0.f, td = 0.f;
       for (int k = 0; k < W; ++k) {  // branch order (warp k took branches k, k + W, ...)
@@ -578,6 +708,57 @@ __global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_c
   }
 }
 
+struct LossResults {
+  Tensor loss, td_error, mean_q;
+};
+
+// Sizes the launch, allocates the scalar outputs and launches. P arrives with the inputs, the
+// gradient outputs, total_actions and the loss constants set.
+LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms, LossType type,
+                        bool dueling, const at::TensorOptions& f32) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // Block shape: C51 gives each sample min(D, 8) warps (warp k takes branches k, k + 8, ...)
+  // and a block as many whole samples as fit in 8 warps; MSE / Huber a warp per sample.
+  const bool c51 = type == LossType::kC51;
+  const int warps_per_sample = c51 ? static_cast<int>(std::min<int64_t>(br.count, kMaxWarps)) : 1;
+  const int samples_per_block = kMaxWarps / warps_per_sample;
+  const int threads = 32 * warps_per_sample * samples_per_block;
+  int max_actions = 1;
+  for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
+  const int warps = threads / 32;
+  const bool small_atoms = c51 && atoms <= 64;
+  const bool staged = c51 && !small_atoms &&
+                      size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= kSmemBudget;
+  const int64_t work_floats = !c51 ? 0 : small_atoms ? 4 * atoms : c51_floats_per_warp(atoms, max_actions, staged);
+  const size_t smem = size_t(warps) * work_floats * sizeof(float);
+  // A block per sample group, at most 16 per SM (later groups loop): no grid barrier, so no
+  // co-residency cap; the last block to finish sums the partials.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int grid = static_cast<int>(std::min<int64_t>((batch + samples_per_block - 1) / samples_per_block, 16 * sms));
+
+  LossResults out{at::empty({}, f32), at::empty({batch}, f32), at::empty({}, f32)};
+  Tensor partials = at::empty({2 * grid + 1}, f32);  // and the counter, zeroed below
+  P.td_error = out.td_error.data_ptr<float>();
+  P.loss = out.loss.data_ptr<float>();
+  P.mean_q = out.mean_q.data_ptr<float>();
+  P.partials = partials.data_ptr<float>();
+  P.counter = reinterpret_cast<unsigned*>(P.partials + 2 * grid);
+  C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
+  P.batch = static_cast<int>(batch);
+  P.atoms = static_cast<int>(atoms);
+  P.warps_per_sample = warps_per_sample;
+  P.samples_per_block = samples_per_block;
+  P.max_actions = max_actions;
+  P.staged = staged;
+  P.work_floats = static_cast<int>(work_floats);
+  P.type = type;
+  if (dueling) dqn_loss_kernel<true, true><<<grid, threads, smem, stream>>>(br, P);
+  else if (small_atoms) dqn_loss_kernel<true, false><<<grid, threads, smem, stream>>>(br, P);
+  else dqn_loss_kernel<false, false><<<grid, threads, smem, stream>>>(br, P);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const Tensor& q_next_online,
                                                          const Tensor& q_next_target, const Tensor& actions,
                                                          const Tensor& rewards, const Tensor& dones,
@@ -592,34 +773,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   const BranchTable br = make_branch_table(branches, kLossOp);
   // Kernels must run on the tensors' device, whichever device is current.
   const c10::cuda::CUDAGuard guard(q.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-
-  // Block shape: C51 gives each sample min(D, 8) warps (warp k takes branches k, k + 8, ...)
-  // and a block as many whole samples as fit in 8 warps; MSE / Huber a warp per sample.
-  const bool c51 = S.type == LossType::kC51;
-  const int warps_per_sample = c51 ? static_cast<int>(std::min<int64_t>(br.count, kMaxWarps)) : 1;
-  const int samples_per_block = kMaxWarps / warps_per_sample;
-  const int threads = 32 * warps_per_sample * samples_per_block;
-  int max_actions = 1;
-  for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
-  const int warps = threads / 32;
-  const bool small_atoms = c51 && S.atoms <= 64;
-  const bool staged = c51 && !small_atoms &&
-                      size_t(warps) * c51_floats_per_warp(S.atoms, max_actions, true) * sizeof(float) <= kSmemBudget;
-  const int64_t work_floats =
-      !c51 ? 0 : small_atoms ? 4 * S.atoms : c51_floats_per_warp(S.atoms, max_actions, staged);
-  const size_t smem = size_t(warps) * work_floats * sizeof(float);
-  // A block per sample group, at most 16 per SM (later groups loop): no grid barrier, so no
-  // co-residency cap; the last block to finish sums the partials.
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int grid = static_cast<int>(std::min<int64_t>((S.batch + samples_per_block - 1) / samples_per_block, 16 * sms));
-
-  Tensor loss = at::empty({}, q.options());
   Tensor grad_q = at::empty_like(q);
-  Tensor td_error = at::empty({S.batch}, q.options());
-  Tensor mean_q = at::empty({}, q.options());
-  Tensor partials = at::empty({2 * grid + 1}, q.options());  // and the counter, zeroed below
-
   LossParams P{};
   P.q = q.data_ptr<float>();
   P.q_next_online = q_next_online.data_ptr<float>();
@@ -629,34 +783,73 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   P.dones = dones.data_ptr<float>();
   P.weights = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   P.grad_q = grad_q.data_ptr<float>();
-  P.td_error = td_error.data_ptr<float>();
-  P.loss = loss.data_ptr<float>();
-  P.mean_q = mean_q.data_ptr<float>();
-  P.partials = partials.data_ptr<float>();
-  P.counter = reinterpret_cast<unsigned*>(P.partials + 2 * grid);
-  C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
-  P.batch = static_cast<int>(S.batch);
   P.total_actions = static_cast<int>(S.total_actions);
-  P.atoms = static_cast<int>(S.atoms);
-  P.warps_per_sample = warps_per_sample;
-  P.samples_per_block = samples_per_block;
-  P.max_actions = max_actions;
-  P.staged = staged;
-  P.work_floats = static_cast<int>(work_floats);
   P.v_min = static_cast<float>(v_min);
   P.v_max = static_cast<float>(v_max);
   P.dz = S.type == LossType::kC51 ? static_cast<float>((v_max - v_min) / double(S.atoms - 1)) : 0.f;
   P.gamma = static_cast<float>(gamma);
-  P.type = S.type;
-  if (small_atoms) dqn_loss_kernel<true><<<grid, threads, smem, stream>>>(br, P);
-  else dqn_loss_kernel<false><<<grid, threads, smem, stream>>>(br, P);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {loss, grad_q, td_error, mean_q};
+  const LossResults r = launch_loss(br, P, S.batch, S.atoms, S.type, false, q.options());
+  return {r.loss, grad_q, r.td_error, r.mean_q};
+}
+
+// _dqn_loss_on_logits (the trainer's fused path; csrc/dqn_ops.cpp).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
+    const Tensor& logits, const Tensor& logits_next_online, const Tensor& logits_next_target, const Tensor& params,
+    const Tensor& target_params, const Tensor& actions, const Tensor& rewards, const Tensor& dones,
+    const c10::optional<Tensor>& weights, c10::IntArrayRef layout, double v_min, double v_max, double gamma) {
+  const char* op = kLossOnLogitsOp;
+  const NetLayout L = parse_layout(layout, op);
+  DQN_CHECK(L.atoms >= 2 && L.atoms <= kDuelingMaxAtoms, op, ": takes C51 with 2 to ", kDuelingMaxAtoms,
+            " atoms, got ", L.atoms);
+  DQN_CHECK(L.num_branches() <= kMaxWarps, op, ": takes at most ", kMaxWarps, " branches, got ", L.num_branches());
+  DQN_CHECK(v_min < v_max, op, ": v_min must be below v_max, got v_min=", std::to_string(v_min), ", v_max=",
+            std::to_string(v_max));
+  DQN_CHECK(gamma >= 0 && gamma <= 1, op, ": gamma: expected a value in [0, 1], got ", std::to_string(gamma));
+  const at::Device dev = logits.device();
+  check_tensor(logits, op, "logits", dev, at::kFloat, {-1, L.head_ld});
+  const int64_t B = logits.size(0);
+  DQN_CHECK(B >= 1 && B <= INT_MAX / 2, op, ": logits: expected 1 to ", INT_MAX / 2, " rows, got ", B);
+  check_tensor(logits_next_online, op, "logits_next_online", dev, at::kFloat, {B, L.head_ld});
+  check_tensor(logits_next_target, op, "logits_next_target", dev, at::kFloat, {B, L.head_ld});
+  check_tensor(params, op, "params", dev, at::kFloat, {L.numel});
+  check_tensor(target_params, op, "target_params", dev, at::kFloat, {L.numel});
+  check_tensor(actions, op, "actions", dev, at::kLong, {B, L.num_branches()});
+  check_tensor(rewards, op, "rewards", dev, at::kFloat, {B});
+  check_tensor(dones, op, "dones", dev, at::kFloat, {B});
+  if (weights.has_value()) check_tensor(*weights, op, "weights", dev, at::kFloat, {B});
+  const BranchTable br = make_branch_table(L, op);
+  const c10::cuda::CUDAGuard guard(dev);
+  Tensor grad_head = at::empty({B, L.head_out}, params.options());
+  Tensor grad_head_bf16 = at::empty({B, L.head_ld}, params.options().dtype(at::kBFloat16));
+  LossParams P{};
+  P.q = logits.data_ptr<float>();
+  P.q_next_online = logits_next_online.data_ptr<float>();
+  P.q_next_target = logits_next_target.data_ptr<float>();
+  P.b_online = params.data_ptr<float>() + L.b_out;
+  P.b_target = target_params.data_ptr<float>() + L.b_out;
+  P.actions = actions.data_ptr<int64_t>();
+  P.rewards = rewards.data_ptr<float>();
+  P.dones = dones.data_ptr<float>();
+  P.weights = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  P.grad_head = grad_head.data_ptr<float>();
+  P.grad_head_bf16 = static_cast<__nv_bfloat16*>(grad_head_bf16.data_ptr());
+  P.head_ld = L.head_ld;
+  P.head_out = L.head_out;
+  P.total_actions = static_cast<int>(L.total_actions);
+  P.v_min = static_cast<float>(v_min);
+  P.v_max = static_cast<float>(v_max);
+  P.dz = static_cast<float>((v_max - v_min) / double(L.atoms - 1));
+  P.gamma = static_cast<float>(gamma);
+  const LossResults r = launch_loss(br, P, B, L.atoms, LossType::kC51, true, params.options());
+  return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};
 }
 
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) { m.impl("dqn_loss", &cuda::dqn_loss_cuda); }
+TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {
+  m.impl("dqn_loss", &cuda::dqn_loss_cuda);
+  m.impl("_dqn_loss_on_logits", &cuda::dqn_loss_on_logits_cuda);
+}
 
 }  // namespace dqn_ops

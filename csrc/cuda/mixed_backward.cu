@@ -46,7 +46,6 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
     __nv_bfloat16* low = d_head_bf16 ? d_head_bf16 + b * head_ld : nullptr;
     for (int z = grp.col; z < atoms; z += grp.width) {
       float dv = gh ? gh[z] : 0.f;
-      int64_t pad_col = round_up_to_align(atoms);  // branch d's first column in the padded copy
       for (int d = 0; d < branches.count; ++d) {
         const int size = branches.size[d], first = branches.action_offset[d];
         const float* dq = grad_q ? grad_q + (b * total_actions + first) * int64_t(atoms) + z : nullptr;
@@ -68,21 +67,18 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
           const int64_t col = int64_t(atoms) * (1 + first + k) + z;
           const float g = (dq ? dq[int64_t(k) * atoms] - mean : 0.f) + (gh ? gh[col] : 0.f);
           dh[col] = g;
-          if (low) low[pad_col + int64_t(k) * atoms + z] = __float2bfloat16_rn(g);
+          if (low) low[branches.pad_col[d] + int64_t(k) * atoms + z] = __float2bfloat16_rn(g);
         }
-        pad_col += round_up_to_align(int64_t(atoms) * size);
       }
       dh[z] = dv;
       if (low) low[z] = __float2bfloat16_rn(dv);
     }
     if (low) {  // the padding columns of every head: 0, so padded GEMM sizes add nothing
-      int64_t pad_col = 0;
       for (int j = 0; j <= branches.count; ++j) {
         const int64_t width = j == 0 ? atoms : int64_t(atoms) * branches.size[j - 1];
-        const int64_t pad_width = round_up_to_align(width);
-        for (int64_t i = width + grp.col; i < pad_width; i += grp.width)
+        const int64_t pad_col = j == 0 ? 0 : branches.pad_col[j - 1];
+        for (int64_t i = width + grp.col; i < round_up_to_align(width); i += grp.width)
           low[pad_col + i] = __float2bfloat16_rn(0.f);
-        pad_col += pad_width;
       }
     }
   }
@@ -191,16 +187,19 @@ __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
   }
 }
 
-std::tuple<Tensor, Tensor> mixed_backward_cuda(
-    const c10::optional<Tensor>& grad_q, const c10::optional<Tensor>& grad_head, const Tensor& states_bf16,
-    const Tensor& h1, const Tensor& h2, const Tensor& hh, const Tensor& params, const Tensor& params_bf16,
-    c10::IntArrayRef layout, c10::string_view precision_str, bool need_grad_states) {
-  const char* op = kBackwardOp;
-  const NetLayout L = parse_layout(layout, op);
-  const std::string precision_s(precision_str);
-  check_backward_args(grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, L, precision_s);
-  const BackwardPrecision precision = parse_precision(precision_s, op);
-  const BranchTable branches = make_branch_table(L, op);
+// F32 gradient of a layer's output and, in bf16 mode, its BF16 copy (the GEMM operand).
+struct Grad {
+  Tensor f32, low;
+  const void* operand(bool bf16) const { return bf16 ? low.data_ptr() : f32.data_ptr(); }
+  __nv_bfloat16* low_ptr() const { return low.defined() ? static_cast<__nv_bfloat16*>(low.data_ptr()) : nullptr; }
+};
+
+// The backward from d(head logits) on: d_head.f32 compact [B, head_out], and in bf16 mode
+// d_head.low in the padded layout [B, head_ld] with its padding columns 0.
+std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, const Tensor& states_bf16, const Tensor& h1,
+                                              const Tensor& h2, const Tensor& hh, const Tensor& params,
+                                              const Tensor& params_bf16, const NetLayout& L,
+                                              BackwardPrecision precision, bool need_grad_states, const char* op) {
   // Kernels and cuBLAS must run on the tensors' device, whichever device is current.
   const c10::cuda::CUDAGuard guard(params.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -236,26 +235,12 @@ std::tuple<Tensor, Tensor> mixed_backward_cuda(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   auto act = [&](int i) { return bf16 ? acts[i]->data_ptr() : acts_f32[i].data_ptr(); };
-
-  // F32 gradient of a layer's output and, in bf16 mode, its BF16 copy (the GEMM operand).
-  struct Grad {
-    Tensor f32, low;
-    const void* operand(bool bf16) const { return bf16 ? low.data_ptr() : f32.data_ptr(); }
-    __nv_bfloat16* low_ptr() const { return low.defined() ? static_cast<__nv_bfloat16*>(low.data_ptr()) : nullptr; }
-  };
   auto make_grad = [&](int64_t cols) {
     return Grad{at::empty({B, cols}, f32), bf16 ? at::empty({B, cols}, bf16opt) : Tensor()};
   };
 
   Tensor grad = at::zeros({L.numel}, f32);  // padding between segments stays 0
   float* g = grad.data_ptr<float>();
-
-  Grad d_head{at::empty({B, L.head_out}, f32), bf16 ? at::empty({B, L.head_ld}, bf16opt) : Tensor()};
-  dueling_backward_kernel<<<row_group_blocks(B, L.atoms, kThreads), kThreads, 0, stream>>>(
-      grad_q.has_value() ? grad_q->data_ptr<float>() : nullptr,
-      grad_head.has_value() ? grad_head->data_ptr<float>() : nullptr, d_head.f32.data_ptr<float>(), d_head.low_ptr(),
-      L.head_ld, B, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   // Output heads: dW_j = dY_j^T hh_j and d(hh)_j = dY_j W_j, each on its column slices; the
   // branch heads as one strided batch when they share a shape. In bf16 mode dY is the padded
@@ -339,9 +324,53 @@ std::tuple<Tensor, Tensor> mixed_backward_cuda(
   return {grad, grad_states};
 }
 
+std::tuple<Tensor, Tensor> mixed_backward_cuda(
+    const c10::optional<Tensor>& grad_q, const c10::optional<Tensor>& grad_head, const Tensor& states_bf16,
+    const Tensor& h1, const Tensor& h2, const Tensor& hh, const Tensor& params, const Tensor& params_bf16,
+    c10::IntArrayRef layout, c10::string_view precision_str, bool need_grad_states) {
+  const char* op = kBackwardOp;
+  const NetLayout L = parse_layout(layout, op);
+  const std::string precision_s(precision_str);
+  check_backward_args(grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, L, precision_s);
+  const BackwardPrecision precision = parse_precision(precision_s, op);
+  const BranchTable branches = make_branch_table(L, op);
+  const c10::cuda::CUDAGuard guard(params.device());
+  const int64_t B = states_bf16.size(0);
+  const bool bf16 = precision == BackwardPrecision::kBF16;
+  Grad d_head{at::empty({B, L.head_out}, params.options()),
+              bf16 ? at::empty({B, L.head_ld}, params_bf16.options()) : Tensor()};
+  dueling_backward_kernel<<<row_group_blocks(B, L.atoms, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      grad_q.has_value() ? grad_q->data_ptr<float>() : nullptr,
+      grad_head.has_value() ? grad_head->data_ptr<float>() : nullptr, d_head.f32.data_ptr<float>(), d_head.low_ptr(),
+      L.head_ld, B, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return backward_from_head(d_head, states_bf16, h1, h2, hh, params, params_bf16, L, precision, need_grad_states, op);
+}
+
+// _mixed_backward_from_head (the trainer's fused path; csrc/dqn_ops.cpp): the gradient of the
+// head logits comes from _dqn_loss_on_logits, already in both layouts; no dueling step.
+Tensor mixed_backward_from_head_cuda(const Tensor& grad_head, const Tensor& grad_head_bf16, const Tensor& states_bf16,
+                                     const Tensor& h1, const Tensor& h2, const Tensor& hh, const Tensor& params,
+                                     const Tensor& params_bf16, c10::IntArrayRef layout,
+                                     c10::string_view precision_str) {
+  const char* op = kBackwardFromHeadOp;
+  const NetLayout L = parse_layout(layout, op);
+  const BackwardPrecision precision = parse_precision(std::string(precision_str), op);
+  check_params(params, params_bf16, L, op);
+  const int64_t B = check_saved_activations(states_bf16, h1, h2, hh, params_bf16, L, op);
+  check_tensor(grad_head, op, "grad_head", params.device(), at::kFloat, {B, L.head_out});
+  check_tensor(grad_head_bf16, op, "grad_head_bf16", params.device(), at::kBFloat16, {B, L.head_ld});
+  check_aligned(grad_head_bf16, op, "grad_head_bf16", 16);
+  return std::get<0>(backward_from_head(Grad{grad_head, grad_head_bf16}, states_bf16, h1, h2, hh, params, params_bf16,
+                                        L, precision, false, op));
+}
+
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) { m.impl("mixed_backward", &cuda::mixed_backward_cuda); }
+TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {
+  m.impl("mixed_backward", &cuda::mixed_backward_cuda);
+  m.impl("_mixed_backward_from_head", &cuda::mixed_backward_from_head_cuda);
+}
 
 }  // namespace dqn_ops
