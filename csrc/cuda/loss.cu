@@ -93,29 +93,59 @@ struct BranchRows {
   float v0, v1, mean0, mean1;
 };
 
+// The rows of branch d of sample b in the three passes: the online network on s (rows[0])
+// and on s' (rows[1]), the target network on s' (rows[2]). kDueling: every pass's loads of a
+// chunk of kQChunk actions are issued together (one memory latency per chunk for all three
+// passes; one at a time, v6's first version measured the loss 34 -> 98 µs at B = 4096), then
+// added in action order.
 template <bool kDueling>
-__device__ BranchRows branch_rows(const float* base, const float* b_out, const BranchTable& br, const LossParams& P,
-                                  int b, int d, int j0, int j1, bool has0, bool has1) {
+__device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, int d, int j0, int j1, bool has0,
+                            bool has1, BranchRows (&rows)[3]) {
+  const float* base[3] = {P.q, P.q_next_online, P.q_next_target};
   const int NA = P.atoms;
-  BranchRows r{};
   if constexpr (!kDueling) {
-    r.row = base + (int64_t(b) * P.total_actions + br.action_offset[d]) * NA;
+#pragma unroll
+    for (int p = 0; p < 3; ++p)
+      rows[p] = BranchRows{base[p] + (int64_t(b) * P.total_actions + br.action_offset[d]) * NA, nullptr, 0.f, 0.f,
+                           0.f, 0.f};
   } else {
-    const float* in = base + int64_t(b) * P.head_ld;
+    const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
     const int n = br.size[d];
-    r.row = in + br.pad_col[d];
-    r.bias = b_out + int64_t(NA) * (1 + br.action_offset[d]);
-    float s0 = 0.f, s1 = 0.f;
-    if (has0) r.v0 = in[j0] + b_out[j0];
-    if (has1) r.v1 = in[j1] + b_out[j1];
-    for (int k = 0; k < n; ++k) {
-      if (has0) s0 += r.row[int64_t(k) * NA + j0] + r.bias[int64_t(k) * NA + j0];
-      if (has1) s1 += r.row[int64_t(k) * NA + j1] + r.bias[int64_t(k) * NA + j1];
+    float s0[3] = {0.f, 0.f, 0.f}, s1[3] = {0.f, 0.f, 0.f};
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      const float* in = base[p] + int64_t(b) * P.head_ld;
+      rows[p].row = in + br.pad_col[d];
+      rows[p].bias = b_out[p] + int64_t(NA) * (1 + br.action_offset[d]);
+      rows[p].v0 = has0 ? in[j0] + b_out[p][j0] : 0.f;
+      rows[p].v1 = has1 ? in[j1] + b_out[p][j1] : 0.f;
     }
-    r.mean0 = s0 / n;
-    r.mean1 = s1 / n;
+    for (int k0 = 0; k0 < n; k0 += kQChunk) {
+      float x0[3][kQChunk], x1[3][kQChunk];
+#pragma unroll
+      for (int p = 0; p < 3; ++p)
+#pragma unroll
+        for (int k = 0; k < kQChunk; ++k) {
+          const int64_t i = int64_t(k0 + k) * NA;
+          const bool live = k0 + k < n;
+          x0[p][k] = live && has0 ? rows[p].row[i + j0] + rows[p].bias[i + j0] : 0.f;
+          x1[p][k] = live && has1 ? rows[p].row[i + j1] + rows[p].bias[i + j1] : 0.f;
+        }
+#pragma unroll
+      for (int p = 0; p < 3; ++p)
+#pragma unroll
+        for (int k = 0; k < kQChunk; ++k)
+          if (k0 + k < n) {
+            s0[p] += x0[p][k];
+            s1[p] += x1[p][k];
+          }
+    }
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      rows[p].mean0 = s0[p] / n;
+      rows[p].mean1 = s1[p] / n;
+    }
   }
-  return r;
 }
 
 // q of action k at atom j (i = k * atoms + j), v and mean at that atom.
@@ -435,13 +465,15 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
     x0 = has0 ? q_at<kDueling>(rows, int64_t(k) * NA + j0, rows.v0, rows.mean0) : -INFINITY;
     x1 = has1 ? q_at<kDueling>(rows, int64_t(k) * NA + j1, rows.v1, rows.mean1) : -INFINITY;
   };
+  BranchRows rows[3];
+  branch_rows<kDueling>(P, br, b, d, j0, j1, has0, has1, rows);
   float xc0, xc1;
-  load2(branch_rows<kDueling>(P.q, P.b_online, br, P, b, d, j0, j1, has0, has1), int(a), xc0, xc1);
+  load2(rows[0], int(a), xc0, xc1);
 
   // double DQN: the online network's greedy next action (the first of equal maxima; NaN wins),
   // and the target network's logits of that action, loaded beside the online ones.
-  const BranchRows on = branch_rows<kDueling>(P.q_next_online, P.b_online, br, P, b, d, j0, j1, has0, has1);
-  const BranchRows tg = branch_rows<kDueling>(P.q_next_target, P.b_target, br, P, b, d, j0, j1, has0, has1);
+  const BranchRows& on = rows[1];
+  const BranchRows& tg = rows[2];
   float best = -INFINITY, t0 = 0.f, t1 = 0.f;
   bool nan_seen = false;
   for (int a0 = 0; a0 < n && !nan_seen; a0 += kQChunk) {
@@ -593,9 +625,14 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 
 // kSmallAtoms: C51 with atoms <= 64 (c51_branch_small). kDueling: the fused loss on head
 // logits (C51, atoms <= 64, a warp per branch: warps_per_sample == branches).
+// kMinBlocks: the <= 64-atom versions are latency-bound, so 3 blocks (24 warps) per SM: at most
+// 85 registers. Unbounded, the fused version took 128 (v6's first run, 2 blocks per SM: loss
+// 98 µs at B = 4096) and, with its loads batched, 157; capped, it spills ~120 bytes to L1.
+constexpr int kSmallAtomsMinBlocks = 3;
+
 template <bool kSmallAtoms, bool kDueling>
-__global__ void __launch_bounds__(kMaxWarps * 32) dqn_loss_kernel(const __grid_constant__ BranchTable br,
-                                                                   const LossParams P) {
+__global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBlocks : 1)
+    dqn_loss_kernel(const __grid_constant__ BranchTable br, const LossParams P) {
   static_assert(!kDueling || kSmallAtoms, "the fused loss runs the <= 64-atom version");
   extern __shared__ float smem[];  // C51: P.work_floats per warp
   __shared__ float part_a[kMaxWarps], part_b[kMaxWarps], part_c[kMaxWarps];
