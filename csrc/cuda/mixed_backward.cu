@@ -142,14 +142,15 @@ struct ColumnSumJobs {
   float* partial;  // [chunks, first_col[count]] when there is more than one chunk
 };
 
-__device__ __forceinline__ int column_sum_job(const ColumnSumJobs& jobs, int64_t tile) {
+// The job owning index i, given each job's first index (first_block or first_col).
+__device__ __forceinline__ int column_sum_job(const int64_t* first, int count, int64_t i) {
   int j = 0;
-  while (j + 1 < jobs.count && tile >= jobs.first_block[j + 1]) ++j;
+  while (j + 1 < count && i >= first[j + 1]) ++j;
   return j;
 }
 
 __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnSumJobs jobs) {
-  const int j = column_sum_job(jobs, blockIdx.x);
+  const int j = column_sum_job(jobs.first_block, jobs.count, blockIdx.x);
   const int64_t cols = jobs.cols[j];
   const int64_t c = (blockIdx.x - jobs.first_block[j]) * kColTile + threadIdx.x;
   const int64_t r_end = std::min<int64_t>(jobs.rows, (blockIdx.y + 1) * kChunkRows);
@@ -179,8 +180,7 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnS
 __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
   const int64_t total = jobs.first_col[jobs.count];
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    int j = 0;
-    while (j + 1 < jobs.count && i >= jobs.first_col[j + 1]) ++j;
+    const int j = column_sum_job(jobs.first_col, jobs.count, i);
     float t = 0.f;
     for (int k = 0; k < chunks; ++k) t += jobs.partial[k * total + i];
     jobs.dst[j][i - jobs.first_col[j]] = t;

@@ -41,6 +41,21 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
+// Sum over a block of kWarps warps: each warp's butterfly sum, then the warps' sums in warp
+// order; every thread gets the result. scratch: >= kWarps floats. Two barriers, against
+// block_sum's log2(N) + 2.
+template <int kWarps>
+__device__ float block_sum_by_warps(float x, float* scratch) {
+  x = warp_sum(x);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch may still be read from a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float t = 0.f;
+  for (int w = 0; w < kWarps; ++w) t += scratch[w];
+  return t;
+}
+
 // How many blocks of `kernel` fit on the current device at once: the grid a cooperative launch
 // (grid-wide barriers) may use. Asked once per (device, kernel, threads, shared memory).
 template <typename Kernel>

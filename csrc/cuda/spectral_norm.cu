@@ -274,18 +274,6 @@ int64_t cluster_smem_floats(int64_t rows, int64_t cols) {
 
 bool cluster_eligible(int64_t rows, int64_t cols) { return cluster_smem_floats(rows, cols) <= kClusterSmemFloats; }
 
-// Sum over the block in a fixed order; every thread gets the result. scratch: >= kWarps floats.
-__device__ float block_sum_fixed(float x, float* scratch) {
-  x = warp_sum(x);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // scratch may still be read from a previous call
-  if (lane == 0) scratch[warp] = x;
-  __syncthreads();
-  float t = 0.f;
-  for (int w = 0; w < kWarps; ++w) t += scratch[w];
-  return t;
-}
-
 __global__ void __launch_bounds__(kThreads)
     spectral_norm_cluster_kernel(const __grid_constant__ Batch b, float* __restrict__ params,
                                  __nv_bfloat16* __restrict__ mirror, float* __restrict__ u_all,
@@ -343,7 +331,7 @@ __global__ void __launch_bounds__(kThreads)
       vv[c] = t;
       sqv = fmaf(t, t, sqv);
     }
-    sqv = block_sum_fixed(sqv, scratch);
+    sqv = block_sum_by_warps<kWarps>(sqv, scratch);
     const float inv_v = 1.f / fmaxf(sqrtf(sqv), eps);
     // B: u~[r] = W[r, :] . v~ / |v~|, a warp per row; this block's |u~|^2 in row order
     for (int r = warp; r < nr; r += kWarps) {
