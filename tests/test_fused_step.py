@@ -216,3 +216,29 @@ def test_fused_path_runs_only_where_it_is_built_for():
     assert not fused.supported(_config((2,) * 9, 11), "c51", torch.device("cuda"))
     assert not fused.supported(DQNConfig(atoms=1), "huber", torch.device("cuda"))
     assert not Trainer(_config((2, 5), 11), TrainerConfig(batch_size=8), device="cpu").uses_fused_path
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="a CPU-only torch build makes no fake CUDA tensors")
+def test_fake_kernels_give_the_fused_step_its_shapes():
+    """The fake kernels (torch.compile / FakeTensor tracing) on fake CUDA tensors: runs on a
+    machine without a GPU; on the GPU, test_opcheck checks them against the real kernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    c = _config((2, 3, 1, 4), 33)
+    layout = DuelingBranchQNet(c)._layout_ints
+    B, n = 8, layout[-1]
+    with FakeTensorMode():
+        p, p_lp = torch.empty(n, device="cuda"), torch.empty(n, device="cuda", dtype=torch.bfloat16)
+        f = fused.dueling_logits(torch.empty(2 * B, c.state_dim, device="cuda"), p, p_lp, layout)
+        assert f.logits.shape == (2 * B, c.head_ld) and f.logits.dtype == torch.float32
+        assert [t.shape for t in f[1:]] == [(2 * B, c.state_dim), (2 * B, 64), (2 * B, 48), (2 * B, c.head_hidden)]
+        assert all(t.dtype == torch.bfloat16 for t in f[1:])
+        r = fused.dqn_loss_on_logits(f.logits[:B], f.logits[B:], f.logits[B:], p, p,
+                                     torch.empty(B, c.num_branches, dtype=torch.long, device="cuda"),
+                                     torch.empty(B, device="cuda"), torch.empty(B, device="cuda"), None, layout,
+                                     V_MIN, V_MAX, GAMMA)
+        assert r.loss.shape == () and r.td_error.shape == (B,) and r.mean_q.shape == ()
+        assert r.grad_head.shape == (B, c.head_out) and r.grad_head_bf16.shape == (B, c.head_ld)
+        assert r.grad_head_bf16.dtype == torch.bfloat16
+        grad = fused.mixed_backward_from_head(r.grad_head, r.grad_head_bf16, [t[:B] for t in f[1:]], p, p_lp, layout)
+        assert grad.shape == (n,) and grad.dtype == torch.float32
