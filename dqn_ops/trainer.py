@@ -99,6 +99,10 @@ class Trainer:
     Host-visible numbers: ``metrics()`` (what has been read back so far, no sync) and
     ``readback()`` (everything up to now: syncs; call it at epoch ends).
 
+    ``uses_fused_path`` says whether the step runs ``dqn_ops.fused`` (CUDA, C51 with <= 64
+    atoms and <= 8 branches: the same results as the public ops, with fewer kernels); set it
+    False before the first step to run the public ops instead.
+
     Data-parallel: when ``torch.distributed`` is initialised with more than one rank (or a
     ``process_group`` is given), each rank trains on its own ``batch_size`` samples, the flat
     gradient is averaged with one all-reduce (captured in the CUDA graph with NCCL; gloo on the
