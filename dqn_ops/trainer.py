@@ -188,7 +188,6 @@ class Trainer:
         cfg, net, tgt, x = self.config, self.online, self.target, self.inputs
         layout, prec = net._layout_ints, cfg.backward_precision
         p, p_lp = net.flat_params, net.params_bf16
-        forward = torch.ops.dqn_ops.bf16_dueling_forward.default
         B = cfg.batch_size
         # online on [s; s'] in one pass; the first B rows (s) are what the backward differentiates
         if self.uses_fused_path:
@@ -202,6 +201,7 @@ class Trainer:
             grad = torch.ops.dqn_ops._mixed_backward_from_head.default(grad_head, grad_head_bf16, *saved, p, p_lp,
                                                                        layout, prec)
         else:
+            forward = torch.ops.dqn_ops.bf16_dueling_forward.default
             out = forward(self._state_pairs, p, p_lp, layout, prec)
             q, q_next_online = out[0][:B], out[0][B:]
             saved = [t[:B] for t in out[2:6]]

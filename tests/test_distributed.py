@@ -110,9 +110,11 @@ two_gpus = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.devi
 
 
 @two_gpus
-def test_two_nccl_ranks_with_a_captured_all_reduce_equal_one_gpu_on_the_combined_batch(tmp_path):
+def test_two_nccl_ranks_with_a_captured_all_reduce_equal_one_gpu_on_the_combined_batch(tmp_path, monkeypatch):
     # NVLink multicast stays off (the device tool's KINDS.md): the workers inherit this.
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        monkeypatch.setenv(name, value)
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), "nccl"), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["world"] == 2 and r0["graphed"] and r1["graphed"]  # the later steps were graph replays

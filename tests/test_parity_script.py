@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from parity import compare  # noqa: E402
 
 
 def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
@@ -42,9 +44,6 @@ def _synthetic_runs(bf16_vram: float, growth: float = 0.0) -> dict:
 
 
 def test_peak_vram_is_a_one_sided_regression_check_plus_a_leak_check():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from parity import compare
-
     figures, ok = compare(_synthetic_runs(bf16_vram=80.0), [0, 1])  # BF16 uses 20% less: not a regression
     vram = figures["peak_vram_bytes"]
     assert ok and vram["passed"] and not vram["two_sided_passed"]
@@ -59,9 +58,6 @@ def test_peak_vram_is_a_one_sided_regression_check_plus_a_leak_check():
 
 
 def test_figures_with_a_wide_seed_spread_are_compared_on_seed_means():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from parity import compare
-
     runs = _synthetic_runs(bf16_vram=100.0)
     runs["f32"][0]["mean_q"], runs["f32"][1]["mean_q"] = 1.0, 2.0  # control spread 33% > 10%
     runs["bf16"][0]["mean_q"], runs["bf16"][1]["mean_q"] = 2.0, 1.1  # seed 0 differs 100%, the means 3.3%
