@@ -625,9 +625,10 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 
 // kSmallAtoms: C51 with atoms <= 64 (c51_branch_small). kDueling: the fused loss on head
 // logits (C51, atoms <= 64, a warp per branch: warps_per_sample == branches).
-// kMinBlocks: the <= 64-atom versions are latency-bound, so 3 blocks (24 warps) per SM: at most
-// 85 registers. Unbounded, the fused version took 128 (v6's first run, 2 blocks per SM: loss
-// 98 µs at B = 4096) and, with its loads batched, 157; capped, it spills ~120 bytes to L1.
+// kSmallAtomsMinBlocks: the <= 64-atom versions are latency-bound, so 3 blocks (24 warps) per
+// SM: at most 85 registers. Unbounded, the fused version took 128 (v6's first run, 2 blocks per
+// SM: loss 98 µs at B = 4096) and, with its loads batched, 162; capped, it spills 116 bytes
+// (ptxas -v: bench/logs/2026-12-02-ptxas-loss.txt).
 constexpr int kSmallAtomsMinBlocks = 3;
 
 template <bool kSmallAtoms, bool kDueling>
