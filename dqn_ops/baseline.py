@@ -127,6 +127,7 @@ class TorchTrainer:
             states=torch.zeros(B, c.state_dim, device=dev), actions=torch.zeros(B, D, dtype=torch.long, device=dev),
             rewards=torch.zeros(B, device=dev), next_states=torch.zeros(B, c.state_dim, device=dev),
             dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
+        self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
         self.steps = 0
@@ -134,7 +135,7 @@ class TorchTrainer:
 
     def step(self, batch=None):
         if batch is not None:
-            load_batch(self.inputs, batch)
+            load_batch(self.inputs, batch, self._ones)
         self._runner()
         self.steps += 1
         self.stats.after_step()

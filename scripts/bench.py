@@ -18,7 +18,8 @@ forwards, C51 loss, backward, clip, Adam, spectral norm, EMA):
 torch.compile recompiles for every batch size (tens of seconds each): on a time-limited GPU
 machine, run the compile modes in a call of their own.
 
-Also: a per-op table of dqn_ops at B = 256 and 4096 (each op graphed alone), kernels per step
+Also: a per-op table of dqn_ops at B = 256 and 4096 (each op graphed alone: the public ops, and
+the trainer's fused path that replaces forward, loss and backward in its step), kernels per step
 (torch profiler), and at the large batches the achieved TFLOP/s against the cuBLAS BF16 rate
 measured on the step's own GEMM shapes. Writes <out>/<date>-<device>-step.{json,md} and a
 log-log plot <date>-<device>-step.png (time per step vs batch).
@@ -34,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import dqn_ops  # noqa: E402
-from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
+from dqn_ops import DQNConfig, Trainer, TrainerConfig, fused  # noqa: E402
 from dqn_ops.baseline import TorchTrainer  # noqa: E402
 
 from bench_common import graphed, headless_pyplot, kernels_per_call, run_meta, time_us, write_results  # noqa: E402
@@ -127,10 +128,29 @@ def per_op_rows(c: DQNConfig, B: int, device):
         "forward (one pass)": lambda: forward(x["states"]),
         "loss (C51 + grad)": loss_op,
         f"backward ({prec})": backward_op,
+    }
+    if t.uses_fused_path:  # what the trainer's step runs instead of the three above (dqn_ops/fused.py)
+        logits, *acts = fused.dueling_logits(x["states"], net.flat_params, net.params_bf16, L)
+        logits_next = fused.dueling_logits(x["next_states"], net.flat_params, net.params_bf16, L).logits
+
+        def fused_loss_op():
+            return fused.dqn_loss_on_logits(logits, logits_next, logits_next, net.flat_params, tgt.flat_params,
+                                            x["actions"], x["rewards"], x["dones"], None, L, cfg.v_min, cfg.v_max,
+                                            cfg.gamma)
+
+        head = fused_loss_op()
+        ops.update({
+            "fused path: forward to logits (one pass)": lambda: fused.dueling_logits(x["states"], net.flat_params,
+                                                                                     net.params_bf16, L),
+            "fused path: loss on logits (dueling + C51 + head grad)": fused_loss_op,
+            f"fused path: backward from head ({prec})": lambda: fused.mixed_backward_from_head(
+                head.grad_head, head.grad_head_bf16, acts, net.flat_params, net.params_bf16, L, prec),
+        })
+    ops.update({
         "optimizer (clip + Adam + mirror)": lambda: t.optimizer.step(),
         "spectral norm (10 matrices)": lambda: t.spectral(),
         "EMA + target mirror": lambda: dqn_ops.ema_update(tgt.flat_params, tgt.params_bf16, net.flat_params, cfg.tau),
-    }
+    })
     return [dict(batch=B, op=name, graph_us=round(time_us(graphed(fn), 200, 5), 2)) for name, fn in ops.items()]
 
 

@@ -33,17 +33,14 @@ def time_us(fn, iters, repeats, warmup=5, device=None):
 
 
 def graphed(fn):
-    """fn captured once in a CUDA graph (after warm-up on a side stream, as capture requires)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    """fn captured once in a CUDA graph, as the trainer captures its step (dqn_ops.graphed.CapturedStep:
+    warm-up on a side stream, then the capture); returns the graph's replay."""
+    from dqn_ops.graphed import CapturedStep
+
+    step = CapturedStep(fn, torch.device("cuda", torch.cuda.current_device()))
+    while not step.graphed:
+        step()
+    return step.graph.replay
 
 
 def kernels_per_call(fn):

@@ -7,6 +7,7 @@ import torch
 
 from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, NonFiniteError, Trainer, TrainerConfig
+from dqn_ops.trainer import load_batch
 from dqn_ops.baseline import TorchTrainer
 
 TINY_C51 = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3))
@@ -128,6 +129,28 @@ def test_bad_batches():
         TrainerConfig(on_non_finite="ignore")
     with pytest.raises(ValueError, match="loss_type 'c51' does not fit a network of 1 atom"):
         Trainer(TINY_Q, TrainerConfig(loss_type="c51"), device="cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_batch_copies_every_buffer_and_resets_the_weights(device):
+    """The batch lands in the static inputs (one multi-tensor copy per dtype); a batch without
+    weights after one with them gets weights 1; a float64 batch is converted."""
+    t = make(device=device)
+    for k, v in t.inputs.items():  # poison: every buffer must be written
+        v.fill_(-7 if v.dtype == torch.long else float("nan"))
+    b = batch_for(TINY_C51, 32, device, seed=5)
+    w = torch.rand(32, device=device) + 0.5
+    load_batch(t.inputs, dict(b, weights=w), t._ones)
+    for k in b:
+        assert torch.equal(t.inputs[k], b[k]), k
+    assert torch.equal(t.inputs["weights"], w)
+    b2 = batch_for(TINY_C51, 32, device, seed=6)
+    load_batch(t.inputs, dict(b2, states=b2["states"].double()), t._ones)
+    assert torch.equal(t.inputs["weights"], torch.ones(32, device=device))
+    assert torch.equal(t.inputs["states"], b2["states"]) and torch.equal(t.inputs["rewards"], b2["rewards"])
+    t.inputs["weights"].fill_(3.0)
+    load_batch(t.inputs, b2)  # no `ones`: filled
+    assert torch.equal(t.inputs["weights"], torch.ones(32, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)

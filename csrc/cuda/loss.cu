@@ -155,6 +155,68 @@ __device__ __forceinline__ float q_at(const BranchRows& r, int64_t i, float v, f
   else return r.row[i];
 }
 
+// Every branch with at most kQChunk actions (kRowsInRegisters, chosen at launch): a lane's
+// values of branch d's rows in the three passes, read once and kept in registers: q[p][k] at
+// atoms j0 (x0) and j1 (x1), -inf at a missing atom, unused for k >= n. BranchRows re-reads a
+// row after the dueling mean: in v6b those reads were ~250 of the fused loss's ~2460
+// instructions per warp (Nsight Compute, B = 4096); in registers the fused loss took 48.0 µs
+// there instead of 51.3 (v6c). Same arithmetic as BranchRows and q_at.
+struct BranchQ {
+  float x0[3][kQChunk], x1[3][kQChunk];
+};
+
+template <bool kDueling>
+__device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int d, int j0, int j1, bool has0,
+                         bool has1, BranchQ& q) {
+  const float* base[3] = {P.q, P.q_next_online, P.q_next_target};
+  const int NA = P.atoms, n = br.size[d];
+  if constexpr (!kDueling) {
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      const float* row = base[p] + (int64_t(b) * P.total_actions + br.action_offset[d]) * NA;
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k) {
+        const bool live = k < n;
+        q.x0[p][k] = live && has0 ? row[k * NA + j0] : -INFINITY;
+        q.x1[p][k] = live && has1 ? row[k * NA + j1] : -INFINITY;
+      }
+    }
+  } else {
+    const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
+    float v0[3], v1[3];
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {  // every load of the three passes issued before the first add
+      const float* in = base[p] + int64_t(b) * P.head_ld;
+      const float* row = in + br.pad_col[d];
+      const float* bias = b_out[p] + NA * (1 + br.action_offset[d]);
+      v0[p] = has0 ? in[j0] + b_out[p][j0] : 0.f;
+      v1[p] = has1 ? in[j1] + b_out[p][j1] : 0.f;
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k) {
+        const bool live = k < n;
+        q.x0[p][k] = live && has0 ? row[k * NA + j0] + bias[k * NA + j0] : 0.f;
+        q.x1[p][k] = live && has1 ? row[k * NA + j1] + bias[k * NA + j1] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k)
+        if (k < n) {
+          s0 += q.x0[p][k];
+          s1 += q.x1[p][k];
+        }
+      const float mean0 = s0 / n, mean1 = s1 / n;
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k) {
+        q.x0[p][k] = has0 ? (v0[p] + q.x0[p][k]) - mean0 : -INFINITY;
+        q.x1[p][k] = has1 ? (v1[p] + q.x1[p][k]) - mean1 : -INFINITY;
+      }
+    }
+  }
+}
+
 // The fused loss's gradient of branch d of sample b w.r.t. the head logits:
 // dueling_backward_kernel's arithmetic (mixed_backward.cu) on dq = g at the taken action a and
 // 0 at the others (a < 0: a poisoned sample, every dq NaN): sum = the sum of dq over the
@@ -164,26 +226,27 @@ __device__ __forceinline__ float q_at(const BranchRows& r, int64_t i, float v, f
 __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& br, int b, int d, int a, float g0,
                                        float g1, float* branch_sum, int lane) {
   const int NA = P.atoms, n = br.size[d];
-  float* dh = P.grad_head + int64_t(b) * P.head_out + int64_t(NA) * (1 + br.action_offset[d]);
+  float* dh = P.grad_head + int64_t(b) * P.head_out + NA * (1 + br.action_offset[d]);
   __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld + br.pad_col[d];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int j = lane + 32 * e;
     if (j >= NA) break;
-    const float g = e == 0 ? g0 : g1;
-    auto dq = [&](int k) { return a < 0 ? NAN : k == a ? g : 0.f; };
-    float sum = 0.f;
-    for (int k = 0; k < n; ++k) sum += dq(k);
+    const float taken = a < 0 ? NAN : e == 0 ? g0 : g1;  // dq at the taken action
+    const float other = a < 0 ? NAN : 0.f;               // and at the others
+    // The sum over the actions in order adds zeros to dq at the taken action, exactly: 0 + taken
+    // (not `taken`: that differs for -0). Written out, it cost ~90 instructions per warp (v6b).
+    const float sum = 0.f + taken;
     const float mean = sum / n;
     for (int k = 0; k < n; ++k) {
-      const float x = (dq(k) - mean) + 0.f;
-      dh[int64_t(k) * NA + j] = x;
-      low[int64_t(k) * NA + j] = __float2bfloat16_rn(x);
+      const float x = ((k == a ? taken : other) - mean) + 0.f;
+      dh[k * NA + j] = x;
+      low[k * NA + j] = __float2bfloat16_rn(x);
     }
     branch_sum[j] = sum;
   }
   const int width = n * NA;
-  for (int64_t i = width + lane; i < round_up_to_align(width); i += 32) low[i] = __float2bfloat16_rn(0.f);
+  for (int i = width + lane; i < round_up_to_align(width); i += 32) low[i] = __float2bfloat16_rn(0.f);
 }
 
 // The value column of sample b's head-logit gradient: the branches' sums in branch order
@@ -442,7 +505,7 @@ __device__ void project_by_runs(const float* pt, const float* pos, float* lower,
 // kDueling (the fused loss, _dqn_loss_on_logits): the rows are raw head logits, aggregated as
 // they are read (BranchRows), and the gradient is written w.r.t. the head logits
 // (write_branch_head_grad; branch_sum: this warp's row of per-atom sums for the value column).
-template <bool kDueling>
+template <bool kDueling, bool kRowsInRegisters>
 __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, int b, int d, float scale,
                                    float* work, float* branch_sum, int lane) {
   const int NA = P.atoms, n = br.size[d];
@@ -459,32 +522,14 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
   const int j0 = lane, j1 = lane + 32;
   const bool has0 = j0 < NA, has1 = j1 < NA;  // has1 implies has0
   const float z0 = P.v_min + j0 * P.dz, z1 = P.v_min + j1 * P.dz;
-  // A missing atom reads as -inf: exp(-inf - max) = 0 adds nothing to any sum; nothing is
-  // written for it (atoms < 32 leave lanes without one).
-  auto load2 = [&](const BranchRows& rows, int k, float& x0, float& x1) {
-    x0 = has0 ? q_at<kDueling>(rows, int64_t(k) * NA + j0, rows.v0, rows.mean0) : -INFINITY;
-    x1 = has1 ? q_at<kDueling>(rows, int64_t(k) * NA + j1, rows.v1, rows.mean1) : -INFINITY;
-  };
-  BranchRows rows[3];
-  branch_rows<kDueling>(P, br, b, d, j0, j1, has0, has1, rows);
-  float xc0, xc1;
-  load2(rows[0], int(a), xc0, xc1);
-
   // double DQN: the online network's greedy next action (the first of equal maxima; NaN wins),
-  // and the target network's logits of that action, loaded beside the online ones.
-  const BranchRows& on = rows[1];
-  const BranchRows& tg = rows[2];
+  // and the target network's logits of that action, loaded beside the online ones. `choose`
+  // takes one chunk of `live` actions (warp-uniform): their expected Q reduced together.
   float best = -INFINITY, t0 = 0.f, t1 = 0.f;
   bool nan_seen = false;
-  for (int a0 = 0; a0 < n && !nan_seen; a0 += kQChunk) {
-    const int live = min(kQChunk, n - a0);  // warp-uniform
-    float x0[kQChunk], x1[kQChunk], y0[kQChunk], y1[kQChunk], mx[kQChunk], s[kQChunk], sz[kQChunk];
-#pragma unroll
-    for (int k = 0; k < kQChunk; ++k)
-      if (k < live) {
-        load2(on, a0 + k, x0[k], x1[k]);
-        load2(tg, a0 + k, y0[k], y1[k]);
-      }
+  auto choose = [&](int live, const float (&x0)[kQChunk], const float (&x1)[kQChunk], const float (&y0)[kQChunk],
+                    const float (&y1)[kQChunk]) {
+    float mx[kQChunk], s[kQChunk], sz[kQChunk];
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k)
       if (k < live) mx[k] = warp_max(fmaxf(fmaxf(-INFINITY, x0[k]), x1[k]));
@@ -505,6 +550,39 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
         t1 = y1[k];
         nan_seen = qv != qv;
       }
+    }
+  };
+  // A missing atom reads as -inf: exp(-inf - max) = 0 adds nothing to any sum; nothing is
+  // written for it (atoms < 32 leave lanes without one).
+  float xc0 = -INFINITY, xc1 = -INFINITY;  // the taken action's logits
+  if constexpr (kRowsInRegisters) {
+    BranchQ q;
+    branch_q<kDueling>(P, br, b, d, j0, j1, has0, has1, q);
+#pragma unroll
+    for (int k = 0; k < kQChunk; ++k)  // a select, not an index: a register array stays in registers
+      if (k == a) {
+        xc0 = q.x0[0][k];
+        xc1 = q.x1[0][k];
+      }
+    choose(n, q.x0[1], q.x1[1], q.x0[2], q.x1[2]);
+  } else {
+    auto load2 = [&](const BranchRows& rows, int k, float& x0, float& x1) {
+      x0 = has0 ? q_at<kDueling>(rows, int64_t(k) * NA + j0, rows.v0, rows.mean0) : -INFINITY;
+      x1 = has1 ? q_at<kDueling>(rows, int64_t(k) * NA + j1, rows.v1, rows.mean1) : -INFINITY;
+    };
+    BranchRows rows[3];
+    branch_rows<kDueling>(P, br, b, d, j0, j1, has0, has1, rows);
+    load2(rows[0], int(a), xc0, xc1);
+    for (int a0 = 0; a0 < n && !nan_seen; a0 += kQChunk) {
+      float x0[kQChunk], x1[kQChunk], y0[kQChunk], y1[kQChunk];
+      const int live = min(kQChunk, n - a0);
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k)
+        if (k < live) {
+          load2(rows[1], a0 + k, x0[k], x1[k]);
+          load2(rows[2], a0 + k, y0[k], y1[k]);
+        }
+      choose(live, x0, x1, y0, y1);
     }
   }
   if constexpr (!kDueling)
@@ -628,17 +706,25 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // kSmallAtomsMinBlocks: the <= 64-atom versions are latency-bound, so 3 blocks (24 warps) per
 // SM: at most 85 registers. Unbounded, the fused version took 128 (v6's first run, 2 blocks per
 // SM: loss 98 µs at B = 4096) and, with its loads batched, 162; capped, it spills 116 bytes
-// (ptxas -v: bench/logs/2026-12-02-ptxas-loss.txt).
+// (ptxas -v: bench/logs/2026-12-02-ptxas-loss.txt); with its rows in registers, 88 (v6c:
+// bench/logs/2026-12-02-ptxas-loss-v6c.txt). Capped at 4 blocks per SM (64 registers, more
+// spill) the fused loss measured 64.9 µs at B = 4096 against 58.3 (v6b code).
+// kRowsInRegisters: every branch has at most kQChunk actions (BranchQ).
 constexpr int kSmallAtomsMinBlocks = 3;
 
-template <bool kSmallAtoms, bool kDueling>
+template <bool kSmallAtoms, bool kDueling, bool kRowsInRegisters>
 __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBlocks : 1)
     dqn_loss_kernel(const __grid_constant__ BranchTable br, const LossParams P) {
   static_assert(!kDueling || kSmallAtoms, "the fused loss runs the <= 64-atom version");
+  static_assert(!kRowsInRegisters || kSmallAtoms, "rows in registers: the <= 64-atom version");
   extern __shared__ float smem[];  // C51: P.work_floats per warp
-  __shared__ float part_a[kMaxWarps], part_b[kMaxWarps], part_c[kMaxWarps];
-  // kDueling: each warp's branch sums of dq per atom, for the value column's gradient.
-  __shared__ float branch_sums[kDueling ? kMaxWarps * kDuelingMaxAtoms : 1];
+  // Each warp's sums of a round, and (kDueling) its branch sums of dq per atom for the value
+  // column's gradient, read by its sample's first warp after the round's barrier. Two buffers,
+  // by round parity, so one barrier a round suffices: a round writes the buffer the previous
+  // round did not read, and the round before that finished its reads before the last barrier.
+  // (Two barriers a round: the fused loss 48.0 µs at B = 4096 on the H200; one: 46.0.)
+  __shared__ float part_a[2][kMaxWarps], part_b[2][kMaxWarps], part_c[2][kMaxWarps];
+  __shared__ float branch_sums[2][kDueling ? kMaxWarps * kDuelingMaxAtoms : 1];
   __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int W = P.warps_per_sample, S = P.samples_per_block;
@@ -646,7 +732,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
   const bool c51 = P.type == LossType::kC51;
   float* work = smem + warp * P.work_floats;
   float loss_acc = 0.f, q_acc = 0.f;  // kept by each sample slot's first warp
-  for (int b0 = blockIdx.x * S; b0 < P.batch; b0 += gridDim.x * S) {  // uniform across the block
+  int buf = 0;                        // this round's buffers
+  for (int b0 = blockIdx.x * S; b0 < P.batch; b0 += gridDim.x * S, buf ^= 1) {  // uniform across the block
     const int b = b0 + slot;
     const bool live = slot < S && b < P.batch;
     const float w = live && P.weights ? P.weights[b] : 1.f;
@@ -657,8 +744,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
         for (int d = wi; d < br.count; d += W) {
           float2 r;
           if constexpr (kSmallAtoms)
-            r = c51_branch_small<kDueling>(br, P, b, d, scale, work,
-                                          kDueling ? branch_sums + warp * kDuelingMaxAtoms : nullptr, lane);
+            r = c51_branch_small<kDueling, kRowsInRegisters>(
+                br, P, b, d, scale, work, kDueling ? branch_sums[buf] + warp * kDuelingMaxAtoms : nullptr, lane);
           else
             r = c51_branch(br, P, b, d, scale, work, lane);
           x += r.x;
@@ -672,19 +759,19 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
       }
     }
     if (lane == 0) {
-      part_a[warp] = x;
-      part_b[warp] = y;
-      part_c[warp] = z;
+      part_a[buf][warp] = x;
+      part_b[buf][warp] = y;
+      part_c[buf][warp] = z;
     }
     __syncthreads();
     if constexpr (kDueling)  // the sample's warps hold its branches 0 .. W - 1, in order
-      if (live && wi == 0) write_value_grad(P, b, branch_sums + slot * W * kDuelingMaxAtoms, W, lane);
+      if (live && wi == 0) write_value_grad(P, b, branch_sums[buf] + slot * W * kDuelingMaxAtoms, W, lane);
     if (live && wi == 0 && lane == 0) {
       float sample_loss = 0.f, q = 0.f, td = 0.f;
       for (int k = 0; k < W; ++k) {  // branch order (warp k took branches k, k + W, ...)
-        sample_loss += part_a[warp + k];
-        q += part_b[warp + k];
-        td += part_c[warp + k];
+        sample_loss += part_a[buf][warp + k];
+        q += part_b[buf][warp + k];
+        td += part_c[buf][warp + k];
       }
       if (c51) {
         sample_loss /= br.count;
@@ -695,7 +782,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
       loss_acc = fmaf(w, sample_loss, loss_acc);
       q_acc += q;
     }
-    __syncthreads();  // part_* are rewritten in the next round
   }
   if (wi == 0 && lane == 0 && slot < S) {
     slot_loss[slot] = loss_acc;
@@ -730,15 +816,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
     l = warp_sum(l);
     q = warp_sum(q);
     if (lane == 0) {
-      part_a[warp] = l;
-      part_b[warp] = q;
+      part_a[0][warp] = l;
+      part_b[0][warp] = q;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
       float lt = 0.f, qt = 0.f;
       for (unsigned k = 0; k < blockDim.x / 32; ++k) {
-        lt += part_a[k];
-        qt += part_b[k];
+        lt += part_a[0][k];
+        qt += part_b[0][k];
       }
       P.loss[0] = lt / P.batch;
       P.mean_q[0] = qt / P.batch;
@@ -769,10 +855,25 @@ LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int
                       size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= kSmemBudget;
   const int64_t work_floats = !c51 ? 0 : small_atoms ? 4 * atoms : c51_floats_per_warp(atoms, max_actions, staged);
   const size_t smem = size_t(warps) * work_floats * sizeof(float);
-  // A block per sample group, at most 16 per SM (later groups loop): no grid barrier, so no
-  // co-residency cap; the last block to finish sums the partials.
+  using Kernel = void (*)(const BranchTable, const LossParams);
+  const bool in_registers = small_atoms && max_actions <= kQChunk;
+  const Kernel kernel = !small_atoms                 ? dqn_loss_kernel<false, false, false>
+                        : dueling && in_registers    ? dqn_loss_kernel<true, true, true>
+                        : dueling                    ? dqn_loss_kernel<true, true, false>
+                        : in_registers               ? dqn_loss_kernel<true, false, true>
+                                                     : dqn_loss_kernel<true, false, false>;
+  // A resident grid: as many blocks as fit on the GPU at once (the occupancy API), each looping
+  // over sample groups, so the end-of-block work (the fence and ticket, the last block's check)
+  // is paid once per resident block. v6b launched a block per group (at most 16 per SM): the
+  // barrier before the ticket was ~5% of the fused loss's stall samples (Nsight Compute,
+  // B = 4096); the resident grid took the fused loss from 54.2 to 48.0 µs there (v6c, both with
+  // the rows in registers; bench/NOTES.md). No grid barrier, so no co-residency is needed for
+  // correctness: the last block to finish sums the partials.
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int grid = static_cast<int>(std::min<int64_t>((batch + samples_per_block - 1) / samples_per_block, 16 * sms));
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem));
+  const int grid = static_cast<int>(std::min<int64_t>((batch + samples_per_block - 1) / samples_per_block,
+                                                      std::max(resident, 1) * sms));
 
   LossResults out{at::empty({}, f32), at::empty({batch}, f32), at::empty({}, f32)};
   Tensor partials = at::empty({2 * grid + 1}, f32);  // and the counter, zeroed below
@@ -790,9 +891,7 @@ LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int
   P.staged = staged;
   P.work_floats = static_cast<int>(work_floats);
   P.type = type;
-  if (dueling) dqn_loss_kernel<true, true><<<grid, threads, smem, stream>>>(br, P);
-  else if (small_atoms) dqn_loss_kernel<true, false><<<grid, threads, smem, stream>>>(br, P);
-  else dqn_loss_kernel<false, false><<<grid, threads, smem, stream>>>(br, P);
+  kernel<<<grid, threads, smem, stream>>>(br, P);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
