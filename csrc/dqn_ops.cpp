@@ -49,6 +49,9 @@ TORCH_LIBRARY(dqn_ops, m) {
   // Deferred readback (dqn_ops/readback.py): ring[slot] = values (one-element F32 tensors, one
   // per ring column), slot = (slot + 1) % rows, flag = max(flag, non_finite); all on the device.
   m.def("record_step(Tensor(a!) ring, Tensor(b!) slot, Tensor(c!) flag, Tensor[] values, Tensor non_finite) -> ()");
+  // Internal (the trainer's load_batch): dst[i] <- src[i] for up to 8 pairs of one dtype and
+  // size each, in one launch on CUDA.
+  m.def("_load_batch(Tensor(a!)[] dst, Tensor[] src) -> ()");
   // Spectral norm of every weight matrix at once: n_power_iterations of power iteration from
   // each matrix's persistent u / v (updated in place), sigma[m] = the estimate of its largest
   // singular value, then W <- W * min(1, sigma_max[m] / sigma[m]) in params, with the rescaled

@@ -305,15 +305,14 @@ class Trainer:
 def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Optional[Tensor] = None):
     """Copies a batch (states, actions, rewards, next_states, dones, optional weights) into a
     trainer's static input buffers, device to device, checking names, shapes, dtypes and devices.
-    Without weights, the weights buffer becomes 1 (copied from `ones` when given).
+    Without weights, the weights buffer becomes 1 (copied from `ones` when given, else filled).
 
-    The copies go in one multi-tensor launch where the dtypes allow (``torch._foreach_copy_``):
-    2 kernels instead of 6 (one per buffer and a fill) in front of every step, ~5 µs of the
-    graphed step on the H200 (bench/NOTES.md, step v6c)."""
+    The copies of matching dtype and contiguous layout go in one launch (``dqn_ops._load_batch``);
+    the others (e.g. a float64 batch, a strided view) through ``Tensor.copy_``."""
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
         raise KeyError(f"Trainer.step: batch is missing {missing}; it needs {list(BATCH_KEYS)} (+ optional 'weights')")
-    dsts, srcs = [], []
+    pairs = []
     for k in BATCH_KEYS + ("weights",):
         if k not in batch:
             continue
@@ -325,19 +324,32 @@ def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Opt
         if src.device != dst.device:
             raise ValueError(f"Trainer.step: batch[{k!r}] is on {src.device}, the trainer on {dst.device}: move "
                              f"the batch first (a copy from pageable host memory would sync with the device)")
-        dsts.append(dst)
-        srcs.append(src)
+        pairs.append((dst, src))
     if "weights" not in batch:
         if ones is None:
             inputs["weights"].fill_(1.0)
         else:
-            dsts.append(inputs["weights"])
-            srcs.append(ones)
-    # One launch per dtype: torch's multi-tensor copy takes its fast path only when every tensor
-    # has one dtype (the float buffers); the actions (int64) go on their own.
-    for dtype in dict.fromkeys(d.dtype for d in dsts):
-        group = [i for i, d in enumerate(dsts) if d.dtype == dtype]
-        torch._foreach_copy_([dsts[i] for i in group], [srcs[i] for i in group], non_blocking=True)
+            pairs.append((inputs["weights"], ones))
+    pairs = [(d, s) for d, s in pairs if not (d.data_ptr() == s.data_ptr() and d.stride() == s.stride())]  # self-copies
+    direct = [(d, s) for d, s in pairs if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()
+              and not any(_overlap(d, s2) for _, s2 in pairs)]
+    if direct:
+        torch.ops.dqn_ops._load_batch.default([d for d, _ in direct], [s for _, s in direct])
+    for d, s in pairs:
+        if not any(d is dd for dd, _ in direct):
+            d.copy_(s, non_blocking=True)
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+@torch.library.register_fake("dqn_ops::_load_batch")
+def _(dst, src):
+    torch._check(len(dst) == len(src), lambda: f"dqn_ops._load_batch: expected as many sources as destinations, "
+                                               f"got {len(src)} and {len(dst)}")
+    return None
 
 
 def _data_parallel_group(process_group):

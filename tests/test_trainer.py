@@ -133,7 +133,7 @@ def test_bad_batches():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_load_batch_copies_every_buffer_and_resets_the_weights(device):
-    """The batch lands in the static inputs (one multi-tensor copy per dtype); a batch without
+    """The batch lands in the static inputs (dqn_ops._load_batch where it can); a batch without
     weights after one with them gets weights 1; a float64 batch is converted."""
     t = make(device=device)
     for k, v in t.inputs.items():  # poison: every buffer must be written
@@ -151,6 +151,38 @@ def test_load_batch_copies_every_buffer_and_resets_the_weights(device):
     t.inputs["weights"].fill_(3.0)
     load_batch(t.inputs, b2)  # no `ones`: filled
     assert torch.equal(t.inputs["weights"], torch.ones(32, device=device))
+    before = {k: v.clone() for k, v in t.inputs.items()}
+    load_batch(t.inputs, t.inputs, t._ones)  # its own buffers: nothing to copy
+    for k, v in t.inputs.items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_batch_op_copies_checks_and_passes_opcheck(device):
+    g = torch.Generator().manual_seed(1)
+    src = [torch.randn(4099, 5, generator=g),  # 16-byte copies and a tail
+           torch.randint(0, 9, (37, 3), generator=g),
+           torch.randn(37, generator=g)[1:]]  # at an odd offset: the byte-wise copy on CUDA
+    src = [s.to(device) for s in src]
+    dst = [torch.full_like(s, -1) for s in src]
+    torch.ops.dqn_ops._load_batch(dst, src)
+    for d, s in zip(dst, src):
+        assert torch.equal(d, s)
+    torch.library.opcheck(torch.ops.dqn_ops._load_batch.default, ([torch.empty_like(s) for s in src], src))
+    a, b = torch.zeros(8, device=device), torch.zeros(8, device=device)
+    with pytest.raises(RuntimeError, match=r"src\[0\]: expected dtype Float, got Long"):
+        torch.ops.dqn_ops._load_batch([a], [b.long()])
+    with pytest.raises(RuntimeError, match=r"src\[0\]: expected 8 elements \(as dst\[0\]\), got 7"):
+        torch.ops.dqn_ops._load_batch([a], [b[:7]])
+    with pytest.raises(RuntimeError, match="expected as many sources as destinations, got 1 and 2"):
+        torch.ops.dqn_ops._load_batch([a, b], [b])
+    with pytest.raises(RuntimeError, match=r"src\[0\]: expected a contiguous tensor"):
+        torch.ops.dqn_ops._load_batch([a[:4]], [b.view(4, 2).t()[0]])
+    with pytest.raises(RuntimeError, match=r"dst\[0\] and src\[0\] must not share memory"):
+        torch.ops.dqn_ops._load_batch([a[:4]], [a[2:6]])
+    with pytest.raises(RuntimeError, match="at most 8 tensors, got 9"):
+        torch.ops.dqn_ops._load_batch([torch.zeros(1, device=device) for _ in range(9)],
+                                      [torch.zeros(1, device=device) for _ in range(9)])
 
 
 @pytest.mark.parametrize("device", DEVICES)
