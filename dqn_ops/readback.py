@@ -4,11 +4,11 @@ The training step writes its scalars into a ring of ``interval`` rows on the dev
 ``interval`` steps the host enqueues an asynchronous copy of the ring into pinned memory,
 in stream order, so the copy sees exactly the steps before it whatever the host has queued
 since; the host reads a copy once its event says it has landed (an event query, not a sync).
-A sticky device flag, copied to pinned memory after every step, tells the host that a step was
-non-finite a step or two after the GPU ran it (the host may have enqueued more steps by then:
-graph replays are one launch each, so a host ahead of the GPU is up to the CUDA launch queue
-ahead, and those steps are skipped by the optimizer too); the caller then forces an immediate,
-synchronising readback.
+A sticky device flag, copied to pinned memory after every step (on a side stream, beside the
+next step), tells the host that a step was non-finite a step or two after the GPU ran it (the
+host may have enqueued more steps by then: graph replays are one launch each, so a host ahead
+of the GPU is up to the CUDA launch queue ahead, and those steps are skipped by the optimizer
+too); the caller then forces an immediate, synchronising readback.
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ class DeferredReadback:
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # next ring row, on the device
         self.flag = torch.zeros(1, device=self.device)  # sticky: 1 once a step was non-finite
         self._host_flag = torch.zeros(1, pin_memory=self._pin)
+        self._flag_stream = None  # CUDA: the stream the flag's copies go on (after_step)
+        self._step_done = None
         self._extra: Dict[str, Tensor] = {}  # small device tensors copied with each readback
         self._pending = deque()  # (event, first_step, count, host_ring, host_extra), in stream order
         self._free = []          # host buffers to reuse
@@ -67,7 +69,18 @@ class DeferredReadback:
         if not self._pin:
             return bool(self.flag[0] > 0)
         seen = bool(self._host_flag[0] > 0)  # a copy from a step or two ago: no sync
-        self._host_flag.copy_(self.flag, non_blocking=True)
+        # The copy goes on a side stream, after this step (an event) but beside the next one: in
+        # the step's own stream the device-to-host copy sat between every two steps (step() took
+        # 262 µs at B = 4096 on the H200, its graph replayed back to back 250.5; bench/NOTES.md,
+        # step v6c). The flag only rises until reset_flag, so reading it a step late (or while
+        # the next step runs) never misses a non-finite step.
+        if self._flag_stream is None:
+            self._flag_stream = torch.cuda.Stream(self.device)
+            self._step_done = torch.cuda.Event()
+        self._step_done.record(torch.cuda.current_stream(self.device))
+        self._flag_stream.wait_event(self._step_done)
+        with torch.cuda.stream(self._flag_stream):
+            self._host_flag.copy_(self.flag, non_blocking=True)
         return seen
 
     def readback(self):
@@ -90,6 +103,8 @@ class DeferredReadback:
         return out
 
     def reset_flag(self):
+        if self._flag_stream is not None:  # a copy in flight would bring the old flag back
+            self._flag_stream.synchronize()
         self.flag.zero_()
         self._host_flag.zero_()
 
