@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
 
 from bench import random_batch  # noqa: E402
-from bench_common import result_path, run_meta  # noqa: E402
+from bench_common import result_path, run_meta, time_us  # noqa: E402
 
 
 def kernel_trace(fn, repeats: int = 5):
@@ -62,6 +62,17 @@ def main():
                     f"{busy:.1f} µs, first start to last end {span:.1f} µs")
             print(head[3:], flush=True)
             lines += [head, ""] + [f"{us:8.2f}  {short(name)}" for name, us in trace] + [""]
+            if graph:
+                # The replay alone (no batch copy): its span is the GPU's time for the step's kernels
+                # and the gaps between them; timed back to back, what a step costs once the host
+                # keeps ahead.
+                replay, span = kernel_trace(t._runner)
+                busy = sum(us for _, us in replay)
+                back_to_back = time_us(t._runner, 300, 3)
+                note = (f"B = {B}, graph replay alone: {len(replay)} kernels, sum {busy:.1f} µs, first start to last "
+                        f"end {span:.1f} µs (gaps {span - busy:.1f}); replays back to back {back_to_back:.1f} µs each")
+                print(note, flush=True)
+                lines += [f"## {note}", ""]
     path = result_path(args.out, meta, "profile.txt")
     with open(path, "w") as f:
         f.write("\n".join(lines))
