@@ -159,7 +159,7 @@ __device__ __forceinline__ float q_at(const BranchRows& r, int64_t i, float v, f
 // values of branch d's rows in the three passes, read once and kept in registers: q[p][k] at
 // atoms j0 (x0) and j1 (x1), -inf at a missing atom, unused for k >= n. BranchRows re-reads a
 // row after the dueling mean: in v6b those reads were ~250 of the fused loss's ~2460
-// instructions per warp (Nsight Compute, B = 4096); in registers the fused loss took 48.0 µs
+// instructions per warp (Nsight Compute, B = 4096); in registers the fused loss took 47.7 µs
 // there instead of 51.3 (v6c). Same arithmetic as BranchRows and q_at.
 struct BranchQ {
   float x0[3][kQChunk], x1[3][kQChunk];
@@ -708,7 +708,7 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // SM: loss 98 µs at B = 4096) and, with its loads batched, 162; capped, it spills 116 bytes
 // (ptxas -v: bench/logs/2026-12-02-ptxas-loss.txt); with its rows in registers, 88 (v6c:
 // bench/logs/2026-12-02-ptxas-loss-v6c.txt). Capped at 4 blocks per SM (64 registers, more
-// spill) the fused loss measured 64.9 µs at B = 4096 against 58.3 (v6b code).
+// spill) the fused loss measured 65.5 µs at B = 4096 against 57.8 (v6b code).
 // kRowsInRegisters: every branch has at most kQChunk actions (BranchQ).
 constexpr int kSmallAtomsMinBlocks = 3;
 
@@ -722,7 +722,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
   // column's gradient, read by its sample's first warp after the round's barrier. Two buffers,
   // by round parity, so one barrier a round suffices: a round writes the buffer the previous
   // round did not read, and the round before that finished its reads before the last barrier.
-  // (Two barriers a round: the fused loss 48.0 µs at B = 4096 on the H200; one: 46.0.)
+  // (Two barriers a round: the fused loss 47.7 µs at B = 4096 on the H200; one: 46.0.)
   __shared__ float part_a[2][kMaxWarps], part_b[2][kMaxWarps], part_c[2][kMaxWarps];
   __shared__ float branch_sums[2][kDueling ? kMaxWarps * kDuelingMaxAtoms : 1];
   __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
@@ -866,7 +866,7 @@ LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int
   // over sample groups, so the end-of-block work (the fence and ticket, the last block's check)
   // is paid once per resident block. v6b launched a block per group (at most 16 per SM): the
   // barrier before the ticket was ~5% of the fused loss's stall samples (Nsight Compute,
-  // B = 4096); the resident grid took the fused loss from 54.2 to 48.0 µs there (v6c, both with
+  // B = 4096); the resident grid took the fused loss from 54.5 to 47.7 µs there (v6c, both with
   // the rows in registers; bench/NOTES.md). No grid barrier, so no co-residency is needed for
   // correctness: the last block to finish sums the partials.
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
