@@ -71,9 +71,9 @@ class DeferredReadback:
         seen = bool(self._host_flag[0] > 0)  # a copy from a step or two ago: no sync
         # The copy goes on a side stream, after this step (an event) but beside the next one: in
         # the step's own stream the device-to-host copy sat between every two steps (step() took
-        # 262 µs at B = 4096 on the H200, its graph replayed back to back 250.5; bench/NOTES.md,
-        # step v6c). The flag only rises until reset_flag, so reading it a step late (or while
-        # the next step runs) never misses a non-finite step.
+        # 262 µs at B = 4096 on the H200 with it there, 248.5 with it here; the graph replayed
+        # back to back, 250.5; bench/NOTES.md, step v6c / v6d). The flag only rises until
+        # reset_flag, so reading it a step late (or while the next step runs) misses nothing.
         if self._flag_stream is None:
             self._flag_stream = torch.cuda.Stream(self.device)
             self._step_done = torch.cuda.Event()

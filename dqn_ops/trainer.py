@@ -330,7 +330,8 @@ def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Opt
             inputs["weights"].fill_(1.0)
         else:
             pairs.append((inputs["weights"], ones))
-    pairs = [(d, s) for d, s in pairs if not (d.data_ptr() == s.data_ptr() and d.stride() == s.stride())]  # self-copies
+    # A buffer given as its own source (a batch that is `inputs`) needs no copy.
+    pairs = [(d, s) for d, s in pairs if not (d.data_ptr() == s.data_ptr() and d.stride() == s.stride())]
     direct = [(d, s) for d, s in pairs if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()
               and not any(_overlap(d, s2) for _, s2 in pairs)]
     if direct:
