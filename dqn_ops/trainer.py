@@ -332,13 +332,15 @@ def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Opt
             pairs.append((inputs["weights"], ones))
     # A buffer given as its own source (a batch that is `inputs`) needs no copy.
     pairs = [(d, s) for d, s in pairs if not (d.data_ptr() == s.data_ptr() and d.stride() == s.stride())]
-    direct = [(d, s) for d, s in pairs if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()
-              and not any(_overlap(d, s2) for _, s2 in pairs)]
+    direct, converted = [], []
+    for d, s in pairs:
+        one_launch = (d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous()
+                      and not any(_overlap(d, s2) for _, s2 in pairs))
+        (direct if one_launch else converted).append((d, s))
     if direct:
         torch.ops.dqn_ops._load_batch.default([d for d, _ in direct], [s for _, s in direct])
-    for d, s in pairs:
-        if not any(d is dd for dd, _ in direct):
-            d.copy_(s, non_blocking=True)
+    for d, s in converted:
+        d.copy_(s, non_blocking=True)
 
 
 def _overlap(a: Tensor, b: Tensor) -> bool:
