@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Experiment (branch perf-epilogue, not main): the hidden layers' bias + ReLU in cuBLASLt's GEMM
-# epilogue against the separate kernel. Tests of the forward's users, then the step's kernel
-# profile and the step benchmark with DQN_OPS_GEMM_EPILOGUE=1 (default) and 0.
+# epilogue against the separate kernel. Tests of the forward's and the backward's users, then
+# the step's kernel profile and the step benchmark with DQN_OPS_GEMM_EPILOGUE=1 (default) and 0.
+# The branch also drops the backward's fill of the gradient buffer (the column-sum kernel zeroes
+# the layout's gaps): in both runs; the profile shows the fill gone.
 #   bash scripts/exp_epilogue.sh     # through the device tool; results under $OUT
 source "$(dirname "$0")/gpu_common.sh"
 build_in_place

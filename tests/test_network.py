@@ -181,6 +181,10 @@ def test_backward_vs_float64_within_bars(device, precision, name, B):
         assert e <= bar, f"{name}/{precision}/{device}: {pname} error {e:.2e} > {bar:.0e}"
     assert rel_err(gs, ref_gs) <= bar
     assert torch.isfinite(grad).all()
+    pad = torch.ones(net.layout.numel, dtype=torch.bool, device=grad.device)
+    for _, shape, off in net.layout.tensors:
+        pad[off:off + torch.Size(shape).numel()] = False
+    assert (grad[pad] == 0).all()  # the layout's padding (alignment gaps, reserved rows): zero on a poisoned cache
 
 
 @pytest.mark.parametrize("device", DEVICES)
