@@ -35,7 +35,7 @@ def _nvcc_major(cuda_home):
 
 
 def _cublas_paths(cuda_home):
-    """Include dir and shared-library files of cuBLAS and cuBLASLt.
+    """Include dir and shared-library file of cuBLAS.
 
     A full toolkit has them under CUDA_HOME; a machine with only nvcc has them in the
     nvidia-cublas wheel that a CUDA build of torch depends on (site-packages/nvidia/cu13)."""
@@ -46,9 +46,8 @@ def _cublas_paths(cuda_home):
     for inc, lib in candidates:
         if os.path.exists(os.path.join(inc, "cublas_v2.h")):
             libs = sorted(glob.glob(os.path.join(lib, "libcublas.so*")))
-            lt_libs = sorted(glob.glob(os.path.join(lib, "libcublasLt.so*")))
-            if libs and lt_libs:
-                return inc, [libs[0], lt_libs[0]]
+            if libs:
+                return inc, libs[0]
     return None, None
 
 
@@ -88,7 +87,7 @@ def _extension():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     print(
         f"dqn_ops: building CPU + CUDA kernels for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}"
-        f" (nvcc from {cuda_home}, cuBLAS {' '.join(cublas_lib)})",
+        f" (nvcc from {cuda_home}, cuBLAS {cublas_lib})",
         file=sys.stderr,
     )
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
@@ -102,7 +101,7 @@ def _extension():
         },
         # Linking the versioned file records its SONAME (libcublas.so.13) as a dependency;
         # at run time it resolves to the copy torch itself loads.
-        extra_link_args=cublas_lib,
+        extra_link_args=[cublas_lib],
         define_macros=define,
         py_limited_api=True,
     )

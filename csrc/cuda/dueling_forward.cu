@@ -139,9 +139,6 @@ Logits forward_to_logits(const Tensor& states, const Tensor& params, const Tenso
   Tensor z = at::empty({B * std::max({L.trunk1, L.trunk2, L.head_hidden})}, f32);
   auto hidden = [&](const Tensor& in, int64_t in_width, int64_t w_off, int64_t b_off, int64_t out, const char* what) {
     Tensor h = at::empty({B, out}, bf16);
-    if (gemm_bias_relu_bf16(kForwardOp, what, B, out, in_width, in.data_ptr(), in_width, w + w_off, in_width,
-                            p + b_off, h.data_ptr(), out))
-      return h;
     gemm(kForwardOp, what, B, out, in_width, Operand{in.data_ptr(), CUDA_R_16BF, in_width, false},
          Operand{w + w_off, CUDA_R_16BF, in_width, true}, z.data_ptr(), CUDA_R_32F, out, CUBLAS_COMPUTE_32F);
     const float* zp = z.data_ptr<float>();
