@@ -85,16 +85,21 @@ TORCH_LIBRARY(dqn_ops, m) {
   // aggregation and its backward moved into the loss, so the logits make one trip through
   // memory instead of three. CUDA only (and fake kernels); each result equals, bit for bit,
   // what the public ops compute (tests/test_fused_step.py).
-  //   _dueling_logits: bf16_dueling_forward stopped before the aggregation: the output
-  //     layer's GEMM results, no bias, in the padded layout [B, head_ld] (csrc/layout.h).
+  //   _online_and_target_logits: bf16_dueling_forward stopped before the aggregation, of the
+  //     online network on state_pairs [2B, SD] = [s; s'] and of the target network on s': the
+  //     output layer's GEMM results, no bias, in the padded layout ([2B, head_ld] and
+  //     [B, head_ld]; csrc/layout.h), and the online network's activations on all 2B rows.
+  //     batch_networks: both networks' hidden layers in one batched GEMM each (the target also
+  //     runs on s): fewer launches, more FLOPs; the same results either way.
   //   _dqn_loss_on_logits: dqn_loss ('c51', atoms <= 64, at most 8 branches) on those
   //     logits, biases read from each network's params; returns d(loss)/d(head logits) as
   //     mixed_backward's dueling step would form it: F32 compact [B, head_out] and BF16
   //     padded [B, head_ld] (padding 0).
   //   _mixed_backward_from_head: mixed_backward from that gradient.
   m.def(
-      "_dueling_logits(Tensor states, Tensor params, Tensor params_bf16, int[] layout) -> (Tensor logits, "
-      "Tensor states_bf16, Tensor h1, Tensor h2, Tensor hh)");
+      "_online_and_target_logits(Tensor state_pairs, Tensor params, Tensor params_bf16, Tensor target_params, "
+      "Tensor target_params_bf16, int[] layout, bool batch_networks) -> (Tensor logits, "
+      "Tensor logits_next_target, Tensor states_bf16, Tensor h1, Tensor h2, Tensor hh)");
   m.def(
       "_dqn_loss_on_logits(Tensor logits, Tensor logits_next_online, Tensor logits_next_target, Tensor params, "
       "Tensor target_params, Tensor actions, Tensor rewards, Tensor dones, Tensor? weights, int[] layout, "

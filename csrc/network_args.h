@@ -14,7 +14,7 @@ namespace dqn_ops {
 
 constexpr const char* kForwardOp = "dqn_ops.bf16_dueling_forward";
 constexpr const char* kBackwardOp = "dqn_ops.mixed_backward";
-constexpr const char* kLogitsOp = "dqn_ops._dueling_logits";
+constexpr const char* kLogitsOp = "dqn_ops._online_and_target_logits";
 constexpr const char* kBackwardFromHeadOp = "dqn_ops._mixed_backward_from_head";
 
 // Operand types of the backward GEMMs (DESIGN.md fact 1: cuBLAS takes no F32 x BF16 mix).
@@ -35,39 +35,41 @@ inline BackwardPrecision parse_precision(const std::string& s, const char* op) {
 // On CUDA they must be F32 / BF16. On the CPU (the reference path) params may be F32 or F64
 // and the mirror BF16 (rounding emulated exactly as on the GPU) or params' own dtype (no
 // rounding at all: the float64 path gradcheck uses).
-inline void check_params(const at::Tensor& params, const at::Tensor& params_bf16, const NetLayout& L, const char* op) {
-  check_shape(params, op, "params", {L.numel});
-  check_shape(params_bf16, op, "params_bf16", {L.numel});
-  check_contiguous(params, op, "params");
-  check_contiguous(params_bf16, op, "params_bf16");
-  check_device(params_bf16, op, "params_bf16", params.device());
+// `name` and `mirror_name` name the two tensors in the messages (a second network's: "target_params").
+inline void check_params(const at::Tensor& params, const at::Tensor& params_bf16, const NetLayout& L, const char* op,
+                         const char* name = "params", const char* mirror_name = "params_bf16") {
+  check_shape(params, op, name, {L.numel});
+  check_shape(params_bf16, op, mirror_name, {L.numel});
+  check_contiguous(params, op, name);
+  check_contiguous(params_bf16, op, mirror_name);
+  check_device(params_bf16, op, mirror_name, params.device());
   if (params.is_cuda()) {
-    check_dtype(params, op, "params", at::kFloat);
-    check_dtype(params_bf16, op, "params_bf16", at::kBFloat16);
-    check_aligned(params, op, "params", 32);
-    check_aligned(params_bf16, op, "params_bf16", 16);
+    check_dtype(params, op, name, at::kFloat);
+    check_dtype(params_bf16, op, mirror_name, at::kBFloat16);
+    check_aligned(params, op, name, 32);
+    check_aligned(params_bf16, op, mirror_name, 16);
   } else {
-    DQN_CHECK(params.device().is_cpu(), op, ": params: expected a CPU or CUDA tensor, got one on ", params.device());
+    DQN_CHECK(params.device().is_cpu(), op, ": ", name, ": expected a CPU or CUDA tensor, got one on ", params.device());
     DQN_CHECK(params.scalar_type() == at::kFloat || params.scalar_type() == at::kDouble, op,
-                ": params: expected dtype Float (or Double on the CPU), got ", params.scalar_type());
+                ": ", name, ": expected dtype Float (or Double on the CPU), got ", params.scalar_type());
     DQN_CHECK(params_bf16.scalar_type() == at::kBFloat16 || params_bf16.scalar_type() == params.scalar_type(), op,
-                ": params_bf16: expected dtype BFloat16 (or params' dtype ", params.scalar_type(),
+                ": ", mirror_name, ": expected dtype BFloat16 (or ", name, "' dtype ", params.scalar_type(),
                 " on the CPU), got ", params_bf16.scalar_type());
     DQN_CHECK(params_bf16.scalar_type() != at::kBFloat16 || params.scalar_type() == at::kFloat, op,
-                ": params: a BFloat16 mirror needs Float params, got ", params.scalar_type());
+                ": ", name, ": a BFloat16 mirror needs Float params, got ", params.scalar_type());
   }
 }
 
 inline void check_forward_args(const at::Tensor& states, const at::Tensor& params, const at::Tensor& params_bf16,
                                const NetLayout& L, const std::string& backward_precision,
-                               const char* op = kForwardOp) {
+                               const char* op = kForwardOp, const char* states_name = "states") {
   parse_precision(backward_precision, op);
   check_params(params, params_bf16, L, op);
-  check_device(states, op, "states", params.device());
-  check_dtype(states, op, "states", params.scalar_type());
-  check_shape(states, op, "states", {-1, L.state_dim});
-  DQN_CHECK(states.size(0) >= 1, op, ": states: expected a batch of at least 1 row, got 0");
-  check_contiguous(states, op, "states");
+  check_device(states, op, states_name, params.device());
+  check_dtype(states, op, states_name, params.scalar_type());
+  check_shape(states, op, states_name, {-1, L.state_dim});
+  DQN_CHECK(states.size(0) >= 1, op, ": ", states_name, ": expected a batch of at least 1 row, got 0");
+  check_contiguous(states, op, states_name);
 }
 
 // The saved activations must be the ones bf16_dueling_forward returned for this layout.

@@ -4,7 +4,8 @@ with the dueling aggregation and its backward moved into the loss.
 ``bf16_dueling_forward`` writes the dueling-aggregated q, ``dqn_loss`` reads it and writes
 d(q), ``mixed_backward`` turns d(q) into d(head logits): three trips of the logits through
 memory, two kernels (~47 µs of the 275 µs step at B = 4096 on the H200, bench/NOTES.md) that
-do only that. Here the forward stops at the output layer's raw logits (``_dueling_logits``),
+do only that. Here the forward stops at the output layer's raw logits
+(``_online_and_target_logits``: the online network on [s; s'] and the target network on s'),
 the loss aggregates them as it reads them and writes d(head logits) directly
 (``_dqn_loss_on_logits``), and the backward starts from there (``_mixed_backward_from_head``).
 Every result is the same bits as the public ops' (tests/test_fused_step.py).
@@ -23,6 +24,10 @@ from .layout import DQNConfig, decode_config
 
 MAX_ATOMS = 64     # csrc/cuda/loss.cu: kDuelingMaxAtoms
 MAX_BRANCHES = 8   # a warp per branch, 8 warps a block
+# Up to this batch size the online and target networks' hidden layers run as one batched GEMM
+# each (7 launches fewer a step; the target also runs on s, ~14% more FLOPs): bench/NOTES.md,
+# "Step v7", has the measurements it comes from.
+BATCH_NETWORKS_MAX_BATCH = 4096
 
 
 def supported(config: DQNConfig, loss_type: str, device: torch.device) -> bool:
@@ -31,9 +36,15 @@ def supported(config: DQNConfig, loss_type: str, device: torch.device) -> bool:
             and config.num_branches <= MAX_BRANCHES)
 
 
+def batch_networks(batch_size: int) -> bool:
+    """Whether the trainer's forward batches the online and target networks' hidden layers."""
+    return batch_size <= BATCH_NETWORKS_MAX_BATCH
+
+
 class Logits(NamedTuple):
-    logits: Tensor       # [B, head_ld] F32: the output layer's GEMM results, padded layout, no bias
-    states_bf16: Tensor  # the activations mixed_backward reads, as bf16_dueling_forward returns them
+    logits: Tensor              # [2B, head_ld] F32: online on [s; s']: the output layer's GEMM results, padded layout, no bias
+    logits_next_target: Tensor  # [B, head_ld] F32: target on s', the same
+    states_bf16: Tensor         # [2B, ...]: online's activations mixed_backward reads, as bf16_dueling_forward returns them
     h1: Tensor
     h2: Tensor
     hh: Tensor
@@ -47,8 +58,10 @@ class LossOnLogits(NamedTuple):
     mean_q: Tensor          # []
 
 
-def dueling_logits(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[int]) -> Logits:
-    return Logits(*torch.ops.dqn_ops._dueling_logits.default(states, params, params_bf16, list(layout)))
+def online_and_target_logits(state_pairs: Tensor, params: Tensor, params_bf16: Tensor, target_params: Tensor,
+                              target_params_bf16: Tensor, layout: Sequence[int], batch_networks: bool) -> Logits:
+    return Logits(*torch.ops.dqn_ops._online_and_target_logits.default(
+        state_pairs, params, params_bf16, target_params, target_params_bf16, list(layout), batch_networks))
 
 
 def dqn_loss_on_logits(logits: Tensor, logits_next_online: Tensor, logits_next_target: Tensor, params: Tensor,
@@ -70,15 +83,17 @@ def mixed_backward_from_head(grad_head: Tensor, grad_head_bf16: Tensor, saved: S
 # ---------------------------------------------------------------------------------------
 # Fake kernels: shapes and dtypes only, for torch.compile and FakeTensor tracing.
 
-@torch.library.register_fake("dqn_ops::_dueling_logits")
-def _(states, params, params_bf16, layout):
+@torch.library.register_fake("dqn_ops::_online_and_target_logits")
+def _(state_pairs, params, params_bf16, target_params, target_params_bf16, layout, batch_networks):
     c = decode_config(layout)
-    torch._check(states.dim() == 2 and states.shape[1] == c.state_dim,
-                 lambda: f"dqn_ops._dueling_logits: states: expected shape [*, {c.state_dim}], got {list(states.shape)}")
-    B, lp = states.shape[0], params_bf16.dtype
-    return (params.new_empty(B, c.head_ld), states.new_empty(B, c.state_dim, dtype=lp),
-            states.new_empty(B, c.trunk_hidden[0], dtype=lp), states.new_empty(B, c.trunk_hidden[1], dtype=lp),
-            states.new_empty(B, c.head_hidden, dtype=lp))
+    op = "dqn_ops._online_and_target_logits"
+    torch._check(state_pairs.dim() == 2 and state_pairs.shape[1] == c.state_dim,
+                 lambda: f"{op}: state_pairs: expected shape [*, {c.state_dim}], got {list(state_pairs.shape)}")
+    rows, lp = state_pairs.shape[0], params_bf16.dtype
+    torch._check(rows % 2 == 0, lambda: f"{op}: state_pairs: expected [s; s'], an even number of rows, got {rows}")
+    return (params.new_empty(rows, c.head_ld), params.new_empty(rows // 2, c.head_ld),
+            state_pairs.new_empty(rows, c.state_dim, dtype=lp), state_pairs.new_empty(rows, c.trunk_hidden[0], dtype=lp),
+            state_pairs.new_empty(rows, c.trunk_hidden[1], dtype=lp), state_pairs.new_empty(rows, c.head_hidden, dtype=lp))
 
 
 @torch.library.register_fake("dqn_ops::_dqn_loss_on_logits")

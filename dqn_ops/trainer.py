@@ -155,6 +155,8 @@ class Trainer:
         # On CUDA (C51, <= 64 atoms, <= 8 branches) the forward, loss and backward run fused:
         # the dueling aggregation inside the loss (dqn_ops/fused.py); same results, bit for bit.
         self.uses_fused_path = fused.supported(c, self.loss_type, dev)
+        # ... and at small batches with the two networks' hidden layers batched (fewer launches)
+        self._batch_networks = fused.batch_networks(B)
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
         if self.spectral is not None:
             self.stats.watch("sigma", self.spectral.sigma)
@@ -192,10 +194,9 @@ class Trainer:
         B = cfg.batch_size
         # online on [s; s'] in one pass; the first B rows (s) are what the backward differentiates
         if self.uses_fused_path:
-            logits, *acts = torch.ops.dqn_ops._dueling_logits.default(self._state_pairs, p, p_lp, layout)
+            logits, logits_target, *acts = torch.ops.dqn_ops._online_and_target_logits.default(
+                self._state_pairs, p, p_lp, tgt.flat_params, tgt.params_bf16, layout, self._batch_networks)
             saved = [t[:B] for t in acts]  # leading rows of contiguous tensors: contiguous, aligned
-            logits_target = torch.ops.dqn_ops._dueling_logits.default(
-                x["next_states"], tgt.flat_params, tgt.params_bf16, layout)[0]
             loss, grad_head, grad_head_bf16, td_error, mean_q = torch.ops.dqn_ops._dqn_loss_on_logits.default(
                 logits[:B], logits[B:], logits_target, p, tgt.flat_params, x["actions"], x["rewards"], x["dones"],
                 x["weights"], layout, cfg.v_min, cfg.v_max, cfg.gamma)

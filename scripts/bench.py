@@ -130,8 +130,12 @@ def per_op_rows(c: DQNConfig, B: int, device):
         f"backward ({prec})": backward_op,
     }
     if t.uses_fused_path:  # what the trainer's step runs instead of the three above (dqn_ops/fused.py)
-        logits, *acts = fused.dueling_logits(x["states"], net.flat_params, net.params_bf16, L)
-        logits_next = fused.dueling_logits(x["next_states"], net.flat_params, net.params_bf16, L).logits
+        def logits_op(batch_networks):
+            return lambda: fused.online_and_target_logits(t._state_pairs, net.flat_params, net.params_bf16,
+                                                          tgt.flat_params, tgt.params_bf16, L, batch_networks)
+
+        f = logits_op(False)()
+        logits, logits_next, acts = f.logits[:B], f.logits_next_target, [a[:B] for a in f[2:]]
 
         def fused_loss_op():
             return fused.dqn_loss_on_logits(logits, logits_next, logits_next, net.flat_params, tgt.flat_params,
@@ -140,8 +144,8 @@ def per_op_rows(c: DQNConfig, B: int, device):
 
         head = fused_loss_op()
         ops.update({
-            "fused path: forward to logits (one pass)": lambda: fused.dueling_logits(x["states"], net.flat_params,
-                                                                                     net.params_bf16, L),
+            "fused path: online [s; s'] + target s' to logits (two passes)": logits_op(False),
+            "fused path: online [s; s'] + target s' to logits (networks batched)": logits_op(True),
             "fused path: loss on logits (dueling + C51 + head grad)": fused_loss_op,
             f"fused path: backward from head ({prec})": lambda: fused.mixed_backward_from_head(
                 head.grad_head, head.grad_head_bf16, acts, net.flat_params, net.params_bf16, L, prec),

@@ -64,14 +64,19 @@ def _public_step(online, target, b, precision):
     return dict(loss=loss, td_error=td, mean_q=mean_q, grad=grad, grad_q=grad_q, acts=[t[:B] for t in out[2:6]])
 
 
+def _logits(online, target, states, batch_networks):
+    return fused.online_and_target_logits(states, online.flat_params, online.params_bf16, target.flat_params,
+                                          target.params_bf16, online._layout_ints, batch_networks)
+
+
 @torch.no_grad()
-def _fused_step(online, target, b, precision):
+def _fused_step(online, target, b, precision, batch_networks=False):
     B, layout = b["actions"].shape[0], online._layout_ints
-    f = fused.dueling_logits(b["states"], online.flat_params, online.params_bf16, layout)
-    logits_target = fused.dueling_logits(b["states"][B:], target.flat_params, target.params_bf16, layout).logits
-    r = fused.dqn_loss_on_logits(f.logits[:B], f.logits[B:], logits_target, online.flat_params, target.flat_params,
-                                 b["actions"], b["rewards"], b["dones"], b["weights"], layout, V_MIN, V_MAX, GAMMA)
-    acts = [t[:B] for t in f[1:]]
+    f = _logits(online, target, b["states"], batch_networks)
+    r = fused.dqn_loss_on_logits(f.logits[:B], f.logits[B:], f.logits_next_target, online.flat_params,
+                                 target.flat_params, b["actions"], b["rewards"], b["dones"], b["weights"], layout,
+                                 V_MIN, V_MAX, GAMMA)
+    acts = [t[:B] for t in f[2:]]
     grad = fused.mixed_backward_from_head(r.grad_head, r.grad_head_bf16, acts, online.flat_params,
                                           online.params_bf16, layout, precision)
     return dict(loss=r.loss, td_error=r.td_error, mean_q=r.mean_q, grad=grad, grad_head=r.grad_head,
@@ -85,14 +90,15 @@ def _same_bits(a, b, what):
 @requires_cuda
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
-def test_fused_path_gives_the_public_ops_bits(case, precision):
+@pytest.mark.parametrize("batch_networks", [False, True], ids=["two_passes", "networks_batched"])
+def test_fused_path_gives_the_public_ops_bits(case, precision, batch_networks):
     config = _config(*CASES[case])
     online, target = _net(config, 1), _net(config, 2)
     b = _batch(config, 37, seed=3)
     poison_cuda_cache()
     want = _public_step(online, target, b, precision)
     poison_cuda_cache()
-    got = _fused_step(online, target, b, precision)
+    got = _fused_step(online, target, b, precision, batch_networks)
     for i, (x, y) in enumerate(zip(got["acts"], want["acts"])):
         _same_bits(x, y, f"saved activation {i}")
     for k in ("loss", "td_error", "mean_q", "grad"):
@@ -133,6 +139,26 @@ def test_head_gradient_is_the_dueling_backward_of_grad_q(case):
 
 
 @requires_cuda
+@pytest.mark.parametrize("B", [1, 8, 300])
+def test_batched_networks_give_the_two_passes_bits_in_either_memory_order(B):
+    """The batched hidden layers stride from the lower-addressed network's weights to the
+    other's: each network as the online one in turn covers both orders, and the same network
+    as both (stride 0)."""
+    config = _config((3, 3, 3), 51)
+    a, b = _net(config, 1), _net(config, 2)
+    states = torch.randn(2 * B, config.state_dim, generator=torch.Generator().manual_seed(B)).cuda()
+    for online, target in [(a, b), (b, a), (a, a)]:
+        poison_cuda_cache()
+        want = _logits(online, target, states, False)
+        poison_cuda_cache()
+        got = _logits(online, target, states, True)
+        for name, x, y in zip(fused.Logits._fields, got, want):
+            assert x.shape == y.shape, name
+            _same_bits(x, y, name)
+        assert want.logits_next_target.shape == (B, config.head_ld)
+
+
+@requires_cuda
 def test_trainer_steps_equal_with_and_without_the_fused_path():
     config = _config((3, 3, 3), 51)
     cfg = TrainerConfig(batch_size=128, use_cuda_graph=True, readback_interval=4, on_non_finite="flag")
@@ -160,12 +186,15 @@ def test_opcheck():
     b = _batch(config, 16, seed=3, poison_samples=False)
     layout, B = online._layout_ints, 16
     p, p_lp, p_target = online.flat_params.detach(), online.params_bf16, target.flat_params.detach()
-    f = fused.dueling_logits(b["states"], p, p_lp, layout)
+    p_target_lp = target.params_bf16
+    f = fused.online_and_target_logits(b["states"], p, p_lp, p_target, p_target_lp, layout, False)
     logits = [f.logits[:B].contiguous(), f.logits[B:].contiguous()]
     r = fused.dqn_loss_on_logits(logits[0], logits[1], logits[1], p, p_target, b["actions"], b["rewards"], b["dones"],
                                  b["weights"], layout, V_MIN, V_MAX, GAMMA)
-    acts = [t[:B].contiguous() for t in f[1:]]
-    torch.library.opcheck(torch.ops.dqn_ops._dueling_logits.default, (b["states"], p, p_lp, layout))
+    acts = [t[:B].contiguous() for t in f[2:]]
+    for batch_networks in (False, True):
+        torch.library.opcheck(torch.ops.dqn_ops._online_and_target_logits.default,
+                              (b["states"], p, p_lp, p_target, p_target_lp, layout, batch_networks))
     for weights in (None, b["weights"]):
         torch.library.opcheck(torch.ops.dqn_ops._dqn_loss_on_logits.default,
                               (logits[0], logits[1], logits[1], p, p_target, b["actions"], b["rewards"], b["dones"],
@@ -173,6 +202,34 @@ def test_opcheck():
     for precision in ("bf16", "tf32"):
         torch.library.opcheck(torch.ops.dqn_ops._mixed_backward_from_head.default,
                               (r.grad_head, r.grad_head_bf16, *acts, p, p_lp, layout, precision))
+
+
+@requires_cuda
+@pytest.mark.parametrize("what,match", [
+    ("odd_rows", r"state_pairs: expected \[s; s'\], an even number of rows, got 15"),
+    ("state_width", r"state_pairs: expected shape \[\*, 24\]"),
+    ("target_dtype", "target_params: expected dtype Float"),
+    ("target_mirror", r"target_params_bf16: expected shape \["),
+    ("target_device", "target_params: expected a tensor on cuda"),
+])
+def test_online_and_target_logits_rejects_bad_input(what, match):
+    config = _config((2, 5), 11)
+    online, target = _net(config, 1), _net(config, 2)
+    args = dict(state_pairs=torch.zeros(16, config.state_dim, device="cuda"), params=online.flat_params.detach(),
+                params_bf16=online.params_bf16, target_params=target.flat_params.detach(),
+                target_params_bf16=target.params_bf16)
+    if what == "odd_rows":
+        args["state_pairs"] = args["state_pairs"][:15]
+    if what == "state_width":
+        args["state_pairs"] = torch.zeros(16, config.state_dim + 1, device="cuda")
+    if what == "target_dtype":
+        args["target_params"] = args["target_params"].double()
+    if what == "target_mirror":
+        args["target_params_bf16"] = args["target_params_bf16"][1:]
+    if what == "target_device":
+        args["target_params"] = args["target_params"].cpu()
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.dqn_ops._online_and_target_logits.default(*args.values(), online._layout_ints, True)
 
 
 @requires_cuda
@@ -229,16 +286,18 @@ def test_fake_kernels_give_the_fused_step_its_shapes():
     B, n = 8, layout[-1]
     with FakeTensorMode():
         p, p_lp = torch.empty(n, device="cuda"), torch.empty(n, device="cuda", dtype=torch.bfloat16)
-        f = fused.dueling_logits(torch.empty(2 * B, c.state_dim, device="cuda"), p, p_lp, layout)
+        f = fused.online_and_target_logits(torch.empty(2 * B, c.state_dim, device="cuda"), p, p_lp, p, p_lp, layout,
+                                           True)
         assert f.logits.shape == (2 * B, c.head_ld) and f.logits.dtype == torch.float32
-        assert [t.shape for t in f[1:]] == [(2 * B, c.state_dim), (2 * B, 64), (2 * B, 48), (2 * B, c.head_hidden)]
-        assert all(t.dtype == torch.bfloat16 for t in f[1:])
-        r = fused.dqn_loss_on_logits(f.logits[:B], f.logits[B:], f.logits[B:], p, p,
+        assert f.logits_next_target.shape == (B, c.head_ld) and f.logits_next_target.dtype == torch.float32
+        assert [t.shape for t in f[2:]] == [(2 * B, c.state_dim), (2 * B, 64), (2 * B, 48), (2 * B, c.head_hidden)]
+        assert all(t.dtype == torch.bfloat16 for t in f[2:])
+        r = fused.dqn_loss_on_logits(f.logits[:B], f.logits[B:], f.logits_next_target, p, p,
                                      torch.empty(B, c.num_branches, dtype=torch.long, device="cuda"),
                                      torch.empty(B, device="cuda"), torch.empty(B, device="cuda"), None, layout,
                                      V_MIN, V_MAX, GAMMA)
         assert r.loss.shape == () and r.td_error.shape == (B,) and r.mean_q.shape == ()
         assert r.grad_head.shape == (B, c.head_out) and r.grad_head_bf16.shape == (B, c.head_ld)
         assert r.grad_head_bf16.dtype == torch.bfloat16
-        grad = fused.mixed_backward_from_head(r.grad_head, r.grad_head_bf16, [t[:B] for t in f[1:]], p, p_lp, layout)
+        grad = fused.mixed_backward_from_head(r.grad_head, r.grad_head_bf16, [t[:B] for t in f[2:]], p, p_lp, layout)
         assert grad.shape == (n,) and grad.dtype == torch.float32

@@ -97,6 +97,22 @@ def test_cuda_forward_matches_cpu_bf16_emulation(name):
     assert torch.equal(gpu.states_bf16.cpu(), cpu.states_bf16)  # one rounding of the same F32 values
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nan_state_stays_visible_in_its_samples_outputs(device):
+    """A non-finite input must reach the outputs (the trainer's non-finite check reads the loss and
+    the gradient): the hidden layers' ReLU keeps a NaN a NaN, on every device and whichever way
+    the bias and ReLU run (kernel or GEMM epilogue); the other samples stay finite."""
+    c = CONFIGS["reference"]
+    net = make_net(c, device)
+    s = random_states(c, 64, device)
+    s[5, 3] = float("nan")
+    out = net.forward_full(s)
+    for name_ in ("q_logits", "head_logits", "h1", "h2", "hh"):
+        t = getattr(out, name_).float()
+        assert torch.isnan(t[5]).any(), f"{name_}: the NaN state's row lost its NaN"
+        assert torch.isfinite(torch.cat([t[:5], t[6:]])).all(), name_
+
+
 # ----------------------------------------------------------------------------------------
 # Backward
 
@@ -165,6 +181,10 @@ def test_backward_vs_float64_within_bars(device, precision, name, B):
         assert e <= bar, f"{name}/{precision}/{device}: {pname} error {e:.2e} > {bar:.0e}"
     assert rel_err(gs, ref_gs) <= bar
     assert torch.isfinite(grad).all()
+    pad = torch.ones(net.layout.numel, dtype=torch.bool, device=grad.device)
+    for _, shape, off in net.layout.tensors:
+        pad[off:off + torch.Size(shape).numel()] = False
+    assert (grad[pad] == 0).all()  # the layout's padding (alignment gaps, reserved rows): zero on a poisoned cache
 
 
 @pytest.mark.parametrize("device", DEVICES)
