@@ -42,9 +42,12 @@ def batch_networks(batch_size: int) -> bool:
 
 
 class Logits(NamedTuple):
-    logits: Tensor              # [2B, head_ld] F32: online on [s; s']: the output layer's GEMM results, padded layout, no bias
-    logits_next_target: Tensor  # [B, head_ld] F32: target on s', the same
-    states_bf16: Tensor         # [2B, ...]: online's activations mixed_backward reads, as bf16_dueling_forward returns them
+    """The output layer's GEMM results (padded layout, no bias) of the online network on
+    [s; s'] and of the target network on s', and the online network's activations on [s; s']
+    that mixed_backward reads (as bf16_dueling_forward returns them)."""
+    logits: Tensor              # [2B, head_ld] F32
+    logits_next_target: Tensor  # [B, head_ld] F32
+    states_bf16: Tensor         # [2B, state_dim] BF16
     h1: Tensor
     h2: Tensor
     hh: Tensor
@@ -91,9 +94,9 @@ def _(state_pairs, params, params_bf16, target_params, target_params_bf16, layou
                  lambda: f"{op}: state_pairs: expected shape [*, {c.state_dim}], got {list(state_pairs.shape)}")
     rows, lp = state_pairs.shape[0], params_bf16.dtype
     torch._check(rows % 2 == 0, lambda: f"{op}: state_pairs: expected [s; s'], an even number of rows, got {rows}")
+    widths = (c.state_dim, c.trunk_hidden[0], c.trunk_hidden[1], c.head_hidden)
     return (params.new_empty(rows, c.head_ld), params.new_empty(rows // 2, c.head_ld),
-            state_pairs.new_empty(rows, c.state_dim, dtype=lp), state_pairs.new_empty(rows, c.trunk_hidden[0], dtype=lp),
-            state_pairs.new_empty(rows, c.trunk_hidden[1], dtype=lp), state_pairs.new_empty(rows, c.head_hidden, dtype=lp))
+            *(state_pairs.new_empty(rows, w, dtype=lp) for w in widths))
 
 
 @torch.library.register_fake("dqn_ops::_dqn_loss_on_logits")
