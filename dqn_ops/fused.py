@@ -25,8 +25,8 @@ from .layout import DQNConfig, decode_config
 MAX_ATOMS = 64     # csrc/cuda/loss.cu: kDuelingMaxAtoms
 MAX_BRANCHES = 8   # a warp per branch, 8 warps a block
 # Up to this batch size the online and target networks' hidden layers run as one batched GEMM
-# each (7 launches fewer a step; the target also runs on s, ~14% more FLOPs): bench/NOTES.md,
-# "Step v7", has the measurements it comes from.
+# each (7 launches fewer a step; the target also runs on s: ~16% more FLOPs, reference config):
+# bench/NOTES.md, "Step v7", has the count and the measurements it comes from.
 BATCH_NETWORKS_MAX_BATCH = 4096
 
 
