@@ -65,16 +65,20 @@ def run_meta(device="cuda", **extra):
 
 
 def result_path(out_dir, meta, name):
-    """<out_dir>/<date>-<device>-<name>, the name every result file of the scripts gets (the
-    folder is created)."""
+    """<out_dir>/<name>, the path every result file of the scripts gets: undated, so a run
+    overwrites the previous one (git keeps the history); the date, device and versions are in
+    the file's own meta (`run_meta`). `meta` is accepted for the callers' sake and not used in
+    the name. The folder is created."""
     import os
 
     os.makedirs(out_dir, exist_ok=True)
-    return os.path.join(out_dir, f"{meta['date']}-{meta['device'].replace(' ', '_')}-{name}")
+    return os.path.join(out_dir, name)
 
 
 def write_results(out_dir, kind, meta, rows, markdown_lines):
-    """Writes <out_dir>/<date>-<device>-<kind>.json (meta + rows) and .md; returns the path stem."""
+    """Writes <out_dir>/<kind>.json (meta + rows) and <out_dir>/<kind>.md, overwriting the
+    previous run's; returns the path stem. The date and device are in `meta` (and in the
+    markdown's title, which the caller writes)."""
     import json
 
     stem = result_path(out_dir, meta, kind)
