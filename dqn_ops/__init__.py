@@ -1,15 +1,21 @@
 """dqn_ops: the training step of a dueling, branching, distributional (C51) DQN on BF16
-tensor cores, as PyTorch custom ops (``torch.ops.dqn_ops.*``) with thin Python wrappers."""
+tensor cores, as PyTorch custom ops (``torch.ops.dqn_ops.*``) with thin Python wrappers.
+
+``dqn_ops.ops`` holds every op's wrapper, fake kernel and autograd; the network, optimizer,
+spectral norm and trainer build on it, and ``dqn_ops.step`` writes the training step's
+forward -> loss -> backward once. The environment, replay buffer and plain-PyTorch baseline
+live in ``dqn_ops.rl``, which this package does not import.
+"""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the ops with the dispatcher)
-from . import ops
+from . import ops, step
 from .layout import DQNConfig, ParamLayout
-from .loss import LossOutput, dqn_loss
 from .network import DuelingBranchQNet
-from .ops import bf16_dueling_forward, mixed_backward
-from .optim import FusedAdamBF16, ema_update, ema_update_, fused_adam_bf16
-from .spectral import SpectralNorm, batched_spectral_norm, spectral_norm_
+from .ops import (LossOutput, batched_spectral_norm, bf16_dueling_forward, dqn_loss, ema_update, fused_adam_bf16,
+                  mixed_backward)
+from .optim import FusedAdamBF16, ema_update_
+from .spectral import SpectralNorm, spectral_norm_
 from .trainer import NonFiniteError, Trainer, TrainerConfig, greedy_actions
 
 
@@ -18,7 +24,7 @@ def cuda_kernels_built() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("dqn_ops::bf16_dueling_forward", "CUDA")
 
 
-__all__ = ["DQNConfig", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward", "ops",
+__all__ = ["DQNConfig", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward", "ops", "step",
            "cuda_kernels_built",
            "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_",
            "SpectralNorm", "batched_spectral_norm", "spectral_norm_", "dqn_loss", "LossOutput",

@@ -1,6 +1,6 @@
 """Network configuration and the flat parameter layout every op of the package shares.
 
-The network (DESIGN.md):
+The network (docs/design.md):
 
     trunk   h1 = relu(s  W_s1^T + b_s1)          [B, SH1]
             h2 = relu(h1 W_s2^T + b_s2)          [B, SH2]
@@ -17,7 +17,7 @@ value head's and the branches' first-layer weights are adjacent rows of one matr
 all output biases are one vector b_out, so the CUDA path runs them as one GEMM / one pass.
 
 The per-layer names (``s1.weight``, ``v1.bias``, ``a1.0.weight``, ``a2.2.bias`` ...) are
-those of a plain ``nn.Linear`` network (../shared/anchor/torch_step.py), so state dicts move
+those of a plain ``nn.Linear`` network (the anchor step of docs/design.md), so state dicts move
 between the two.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _align(n: int) -> int:
 class DQNConfig:
     """Sizes of a dueling, branching, distributional Q-network.
 
-    The defaults are the reference configuration of DESIGN.md (287,998 parameters).
+    The defaults are the reference configuration of docs/design.md (287,998 parameters).
     ``atoms=1`` gives plain (non-distributional) Q-values.
     """
 

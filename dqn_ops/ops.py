@@ -1,7 +1,14 @@
-"""Typed wrappers of the ``torch.ops.dqn_ops`` ops, with their fake kernels and autograd.
+"""Every ``torch.ops.dqn_ops`` op, in the order of its schema in csrc/dqn_ops.cpp: the typed
+Python wrapper, the fake kernel (shapes and dtypes, for torch.compile and FakeTensor tracing)
+and, where the op is differentiable, its autograd formula. The twin of the schema file: an op
+is added in both (the checklist is at the top of csrc/dqn_ops.cpp). Modules, trainer, tests and
+benchmarks call the ops through these wrappers.
 
-Each wrapper calls ``torch.ops.dqn_ops.<op>.default``; the schemas are in csrc/dqn_ops.cpp,
-the CPU kernels in csrc/, the CUDA kernels in csrc/cuda/.
+Each wrapper calls ``torch.ops.dqn_ops.<op>.default``; the CPU kernels are in csrc/, the CUDA
+kernels in csrc/cuda/. The ops whose names start with ``_`` are internal (the trainer's): their
+schemas may change; the public ops are the API. Fake kernels check what the shapes depend on
+and say, prefixed with the op's name, what was expected and what came; the kernels' own checks
+(csrc/*_args.h) cover the rest.
 """
 from __future__ import annotations
 
@@ -10,10 +17,24 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from . import _C
 from .layout import decode_config
 
 BACKWARD_PRECISIONS = ("tf32", "bf16", "fp32")
+LOSS_TYPES = ("c51", "mse", "huber")
+# The configurations _dqn_loss_on_logits runs as one fused kernel on CUDA (the dueling
+# aggregation inside the C51 loss); it composes the public kernels' arithmetic otherwise.
+# Read from the extension, which sizes the kernel by them.
+FUSED_LOSS_MAX_ATOMS: int = _C.FUSED_LOSS_MAX_ATOMS
+FUSED_LOSS_MAX_BRANCHES: int = _C.FUSED_LOSS_MAX_BRANCHES
 
+
+def _check(cond, msg: str):
+    torch._check(cond, lambda: msg)
+
+
+# ---------------------------------------------------------------------------------------
+# bf16_dueling_forward
 
 class ForwardOutput(NamedTuple):
     q_logits: Tensor     # [B, sum n_d, NA]   dueling-aggregated, per branch action
@@ -40,45 +61,18 @@ def bf16_dueling_forward(states: Tensor, params: Tensor, params_bf16: Tensor, la
         states, params, params_bf16, list(layout), backward_precision))
 
 
-def mixed_backward(grad_q: Optional[Tensor], grad_head: Optional[Tensor], saved: ForwardOutput | Sequence[Tensor],
-                   params: Tensor, params_bf16: Tensor, layout: Sequence[int], precision: str = "tf32",
-                   need_grad_states: bool = False) -> tuple[Tensor, Optional[Tensor]]:
-    """Backward pass: the flat gradient (every dW and db) and, if asked, d(states).
-
-    Args:
-        grad_q: d(loss)/d(q_logits) [B, sum n_d, NA], or None.
-        grad_head: d(loss)/d(head_logits) [B, head_out], or None (not both None).
-        saved: the forward's output (or its last four tensors: states_bf16, h1, h2, hh).
-        precision: 'tf32' (F32 operands on TF32 tensor cores), 'bf16' (BF16 operands),
-            'fp32' (full-precision F32). See DESIGN.md fact 1.
-    Returns:
-        (grad_params in params' layout, grad_states [B, SD] or None)
-    """
-    states_bf16, h1, h2, hh = tuple(saved)[-4:]
-    grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
-        grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, list(layout), precision, need_grad_states)
-    return grad_params, (grad_states if need_grad_states else None)
-
-
-# ---------------------------------------------------------------------------------------
-# Fake kernels: shapes and dtypes only, for torch.compile and FakeTensor tracing.
-
-def _check_fake(cond, msg):
-    torch._check(cond, lambda: msg)
-
-
 @torch.library.register_fake("dqn_ops::bf16_dueling_forward")
 def _(states, params, params_bf16, layout, backward_precision="tf32"):
     op = "dqn_ops.bf16_dueling_forward"
     c = decode_config(layout)
-    _check_fake(backward_precision in BACKWARD_PRECISIONS,
-                f"{op}: backward_precision: expected one of {BACKWARD_PRECISIONS}, got {backward_precision!r}")
-    _check_fake(states.dim() == 2 and states.shape[1] == c.state_dim,
-                f"{op}: states: expected shape [*, {c.state_dim}], got {list(states.shape)}")
-    _check_fake(params.dim() == 1 and params.shape[0] == layout[-1],
-                f"{op}: params: expected shape [{layout[-1]}], got {list(params.shape)}")
-    _check_fake(params_bf16.shape == params.shape,
-                f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
+    _check(backward_precision in BACKWARD_PRECISIONS,
+           f"{op}: backward_precision: expected one of {BACKWARD_PRECISIONS}, got {backward_precision!r}")
+    _check(states.dim() == 2 and states.shape[1] == c.state_dim,
+           f"{op}: states: expected shape [*, {c.state_dim}], got {list(states.shape)}")
+    _check(params.dim() == 1 and params.shape[0] == layout[-1],
+           f"{op}: params: expected shape [{layout[-1]}], got {list(params.shape)}")
+    _check(params_bf16.shape == params.shape,
+           f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
     B = states.shape[0]
     lp = params_bf16.dtype
     return (params.new_empty(B, c.total_actions, c.atoms), params.new_empty(B, c.head_out),
@@ -86,23 +80,7 @@ def _(states, params, params_bf16, layout, backward_precision="tf32"):
             states.new_empty(B, c.trunk_hidden[1], dtype=lp), states.new_empty(B, c.head_hidden, dtype=lp))
 
 
-@torch.library.register_fake("dqn_ops::mixed_backward")
-def _(grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, layout, precision="tf32",
-      need_grad_states=False):
-    op = "dqn_ops.mixed_backward"
-    c = decode_config(layout)
-    _check_fake(precision in BACKWARD_PRECISIONS,
-                f"{op}: precision: expected one of {BACKWARD_PRECISIONS}, got {precision!r}")
-    _check_fake(grad_q is not None or grad_head is not None, f"{op}: grad_q and grad_head are both None; give at least one")
-    B = states_bf16.shape[0]
-    grad_states = params.new_empty(B, c.state_dim) if need_grad_states else params.new_empty(0)
-    return params.new_empty(params.shape), grad_states
-
-
-# ---------------------------------------------------------------------------------------
-# Autograd: bf16_dueling_forward's backward is mixed_backward. The saved activations it
-# returns are marked non-differentiable.
-
+# Its backward is mixed_backward; the saved activations it returns are non-differentiable.
 def _forward_setup_context(ctx, inputs, output):
     states, params, params_bf16, layout, backward_precision = inputs
     _, _, states_bf16, h1, h2, hh = output
@@ -126,3 +104,320 @@ def _forward_backward(ctx, grad_q, grad_head, *_saved_grads):
 
 torch.library.register_autograd("dqn_ops::bf16_dueling_forward", _forward_backward,
                                 setup_context=_forward_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
+# mixed_backward
+
+def mixed_backward(grad_q: Optional[Tensor], grad_head: Optional[Tensor], saved: ForwardOutput | Sequence[Tensor],
+                   params: Tensor, params_bf16: Tensor, layout: Sequence[int], precision: str = "tf32",
+                   need_grad_states: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Backward pass: the flat gradient (every dW and db) and, if asked, d(states).
+
+    Args:
+        grad_q: d(loss)/d(q_logits) [B, sum n_d, NA], or None.
+        grad_head: d(loss)/d(head_logits) [B, head_out], or None (not both None).
+        saved: the forward's output (or its last four tensors: states_bf16, h1, h2, hh).
+        precision: 'tf32' (F32 operands on TF32 tensor cores), 'bf16' (BF16 operands),
+            'fp32' (full-precision F32). cuBLAS multiplies no F32 operand by a BF16 one
+            (docs/design.md), hence the choice.
+    Returns:
+        (grad_params in params' layout, grad_states [B, SD] or None)
+    """
+    states_bf16, h1, h2, hh = tuple(saved)[-4:]
+    grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
+        grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, list(layout), precision, need_grad_states)
+    return grad_params, (grad_states if need_grad_states else None)
+
+
+@torch.library.register_fake("dqn_ops::mixed_backward")
+def _(grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, layout, precision="tf32",
+      need_grad_states=False):
+    op = "dqn_ops.mixed_backward"
+    c = decode_config(layout)
+    _check(precision in BACKWARD_PRECISIONS,
+           f"{op}: precision: expected one of {BACKWARD_PRECISIONS}, got {precision!r}")
+    _check(grad_q is not None or grad_head is not None, f"{op}: grad_q and grad_head are both None; give at least one")
+    B = states_bf16.shape[0]
+    grad_states = params.new_empty(B, c.state_dim) if need_grad_states else params.new_empty(0)
+    return params.new_empty(params.shape), grad_states
+
+
+# ---------------------------------------------------------------------------------------
+# fused_adam_bf16
+
+def fused_adam_bf16(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, params_bf16: Tensor,
+                    step: Tensor, lr: Tensor, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                    weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
+                    max_grad_norm: Optional[float] = None, grad_norm: Optional[Tensor] = None,
+                    found_inf: Optional[Tensor] = None) -> None:
+    """One Adam/AdamW step in place over flat F32 buffers, writing ``params_bf16`` too.
+
+    ``step`` and ``lr`` are one-element F32 tensors on the params' device (a captured graph
+    replays with their current values). ``grad_norm`` and ``found_inf`` (one-element F32,
+    allocated when None) receive the global gradient norm before clipping and 1.0 when it was
+    not finite, in which case nothing else is written (the step is skipped on the device).
+    """
+    grad_norm = params.new_empty(1) if grad_norm is None else grad_norm
+    found_inf = params.new_empty(1) if found_inf is None else found_inf
+    torch.ops.dqn_ops.fused_adam_bf16.default(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2,
+                                              eps, weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm,
+                                              found_inf)
+
+
+@torch.library.register_fake("dqn_ops::fused_adam_bf16")
+def _(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, eps, weight_decay,
+      decoupled_weight_decay, max_grad_norm, grad_norm, found_inf):
+    for name, t in (("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("params_bf16", params_bf16)):
+        _check(t.shape == params.shape,
+               f"dqn_ops.fused_adam_bf16: {name}: expected shape {list(params.shape)}, got {list(t.shape)}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# ema_update
+
+def ema_update(target: Tensor, target_bf16: Tensor, online: Tensor, tau: float) -> None:
+    """target = lerp(target, online, tau) in place, writing target_bf16 in the same pass."""
+    torch.ops.dqn_ops.ema_update.default(target, target_bf16, online, tau)
+
+
+@torch.library.register_fake("dqn_ops::ema_update")
+def _(target, target_bf16, online, tau):
+    _check(online.shape == target.shape,
+           f"dqn_ops.ema_update: online: expected shape {list(target.shape)}, got {list(online.shape)}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# record_step
+
+def record_step(ring: Tensor, slot: Tensor, flag: Tensor, values: Sequence[Tensor], non_finite: Tensor) -> None:
+    """ring[slot] = values (one-element F32 tensors, one per ring column), slot = (slot + 1) %
+    rows, flag = max(flag, non_finite); all on the device (dqn_ops/readback.py)."""
+    torch.ops.dqn_ops.record_step.default(ring, slot, flag, list(values), non_finite)
+
+
+@torch.library.register_fake("dqn_ops::record_step")
+def _(ring, slot, flag, values, non_finite):
+    _check(len(values) == ring.shape[1],
+           f"dqn_ops.record_step: values: expected {ring.shape[1]} tensors, got {len(values)}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# _load_batch (internal: the trainer's load_batch)
+
+def _load_batch(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
+    """dst[i] <- src[i] for up to 8 pairs of one dtype and size each, in one launch on CUDA."""
+    torch.ops.dqn_ops._load_batch.default(list(dst), list(src))
+
+
+@torch.library.register_fake("dqn_ops::_load_batch")
+def _(dst, src):
+    _check(len(dst) == len(src),
+           f"dqn_ops._load_batch: expected as many sources as destinations, got {len(src)} and {len(dst)}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# batched_spectral_norm
+
+def batched_spectral_norm(params: Tensor, params_bf16: Tensor, u: Tensor, v: Tensor, sigma: Tensor,
+                          matrices: Sequence[int], sigma_max: Sequence[float], n_power_iterations: int = 1,
+                          eps: float = 1e-12, one_launch_per_matrix: bool = False) -> None:
+    """Power iteration and sigma clamp on several matrices of a flat F32 buffer, in place.
+
+    Args:
+        params: flat F32 buffer holding the matrices (rescaled in place).
+        params_bf16: its BF16 mirror; the rescaled matrices' elements are rewritten.
+        u, v: flat F32 buffers of every matrix's left (rows) and right (cols) vector, one
+            matrix after the other in the order of ``matrices``; updated in place.
+        sigma: F32 [num_matrices], receives each matrix's sigma estimate (before the clamp).
+        matrices: (offset, rows, cols) of each row-major matrix in ``params``, flattened.
+        sigma_max: the clamp of each matrix.
+        n_power_iterations: power iterations per call (>= 1).
+        eps: floor of the norms when normalising u and v (as ``F.normalize``).
+        one_launch_per_matrix: run the same kernel once per matrix (for comparisons).
+    """
+    torch.ops.dqn_ops.batched_spectral_norm.default(params, params_bf16, u, v, sigma, list(matrices),
+                                                    [float(s) for s in sigma_max], n_power_iterations, eps,
+                                                    one_launch_per_matrix)
+
+
+@torch.library.register_fake("dqn_ops::batched_spectral_norm")
+def _(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations=1, eps=1e-12,
+      one_launch_per_matrix=False):
+    op = "dqn_ops.batched_spectral_norm"
+    _check(len(matrices) % 3 == 0 and len(matrices) > 0,
+           f"{op}: matrices: expected (offset, rows, cols) per matrix, got {len(matrices)} entries")
+    m = len(matrices) // 3
+    _check(len(sigma_max) == m, f"{op}: sigma_max: expected {m} values, got {len(sigma_max)}")
+    rows = sum(matrices[1::3])
+    cols = sum(matrices[2::3])
+    _check(u.shape == (rows,), f"{op}: u: expected shape [{rows}], got {list(u.shape)}")
+    _check(v.shape == (cols,), f"{op}: v: expected shape [{cols}], got {list(v.shape)}")
+    _check(sigma.shape == (m,), f"{op}: sigma: expected shape [{m}], got {list(sigma.shape)}")
+    _check(params_bf16.shape == params.shape,
+           f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# dqn_loss
+
+class LossOutput(NamedTuple):
+    loss: Tensor      # []  mean over samples of the (importance-weighted) per-sample loss
+    grad_q: Tensor    # [B, sum n_d, atoms]  d(loss)/d(q)
+    td_error: Tensor  # [B]  per-sample priority: C51 cross-entropy, or mean_d |y - Q_d| (unweighted)
+    mean_q: Tensor    # []  mean expected Q of the taken actions (for logging)
+
+
+def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: Tensor, rewards: Tensor,
+             dones: Tensor, branches: Sequence[int], *, v_min: float = -10.0, v_max: float = 10.0,
+             gamma: float = 0.99, weights: Optional[Tensor] = None, loss_type: str = "c51") -> LossOutput:
+    """The double-DQN loss of a dueling branching network, all on the device, no host sync.
+
+    Args:
+        q: dueling-aggregated logits of the online network on s, [B, sum(branches), atoms] F32.
+        q_next_online: the online network on s' (chooses the next action per branch).
+        q_next_target: the target network on s' (evaluates it).
+        actions: [B, num_branches] int64, the action taken in each branch.
+        rewards, dones: [B] F32 (dones: 1.0 for a terminal transition).
+        branches: the action count of each branch.
+        v_min, v_max: the C51 support (atoms evenly spaced).
+        gamma: the discount of the stored return (gamma ** n for n-step returns).
+        weights: [B] importance weights (prioritized replay), or None.
+        loss_type: 'c51' (atoms > 1), 'mse' or 'huber' (atoms == 1, BDQ's mean-over-branches target).
+
+    ``loss`` is differentiable w.r.t. ``q`` (its backward is ``grad_q``, already computed), so
+    ``loss.backward()`` works in an autograd graph as with any PyTorch loss.
+
+    Non-finite data: a NaN/Inf reward or done (which clamping onto the support would otherwise
+    hide) makes that sample's loss, td_error and gradient NaN, so ``FusedAdamBF16`` skips the
+    step and the trainer reports it. On CUDA an out-of-range action cannot be reported without
+    a host sync, so it is treated the same way; on the CPU it raises.
+    """
+    return LossOutput(*torch.ops.dqn_ops.dqn_loss.default(q, q_next_online, q_next_target, actions, rewards, dones,
+                                                          weights, list(branches), v_min, v_max, gamma, loss_type))
+
+
+@torch.library.register_fake("dqn_ops::dqn_loss")
+def _(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches, v_min, v_max, gamma,
+      loss_type="c51"):
+    op = "dqn_ops.dqn_loss"
+    _check(loss_type in LOSS_TYPES, f"{op}: loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
+    _check(q.dim() == 3 and q.shape[1] == sum(branches),
+           f"{op}: q: expected shape [B, {sum(branches)}, atoms], got {list(q.shape)}")
+    for name, t in (("q_next_online", q_next_online), ("q_next_target", q_next_target)):
+        _check(t.shape == q.shape, f"{op}: {name}: expected shape {list(q.shape)}, got {list(t.shape)}")
+    _check(actions.shape == (q.shape[0], len(branches)),
+           f"{op}: actions: expected shape [{q.shape[0]}, {len(branches)}], got {list(actions.shape)}")
+    return q.new_empty(()), torch.empty_like(q), q.new_empty(q.shape[0]), q.new_empty(())
+
+
+# d(loss)/d(q) is grad_q, computed in the forward pass.
+def _loss_setup_context(ctx, inputs, output):
+    loss, grad_q, td_error, mean_q = output
+    ctx.save_for_backward(grad_q)
+    ctx.mark_non_differentiable(grad_q, td_error, mean_q)
+
+
+def _loss_backward(ctx, grad_loss, _grad_grad_q, _grad_td, _grad_mean_q):
+    (grad_q,) = ctx.saved_tensors
+    return grad_q * grad_loss, None, None, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("dqn_ops::dqn_loss", _loss_backward, setup_context=_loss_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
+# The trainer's internal ops: bf16_dueling_forward -> dqn_loss -> mixed_backward with the
+# dueling aggregation and its backward moved into the loss, so the logits make one trip
+# through memory instead of three. Every result is the public ops' composition, bit for bit
+# (tests/test_fused_step.py); dqn_ops/step.py runs them in sequence.
+
+class Logits(NamedTuple):
+    """The output layer's GEMM results (padded layout, no bias) of the online network on
+    [s; s'] and of the target network on s', and the online network's activations on [s; s']
+    that mixed_backward reads (as bf16_dueling_forward returns them)."""
+    logits: Tensor              # [2B, head_ld] F32
+    logits_next_target: Tensor  # [B, head_ld] F32
+    states_bf16: Tensor         # [2B, state_dim] BF16
+    h1: Tensor
+    h2: Tensor
+    hh: Tensor
+
+
+def _online_and_target_logits(state_pairs: Tensor, params: Tensor, params_bf16: Tensor, target_params: Tensor,
+                              target_params_bf16: Tensor, layout: Sequence[int], batch_networks: bool) -> Logits:
+    """bf16_dueling_forward stopped before the aggregation: the online network on
+    ``state_pairs`` = [s; s'] and the target network on s'. ``batch_networks``: both networks'
+    hidden layers as one batched GEMM each (fewer launches, the target also runs on s); the same
+    results either way."""
+    return Logits(*torch.ops.dqn_ops._online_and_target_logits.default(
+        state_pairs, params, params_bf16, target_params, target_params_bf16, list(layout), batch_networks))
+
+
+@torch.library.register_fake("dqn_ops::_online_and_target_logits")
+def _(state_pairs, params, params_bf16, target_params, target_params_bf16, layout, batch_networks):
+    c = decode_config(layout)
+    op = "dqn_ops._online_and_target_logits"
+    _check(state_pairs.dim() == 2 and state_pairs.shape[1] == c.state_dim,
+           f"{op}: state_pairs: expected shape [*, {c.state_dim}], got {list(state_pairs.shape)}")
+    rows, lp = state_pairs.shape[0], params_bf16.dtype
+    _check(rows % 2 == 0, f"{op}: state_pairs: expected [s; s'], an even number of rows, got {rows}")
+    widths = (c.state_dim, c.trunk_hidden[0], c.trunk_hidden[1], c.head_hidden)
+    return (params.new_empty(rows, c.head_ld), params.new_empty(rows // 2, c.head_ld),
+            *(state_pairs.new_empty(rows, w, dtype=lp) for w in widths))
+
+
+class LossOnLogits(NamedTuple):
+    loss: Tensor            # [] F32
+    grad_head: Tensor       # [B, head_out] F32: d(loss)/d(head logits), compact
+    grad_head_bf16: Tensor  # [B, head_ld] BF16: the same, padded layout, padding 0
+    td_error: Tensor        # [B]
+    mean_q: Tensor          # []
+
+
+def _dqn_loss_on_logits(logits: Tensor, logits_next_online: Tensor, logits_next_target: Tensor, params: Tensor,
+                        target_params: Tensor, actions: Tensor, rewards: Tensor, dones: Tensor,
+                        weights: Optional[Tensor], layout: Sequence[int], v_min: float, v_max: float,
+                        gamma: float, loss_type: str = "c51") -> LossOnLogits:
+    """dqn_loss on the output layer's logits (biases read from each network's params),
+    returning d(loss)/d(head logits) as mixed_backward's dueling step would form it. One fused
+    kernel on CUDA for C51 with at most FUSED_LOSS_MAX_ATOMS atoms and FUSED_LOSS_MAX_BRANCHES
+    branches; the public kernels' arithmetic otherwise."""
+    return LossOnLogits(*torch.ops.dqn_ops._dqn_loss_on_logits.default(
+        logits, logits_next_online, logits_next_target, params, target_params, actions, rewards, dones, weights,
+        list(layout), v_min, v_max, gamma, loss_type))
+
+
+@torch.library.register_fake("dqn_ops::_dqn_loss_on_logits")
+def _(logits, logits_next_online, logits_next_target, params, target_params, actions, rewards, dones, weights,
+      layout, v_min, v_max, gamma, loss_type="c51"):
+    c = decode_config(layout)
+    op = "dqn_ops._dqn_loss_on_logits"
+    _check(loss_type in LOSS_TYPES, f"{op}: loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
+    _check(logits.dim() == 2 and logits.shape[1] == c.head_ld,
+           f"{op}: logits: expected shape [*, {c.head_ld}], got {list(logits.shape)}")
+    B = logits.shape[0]
+    return (logits.new_empty(()), logits.new_empty(B, c.head_out), logits.new_empty(B, c.head_ld, dtype=torch.bfloat16),
+            logits.new_empty(B), logits.new_empty(()))
+
+
+def _mixed_backward_from_head(grad_head: Tensor, grad_head_bf16: Tensor, saved: Sequence[Tensor], params: Tensor,
+                              params_bf16: Tensor, layout: Sequence[int], precision: str = "bf16") -> Tensor:
+    """mixed_backward from _dqn_loss_on_logits' head gradient; ``saved``: (states_bf16, h1, h2,
+    hh) of s, or a sequence ending in them. Returns the flat gradient."""
+    states_bf16, h1, h2, hh = tuple(saved)[-4:]
+    return torch.ops.dqn_ops._mixed_backward_from_head.default(grad_head, grad_head_bf16, states_bf16, h1, h2, hh,
+                                                               params, params_bf16, list(layout), precision)
+
+
+@torch.library.register_fake("dqn_ops::_mixed_backward_from_head")
+def _(grad_head, grad_head_bf16, states_bf16, h1, h2, hh, params, params_bf16, layout, precision="bf16"):
+    op = "dqn_ops._mixed_backward_from_head"
+    _check(precision in BACKWARD_PRECISIONS,
+           f"{op}: precision: expected one of {BACKWARD_PRECISIONS}, got {precision!r}")
+    return params.new_empty(params.shape)

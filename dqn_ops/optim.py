@@ -7,29 +7,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
-
-def fused_adam_bf16(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, params_bf16: Tensor,
-                    step: Tensor, lr: Tensor, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-                    weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
-                    max_grad_norm: Optional[float] = None, grad_norm: Optional[Tensor] = None,
-                    found_inf: Optional[Tensor] = None) -> None:
-    """One Adam/AdamW step in place over flat F32 buffers, writing ``params_bf16`` too.
-
-    ``step`` and ``lr`` are one-element F32 tensors on the params' device (a captured graph
-    replays with their current values). ``grad_norm`` and ``found_inf`` (one-element F32,
-    allocated when None) receive the global gradient norm before clipping and 1.0 when it was
-    not finite, in which case nothing else is written (the step is skipped on the device).
-    """
-    grad_norm = params.new_empty(1) if grad_norm is None else grad_norm
-    found_inf = params.new_empty(1) if found_inf is None else found_inf
-    torch.ops.dqn_ops.fused_adam_bf16.default(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2,
-                                              eps, weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm,
-                                              found_inf)
-
-
-def ema_update(target: Tensor, target_bf16: Tensor, online: Tensor, tau: float) -> None:
-    """target = lerp(target, online, tau) in place, writing target_bf16 in the same pass."""
-    torch.ops.dqn_ops.ema_update.default(target, target_bf16, online, tau)
+from .ops import ema_update, fused_adam_bf16
 
 
 def ema_update_(target, online, tau: float) -> None:
@@ -37,22 +15,6 @@ def ema_update_(target, online, tau: float) -> None:
     if target.config != online.config:
         raise ValueError(f"ema_update_: target and online networks differ: {target.config} vs {online.config}")
     ema_update(target.flat_params.data, target.params_bf16, online.flat_params.data, tau)
-
-
-@torch.library.register_fake("dqn_ops::fused_adam_bf16")
-def _(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, eps, weight_decay,
-      decoupled_weight_decay, max_grad_norm, grad_norm, found_inf):
-    for name, t in (("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("params_bf16", params_bf16)):
-        torch._check(t.shape == params.shape,
-                     lambda: f"dqn_ops.fused_adam_bf16: {name}: expected shape {list(params.shape)}, got {list(t.shape)}")
-    return None
-
-
-@torch.library.register_fake("dqn_ops::ema_update")
-def _(target, target_bf16, online, tau):
-    torch._check(online.shape == target.shape,
-                 lambda: f"dqn_ops.ema_update: online: expected shape {list(target.shape)}, got {list(online.shape)}")
-    return None
 
 
 class FusedAdamBF16(torch.optim.Optimizer):

@@ -18,6 +18,8 @@ from typing import Dict, List, Sequence
 import torch
 from torch import Tensor
 
+from .ops import record_step
+
 
 class DeferredReadback:
     def __init__(self, fields: Sequence[str], interval: int, device):
@@ -31,8 +33,9 @@ class DeferredReadback:
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # next ring row, on the device
         self.flag = torch.zeros(1, device=self.device)  # sticky: 1 once a step was non-finite
         self._host_flag = torch.zeros(1, pin_memory=self._pin)
-        self._flag_stream = None  # CUDA: the stream the flag's copies go on (after_step)
-        self._step_done = None
+        # CUDA: the side stream the flag's copies go on, after the step's event (after_step)
+        self._flag_stream = torch.cuda.Stream(self.device) if self._pin else None
+        self._step_done = torch.cuda.Event() if self._pin else None
         self._extra: Dict[str, Tensor] = {}  # small device tensors copied with each readback
         self._pending = deque()  # (event, first_step, count, host_ring, host_extra), in stream order
         self._free = []          # host buffers to reuse
@@ -54,9 +57,8 @@ class DeferredReadback:
         """Writes this step's scalars into the ring; `non_finite` (one element, 1.0 = bad) sets the flag."""
         # One kernel (dqn_ops.record_step) instead of five torch ones: stack, index_copy, add,
         # remainder, maximum.
-        torch.ops.dqn_ops.record_step.default(self.ring, self.slot, self.flag,
-                                              [v.reshape(1).to(self.ring.dtype) for v in values],
-                                              non_finite.reshape(1).to(self.flag.dtype))
+        record_step(self.ring, self.slot, self.flag, [v.reshape(1).to(self.ring.dtype) for v in values],
+                    non_finite.reshape(1).to(self.flag.dtype))
 
     # -- on the host, after each step -------------------------------------------------
     def after_step(self) -> bool:
@@ -70,13 +72,9 @@ class DeferredReadback:
             return bool(self.flag[0] > 0)
         seen = bool(self._host_flag[0] > 0)  # a copy from a step or two ago: no sync
         # The copy goes on a side stream, after this step (an event) but beside the next one: in
-        # the step's own stream the device-to-host copy sat between every two steps (step() took
-        # 262 µs at B = 4096 on the H200 with it there, 248.5 with it here; the graph replayed
-        # back to back, 250.5; bench/NOTES.md, step v6c / v6d). The flag only rises until
+        # the step's own stream the device-to-host copy would sit between every two steps and
+        # delay the next (bench/NOTES.md has the measurements). The flag only rises until
         # reset_flag, so reading it a step late (or while the next step runs) misses nothing.
-        if self._flag_stream is None:
-            self._flag_stream = torch.cuda.Stream(self.device)
-            self._step_done = torch.cuda.Event()
         self._step_done.record(torch.cuda.current_stream(self.device))
         self._flag_stream.wait_event(self._step_done)
         with torch.cuda.stream(self._flag_stream):
@@ -138,10 +136,3 @@ class DeferredReadback:
             for name, t in host_extra.items():
                 self.extra[name] = t.tolist()
             self._free.append((host_ring, host_extra))
-
-
-@torch.library.register_fake("dqn_ops::record_step")
-def _(ring, slot, flag, values, non_finite):
-    torch._check(len(values) == ring.shape[1],
-                 lambda: f"dqn_ops.record_step: values: expected {ring.shape[1]} tensors, got {len(values)}")
-    return None

@@ -16,45 +16,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-
-def batched_spectral_norm(params: Tensor, params_bf16: Tensor, u: Tensor, v: Tensor, sigma: Tensor,
-                          matrices: Sequence[int], sigma_max: Sequence[float], n_power_iterations: int = 1,
-                          eps: float = 1e-12, one_launch_per_matrix: bool = False) -> None:
-    """Power iteration and sigma clamp on several matrices of a flat F32 buffer, in place.
-
-    Args:
-        params: flat F32 buffer holding the matrices (rescaled in place).
-        params_bf16: its BF16 mirror; the rescaled matrices' elements are rewritten.
-        u, v: flat F32 buffers of every matrix's left (rows) and right (cols) vector, one
-            matrix after the other in the order of ``matrices``; updated in place.
-        sigma: F32 [num_matrices], receives each matrix's sigma estimate (before the clamp).
-        matrices: (offset, rows, cols) of each row-major matrix in ``params``, flattened.
-        sigma_max: the clamp of each matrix.
-        n_power_iterations: power iterations per call (>= 1).
-        eps: floor of the norms when normalising u and v (as ``F.normalize``).
-        one_launch_per_matrix: run the same kernel once per matrix (for comparisons).
-    """
-    torch.ops.dqn_ops.batched_spectral_norm.default(params, params_bf16, u, v, sigma, list(matrices),
-                                                    [float(s) for s in sigma_max], n_power_iterations, eps,
-                                                    one_launch_per_matrix)
-
-
-@torch.library.register_fake("dqn_ops::batched_spectral_norm")
-def _(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations=1, eps=1e-12,
-      one_launch_per_matrix=False):
-    op = "dqn_ops.batched_spectral_norm"
-    torch._check(len(matrices) % 3 == 0 and len(matrices) > 0,
-                 lambda: f"{op}: matrices: expected (offset, rows, cols) per matrix, got {len(matrices)} entries")
-    m = len(matrices) // 3
-    torch._check(len(sigma_max) == m, lambda: f"{op}: sigma_max: expected {m} values, got {len(sigma_max)}")
-    rows = sum(matrices[1::3])
-    cols = sum(matrices[2::3])
-    torch._check(u.shape == (rows,), lambda: f"{op}: u: expected shape [{rows}], got {list(u.shape)}")
-    torch._check(v.shape == (cols,), lambda: f"{op}: v: expected shape [{cols}], got {list(v.shape)}")
-    torch._check(sigma.shape == (m,), lambda: f"{op}: sigma: expected shape [{m}], got {list(sigma.shape)}")
-    torch._check(params_bf16.shape == params.shape,
-                 lambda: f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
-    return None
+from .ops import batched_spectral_norm
 
 
 class SpectralNorm(nn.Module):

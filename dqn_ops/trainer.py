@@ -8,9 +8,10 @@ spectral norm of every weight matrix (``batched_spectral_norm``), Polyak update 
 and its mirror (``ema_update``). Scalars (loss, grad norm, mean Q, skipped) are read back every
 ``readback_interval`` steps without a sync (``dqn_ops.readback``).
 
-On CUDA (C51 with <= 64 atoms, <= 8 branches) forward, loss and backward run as the fused path
-of ``dqn_ops.fused``: the dueling aggregation and its backward inside the loss kernel, the same
-results bit for bit, two kernels fewer and the logits read once instead of three times.
+Forward, loss and backward are ``dqn_ops.step.InternalOpsStep``, on every device and for every
+network and loss: the dueling aggregation and its backward inside the loss, the same results
+bit for bit as the public ops (``dqn_ops.step.PublicOpsStep``); on CUDA, for C51 with few
+enough atoms and branches, the loss is one fused kernel (``uses_fused_path``).
 """
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import fused, ops
+from . import ops
 from .graphed import CapturedStep
 from .layout import DQNConfig
-from .loss import LOSS_TYPES
 from .network import DuelingBranchQNet
-from .optim import FusedAdamBF16, ema_update
+from .optim import FusedAdamBF16
 from .readback import DeferredReadback
 from .spectral import SpectralNorm
+from .step import InternalOpsStep, default_batch_networks, fused_loss_supported
 
 BATCH_KEYS = ("states", "actions", "rewards", "next_states", "dones")
 STAT_FIELDS = ("loss", "grad_norm", "mean_q", "skipped")
@@ -35,7 +36,8 @@ STAT_FIELDS = ("loss", "grad_norm", "mean_q", "skipped")
 
 @dataclasses.dataclass
 class TrainerConfig:
-    """Hyper-parameters of the training step (defaults: ../shared/anchor/torch_step.py's)."""
+    """Hyper-parameters of the training step (defaults: those of the plain-PyTorch anchor step
+    that docs/design.md compares against)."""
 
     batch_size: int = 256
     lr: float = 1e-4
@@ -62,8 +64,9 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig: batch_size must be >= 1, got {self.batch_size}")
         if self.on_non_finite not in ("raise", "flag"):
             raise ValueError(f"TrainerConfig: on_non_finite must be 'raise' or 'flag', got {self.on_non_finite!r}")
-        if self.loss_type is not None and self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"TrainerConfig: loss_type must be one of {LOSS_TYPES} or None, got {self.loss_type!r}")
+        if self.loss_type is not None and self.loss_type not in ops.LOSS_TYPES:
+            raise ValueError(f"TrainerConfig: loss_type must be one of {ops.LOSS_TYPES} or None, "
+                             f"got {self.loss_type!r}")
         if self.backward_precision not in ops.BACKWARD_PRECISIONS:
             raise ValueError(f"TrainerConfig: backward_precision must be one of {ops.BACKWARD_PRECISIONS}, "
                              f"got {self.backward_precision!r}")
@@ -99,9 +102,14 @@ class Trainer:
     Host-visible numbers: ``metrics()`` (what has been read back so far, no sync) and
     ``readback()`` (everything up to now: syncs; call it at epoch ends).
 
-    ``uses_fused_path`` says whether the step runs ``dqn_ops.fused`` (CUDA, C51 with <= 64
-    atoms and <= 8 branches: the same results as the public ops, with fewer kernels); set it
-    False before the first step to run the public ops instead.
+    Forward, loss and backward: ``gradient_step`` (a ``dqn_ops.step.InternalOpsStep``), the same
+    results bit for bit as the public ops. ``uses_fused_path`` (read-only) says whether its loss
+    runs the fused dueling-in-loss kernel (CUDA, C51, at most ``ops.FUSED_LOSS_MAX_ATOMS``
+    atoms and ``ops.FUSED_LOSS_MAX_BRANCHES`` branches). ``batch_networks``: whether the forward
+    runs the online and target networks' hidden layers as one batched GEMM each (fewer
+    launches, more FLOPs, the same results); by default at batch sizes up to
+    ``dqn_ops.step.BATCH_NETWORKS_MAX_BATCH``. Set it before the first step: a captured graph
+    keeps the choice it was captured with.
 
     Data-parallel: when ``torch.distributed`` is initialised with more than one rank (or a
     ``process_group`` is given), each rank trains on its own ``batch_size`` samples, the flat
@@ -152,11 +160,9 @@ class Trainer:
             dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
-        # On CUDA (C51, <= 64 atoms, <= 8 branches) the forward, loss and backward run fused:
-        # the dueling aggregation inside the loss (dqn_ops/fused.py); same results, bit for bit.
-        self.uses_fused_path = fused.supported(c, self.loss_type, dev)
-        # ... and at small batches with the two networks' hidden layers batched (fewer launches)
-        self._batch_networks = fused.batch_networks(B)
+        self.gradient_step = InternalOpsStep(self.online, self.target, loss_type=self.loss_type, v_min=cfg.v_min,
+                                             v_max=cfg.v_max, gamma=cfg.gamma, precision=cfg.backward_precision,
+                                             batch_networks=default_batch_networks(B))
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
         if self.spectral is not None:
             self.stats.watch("sigma", self.spectral.sigma)
@@ -173,6 +179,20 @@ class Trainer:
     def graphed(self) -> bool:
         return self._runner.graphed
 
+    @property
+    def uses_fused_path(self) -> bool:
+        """Whether the step's loss runs the fused dueling-in-loss kernel (else the composition of
+        the public kernels that the internal loss op runs elsewhere: the same results)."""
+        return fused_loss_supported(self.net_config, self.loss_type, self.device)
+
+    @property
+    def batch_networks(self) -> bool:
+        return self.gradient_step.batch_networks
+
+    @batch_networks.setter
+    def batch_networks(self, value: bool):
+        self.gradient_step.batch_networks = bool(value)
+
     def set_lr(self, lr: float):
         """New learning rate from the next step on (a device write: no sync, graph-safe)."""
         self.lr.fill_(float(lr))
@@ -188,30 +208,9 @@ class Trainer:
 
     @torch.no_grad()
     def _step_body(self):
-        cfg, net, tgt, x = self.config, self.online, self.target, self.inputs
-        layout, prec = net._layout_ints, cfg.backward_precision
-        p, p_lp = net.flat_params, net.params_bf16
-        B = cfg.batch_size
-        # online on [s; s'] in one pass; the first B rows (s) are what the backward differentiates
-        if self.uses_fused_path:
-            logits, logits_target, *acts = torch.ops.dqn_ops._online_and_target_logits.default(
-                self._state_pairs, p, p_lp, tgt.flat_params, tgt.params_bf16, layout, self._batch_networks)
-            saved = [t[:B] for t in acts]  # leading rows of contiguous tensors: contiguous, aligned
-            loss, grad_head, grad_head_bf16, td_error, mean_q = torch.ops.dqn_ops._dqn_loss_on_logits.default(
-                logits[:B], logits[B:], logits_target, p, tgt.flat_params, x["actions"], x["rewards"], x["dones"],
-                x["weights"], layout, cfg.v_min, cfg.v_max, cfg.gamma)
-            grad = torch.ops.dqn_ops._mixed_backward_from_head.default(grad_head, grad_head_bf16, *saved, p, p_lp,
-                                                                       layout, prec)
-        else:
-            forward = torch.ops.dqn_ops.bf16_dueling_forward.default
-            out = forward(self._state_pairs, p, p_lp, layout, prec)
-            q, q_next_online = out[0][:B], out[0][B:]
-            saved = [t[:B] for t in out[2:6]]
-            q_next_target = forward(x["next_states"], tgt.flat_params, tgt.params_bf16, layout, prec)[0]
-            loss, grad_q, td_error, mean_q = torch.ops.dqn_ops.dqn_loss.default(
-                q, q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"], x["weights"],
-                list(self.net_config.branches), cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type)
-            grad, _ = torch.ops.dqn_ops.mixed_backward.default(grad_q, None, *saved, p, p_lp, layout, prec, False)
+        cfg, p, x = self.config, self.online.flat_params, self.inputs
+        out = self.gradient_step(self._state_pairs, x["actions"], x["rewards"], x["dones"], x["weights"])
+        grad = out.grad
         if self.world_size > 1:  # data-parallel: the mean gradient over every rank's batch
             torch.distributed.all_reduce(grad, group=self.process_group)
             grad.mul_(1.0 / self.world_size)
@@ -219,10 +218,10 @@ class Trainer:
         self.optimizer.step()  # clip + Adam + BF16 mirror; skipped on the device when non-finite
         if self.spectral is not None:
             self.spectral()
-        ema_update(tgt.flat_params, tgt.params_bf16, p, cfg.tau)
-        self.td_error.copy_(td_error)
+        ops.ema_update(self.target.flat_params, self.target.params_bf16, p, cfg.tau)
+        self.td_error.copy_(out.td_error)
         found_inf = self.optimizer.found_inf
-        self.stats.record([loss, self.optimizer.grad_norm, mean_q, found_inf], found_inf)
+        self.stats.record([out.loss, self.optimizer.grad_norm, out.mean_q, found_inf], found_inf)
 
     @torch.no_grad()
     def _broadcast_state(self):
@@ -339,7 +338,7 @@ def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Opt
                       and not any(_overlap(d, s2) for _, s2 in pairs))
         (direct if one_launch else converted).append((d, s))
     if direct:
-        torch.ops.dqn_ops._load_batch.default([d for d, _ in direct], [s for _, s in direct])
+        ops._load_batch([d for d, _ in direct], [s for _, s in direct])
     for d, s in converted:
         d.copy_(s, non_blocking=True)
 
@@ -347,13 +346,6 @@ def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Opt
 def _overlap(a: Tensor, b: Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
-
-
-@torch.library.register_fake("dqn_ops::_load_batch")
-def _(dst, src):
-    torch._check(len(dst) == len(src), lambda: f"dqn_ops._load_batch: expected as many sources as destinations, "
-                                               f"got {len(src)} and {len(dst)}")
-    return None
 
 
 def _data_parallel_group(process_group):

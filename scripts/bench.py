@@ -4,13 +4,13 @@
     python3 scripts/bench.py --batches 256 4096 --modes dqn_ops_graph torch_graph_f32
     python3 scripts/bench.py --device cpu --batches 32 --modes torch_eager_f32 dqn_ops_eager --iters 3
 
-Modes (reference config, the step of dqn_ops.Trainer / dqn_ops.baseline.TorchTrainer: three
+Modes (reference config, the step of dqn_ops.Trainer / dqn_ops.rl.baseline.TorchTrainer: three
 forwards, C51 loss, backward, clip, Adam, spectral norm, EMA):
   torch_eager_f32, torch_eager_bf16       plain PyTorch, F32 (TF32 off) / autocast BF16
   torch_graph_f32, torch_graph_bf16       the PyTorch step captured in one CUDA graph
   torch_compile_graph_f32, _bf16          torch.compile of the forward+loss and of the post-step
                                           updates, the whole step then in one CUDA graph
-                                          (../shared/anchor/torch_step.py's compile_graph_*)
+                                          (the anchor step's compile_graph_*, docs/design.md)
   torch_compile_reduce_overhead           torch.compile(mode="reduce-overhead") of the step
                                           (reported as failed, with the reason, if it fails)
   dqn_ops_eager, dqn_ops_graph            dqn_ops.Trainer without / with its CUDA graph
@@ -18,15 +18,16 @@ forwards, C51 loss, backward, clip, Adam, spectral norm, EMA):
 torch.compile recompiles for every batch size (tens of seconds each): on a time-limited GPU
 machine, run the compile modes in a call of their own.
 
-Also: a per-op table of dqn_ops at B = 256 and 4096 (each op graphed alone: the public ops, and
-the trainer's fused path that replaces forward, loss and backward in its step), kernels per step
-(torch profiler), and at the large batches the achieved TFLOP/s against the cuBLAS BF16 rate
-measured on the step's own GEMM shapes. Writes <out>/<date>-<device>-step.{json,md} and a
-log-log plot <date>-<device>-step.png (time per step vs batch).
+Also: a per-op table of dqn_ops at B = 256 and 4096 (each op graphed alone: the stages of the
+step on the public ops and of the trainer's step on the internal ops, dqn_ops/step.py), kernels
+per step (torch profiler), and at the large batches the achieved TFLOP/s against the cuBLAS BF16 rate
+measured on the step's own GEMM shapes. Writes <out>/step.{json,md} and a
+log-log plot step.png (time per step vs batch).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -35,8 +36,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import dqn_ops  # noqa: E402
-from dqn_ops import DQNConfig, Trainer, TrainerConfig, fused  # noqa: E402
-from dqn_ops.baseline import TorchTrainer  # noqa: E402
+from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
+from dqn_ops.rl.baseline import TorchTrainer  # noqa: E402
+from dqn_ops.step import InternalOpsStep, PublicOpsStep  # noqa: E402
 
 from bench_common import graphed, headless_pyplot, kernels_per_call, run_meta, time_us, write_results  # noqa: E402
 
@@ -99,57 +101,33 @@ def cublas_floor_us(c: DQNConfig, B: int, device) -> float:
 
 
 def per_op_rows(c: DQNConfig, B: int, device):
-    """Each dqn_ops op of the step graphed alone."""
+    """Each dqn_ops op of the step graphed alone: the stages of the public-ops step
+    (dqn_ops.step.PublicOpsStep), those of the trainer's step on the internal ops
+    (dqn_ops.step.InternalOpsStep, its forward in two passes and with the networks batched), then
+    the optimizer, spectral norm and EMA. Each stage's inputs come from one eager call of the
+    stage before it."""
     t = Trainer(c, TrainerConfig(batch_size=B, use_cuda_graph=False), device=device, seed=0)
     t.step(random_batch(c, B, device))
     net, tgt, x, cfg = t.online, t.target, t.inputs, t.config
-    L, prec = net._layout_ints, cfg.backward_precision
-    fwd = torch.ops.dqn_ops.bf16_dueling_forward.default
-
-    def forward(states):
-        return fwd(states, net.flat_params, net.params_bf16, L, prec)
-
-    # Each op's inputs come from one eager call of the op before it.
-    out = forward(x["states"])
-    qn = forward(x["next_states"])[0]
-
-    def loss_op():
-        return torch.ops.dqn_ops.dqn_loss.default(out[0], qn, qn, x["actions"], x["rewards"], x["dones"], None,
-                                                  list(c.branches), cfg.v_min, cfg.v_max, cfg.gamma, t.loss_type)
-
-    grad_q = loss_op()[1]
-
-    def backward_op():
-        return torch.ops.dqn_ops.mixed_backward.default(grad_q, None, *out[2:], net.flat_params, net.params_bf16, L,
-                                                        prec, False)
-
-    net.flat_params.grad = backward_op()[0]
-    ops = {
-        "forward (one pass)": lambda: forward(x["states"]),
-        "loss (C51 + grad)": loss_op,
-        f"backward ({prec})": backward_op,
-    }
-    if t.uses_fused_path:  # what the trainer's step runs instead of the three above (dqn_ops/fused.py)
-        def logits_op(batch_networks):
-            return lambda: fused.online_and_target_logits(t._state_pairs, net.flat_params, net.params_bf16,
-                                                          tgt.flat_params, tgt.params_bf16, L, batch_networks)
-
-        f = logits_op(False)()
-        logits, logits_next, acts = f.logits[:B], f.logits_next_target, [a[:B] for a in f[2:]]
-
-        def fused_loss_op():
-            return fused.dqn_loss_on_logits(logits, logits_next, logits_next, net.flat_params, tgt.flat_params,
-                                            x["actions"], x["rewards"], x["dones"], None, L, cfg.v_min, cfg.v_max,
-                                            cfg.gamma)
-
-        head = fused_loss_op()
-        ops.update({
-            "fused path: online [s; s'] + target s' to logits (two passes)": logits_op(False),
-            "fused path: online [s; s'] + target s' to logits (networks batched)": logits_op(True),
-            "fused path: loss on logits (dueling + C51 + head grad)": fused_loss_op,
-            f"fused path: backward from head ({prec})": lambda: fused.mixed_backward_from_head(
-                head.grad_head, head.grad_head_bf16, acts, net.flat_params, net.params_bf16, L, prec),
-        })
+    prec = cfg.backward_precision
+    kw = dict(loss_type=t.loss_type, v_min=cfg.v_min, v_max=cfg.v_max, gamma=cfg.gamma, precision=prec)
+    public = PublicOpsStep(net, tgt, **kw)
+    internal = {bn: InternalOpsStep(net, tgt, batch_networks=bn, **kw) for bn in (False, True)}
+    batch = (x["actions"], x["rewards"], x["dones"], x["weights"])
+    loss_kind = "fused: dueling + loss + head grad" if t.uses_fused_path else "dueling + loss + head grad"
+    labels = {"public ops": ("forward, online [s; s'] + target s'", f"loss ({t.loss_type} + grad)", "backward"),
+              "internal ops": ("forward to logits, online [s; s'] + target s' (two passes)",
+                               f"loss on logits ({loss_kind})", "backward from head")}
+    ops = {}
+    for (path, (fwd_label, loss_label, bwd_label)), step in zip(labels.items(), (public, internal[False])):
+        fwd = step.forward(t._state_pairs)
+        out = step.loss(fwd, *batch)
+        ops[f"{path}: {fwd_label}"] = functools.partial(step.forward, t._state_pairs)
+        ops[f"{path}: {loss_label}"] = functools.partial(step.loss, fwd, *batch)
+        ops[f"{path}: {bwd_label} ({prec})"] = functools.partial(step.backward, fwd, out)
+    ops["internal ops: forward to logits (networks batched)"] = functools.partial(internal[True].forward,
+                                                                                 t._state_pairs)
+    net.flat_params.grad = public(t._state_pairs, *batch).grad
     ops.update({
         "optimizer (clip + Adam + mirror)": lambda: t.optimizer.step(),
         "spectral norm (10 matrices)": lambda: t.spectral(),

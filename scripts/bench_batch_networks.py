@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Where the fused step's batched online + target hidden layers pay (dqn_ops/fused.py,
-BATCH_NETWORKS_MAX_BATCH): the graphed training step with the two networks' hidden layers as one
-batched GEMM each (fewer launches; the target also runs on s) against two passes, per batch size.
+"""Where the trainer's batched online + target hidden layers pay (``Trainer.batch_networks``,
+by default up to dqn_ops/step.py's BATCH_NETWORKS_MAX_BATCH): the graphed training step with the
+two networks' hidden layers as one batched GEMM each (fewer launches; the target also runs on s)
+against two passes, per batch size.
 
     python3 scripts/bench_batch_networks.py --out bench/results   # or BENCHES=batch_networks bash scripts/gpu_check.sh
 
-Writes <out>/<date>-<device>-batch-networks.{json,md} and prints the table.
+Writes <out>/batch-networks.{json,md} and prints the table.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dqn_ops import DQNConfig, Trainer, TrainerConfig, fused  # noqa: E402
+from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
+from dqn_ops.step import default_batch_networks  # noqa: E402
 
 from bench import random_batch  # noqa: E402
 from bench_common import run_meta, time_us, write_results  # noqa: E402
@@ -24,7 +26,7 @@ def step_us(c: DQNConfig, B: int, batch_networks: bool) -> float:
     cfg = TrainerConfig(batch_size=B, use_cuda_graph=True, readback_interval=100, on_non_finite="flag")
     trainer = Trainer(c, cfg, device="cuda", seed=0)
     assert trainer.uses_fused_path
-    trainer._batch_networks = batch_networks  # before the first step: the graph captures this choice
+    trainer.batch_networks = batch_networks  # before the first step: the graph captures this choice
     trainer.step(random_batch(c, B, "cuda"))
     return time_us(trainer.step, 200, 5)
 
@@ -39,10 +41,10 @@ def main():
     for B in args.batches:
         two, batched = step_us(c, B, False), step_us(c, B, True)
         rows.append(dict(batch=B, two_passes_us=round(two, 1), networks_batched_us=round(batched, 1),
-                         trainer_batches=fused.batch_networks(B)))
+                         trainer_batches=default_batch_networks(B)))
         print(f"B={B:6d}  two passes {two:8.1f} us  networks batched {batched:8.1f} us  "
-              f"(trainer: {'batched' if fused.batch_networks(B) else 'two passes'})", flush=True)
-    md = [f"# Fused step: online + target hidden layers batched vs two passes — {meta['device']}, torch "
+              f"(trainer: {'batched' if default_batch_networks(B) else 'two passes'})", flush=True)
+    md = [f"# Training step: online + target hidden layers batched vs two passes — {meta['device']}, torch "
           f"{meta['torch']}, {meta['date']}", "", "µs per graphed training step (median of 5 timings of 200 "
           "back-to-back steps).", "",
           "| B | two passes (µs) | networks batched (µs) | the trainer runs |", "|---:|---:|---:|---|"]

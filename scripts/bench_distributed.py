@@ -8,7 +8,7 @@ step's CUDA graph.
     python3 scripts/bench_distributed.py --merge gpu_out                     # the table
 
 Each run writes <out>/distributed-world<N>.json (µs per step, the slowest rank's, for each
-batch per GPU); --merge writes <out>/<date>-<device>-distributed.{json,md}: step time per world
+batch per GPU); --merge writes <out>/distributed.{json,md}: step time per world
 size, samples per second, and the scaling efficiency t(1 GPU) / t(N GPUs) (1.0 = the all-reduce
 costs nothing). Keep NVLink multicast off (NCCL_NVLS_ENABLE=0 and the others, as
 scripts/gpu_check.sh sets them). On the CPU (gloo, --device cpu) it runs a tiny config: a

@@ -1,5 +1,5 @@
 """Benchmark: the network ops (forward, backward) vs plain PyTorch nn.Linear, eager and in a
-CUDA graph. Prints a table; writes bench/results/<date>-<device>-network.{json,md}.
+CUDA graph. Prints a table; writes bench/results/network.{json,md}.
 
     python3 scripts/bench_network.py                 # reference config, B = 256 and 4096
     python3 scripts/bench_network.py --batch 256 1024 4096 --out /tmp/results
@@ -18,7 +18,7 @@ import torch
 import dqn_ops
 from bench_common import graphed, run_meta, time_us, write_results
 from dqn_ops import DQNConfig, DuelingBranchQNet
-from dqn_ops.baseline import TorchDuelingBranchNet
+from dqn_ops.rl.baseline import TorchDuelingBranchNet
 
 
 def bench_batch(c, B, iters, repeats):

@@ -6,7 +6,7 @@ PyTorch:  clip_grad_norm_(foreach) + Adam(fused=True, capturable) + mirror.copy_
 
 At 288K (the reference network), 10M and 100M parameters; eager and in a CUDA graph; kernels
 per step from the torch profiler; achieved bytes/s against a measured device copy.
-Writes <out>/<date>-<device>-optim.{json,md}.
+Writes <out>/optim.{json,md}.
 """
 from __future__ import annotations
 

@@ -2,13 +2,13 @@
 
 dqn_ops:  batched_spectral_norm (one cooperative launch for all matrices), and the same
           kernel launched once per matrix
-PyTorch:  the loop of ../shared/anchor/torch_step.py: per matrix v = normalize(W^T u),
+PyTorch:  the loop of the anchor step (docs/design.md): per matrix v = normalize(W^T u),
           u = normalize(W v), sigma = u W v, W *= clamp(sigma_max / sigma, max=1)
           (+ the BF16 mirror copy dqn_ops also writes)
 
 Cases: the reference network's 10 matrices (one power iteration, sigma_max = 1), and one
 1024 x 4096 matrix. Eager and in a CUDA graph; kernels per call from the torch profiler.
-Writes <out>/<date>-<device>-spectral.{json,md}.
+Writes <out>/spectral.{json,md}.
 """
 from __future__ import annotations
 

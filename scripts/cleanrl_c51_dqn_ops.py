@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import dqn_ops  # noqa: E402
-from dqn_ops.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate  # noqa: E402
-from dqn_ops.replay import ReplayBuffer  # noqa: E402
+from dqn_ops.rl.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate  # noqa: E402
+from dqn_ops.rl.replay import ReplayBuffer  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--total-steps", type=int, default=3000)

@@ -1,5 +1,5 @@
 """CleanRL-style C51 with a dueling, branching network, in plain PyTorch: the "before" of the
-drop-in example (diff it against cleanrl_c51_dqn_ops.py). Task: dqn_ops.envs' futures market.
+drop-in example (diff it against cleanrl_c51_dqn_ops.py). Task: dqn_ops.rl.envs' futures market.
 
     python scripts/cleanrl_c51_torch.py --total-steps 3000
 """
@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dqn_ops.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate  # noqa: E402
-from dqn_ops.replay import ReplayBuffer  # noqa: E402
+from dqn_ops.rl.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate  # noqa: E402
+from dqn_ops.rl.replay import ReplayBuffer  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--total-steps", type=int, default=3000)

@@ -9,7 +9,7 @@
 #   PARITY_EPOCHS=50 bash scripts/gpu_check.sh   # also the convergence-parity check
 #   PARITY_EPOCHS=50 PARITY_ARGS="--seeds 0 1 2 3 4 5 --jobs 6" bash scripts/gpu_check.sh   # more seeds, runs at once
 #   BENCHES=step STEP_BENCH_ARGS="--batches 256 4096" bash scripts/gpu_check.sh   # the whole-step benchmark
-#   BENCHES=batch_networks bash scripts/gpu_check.sh   # the fused step's batched online + target layers vs two passes
+#   BENCHES=batch_networks bash scripts/gpu_check.sh   # the trainer's batched online + target layers vs two passes
 #   SANITIZE=1 bash scripts/gpu_check.sh         # also scripts/verify_gpu.sh (compute-sanitizer, 4 tools)
 #   DIST=1 bash scripts/gpu_check.sh             # on a multi-GPU machine: data-parallel scaling, 1 vs all GPUs
 #   NCU=1 NCU_BATCH=256 bash scripts/gpu_check.sh  # also scripts/ncu_step.sh (Nsight Compute counters per kernel)

@@ -2,7 +2,7 @@
 
 Same task (scripts/train.py, one process per run), same seeds (so the same initial weights,
 spectral-norm vectors, markets, exploration and replay samples), `--epochs` epochs of 300 steps at B=256, for each of
-`--seeds`. Compared (DESIGN.md's bars): final Sharpe within 5% relative, mean Q within 10%,
+`--seeds`. Compared (docs/design.md's bars): final Sharpe within 5% relative, mean Q within 10%,
 grad-norm mean and max within 20%, no NaN/Inf, peak VRAM within 10%.
 
 Peak VRAM is checked as what the spec's criterion names it ("zero regression: no new CUDA errors,
@@ -144,7 +144,7 @@ def main():
                            vram_criterion="the spec's 'zero regression: no memory leaks (same peak VRAM +/- 10%)': "
                                           "BF16 peak at most 10% above F32's (one-sided), and every run's peak "
                                           "at the end within 10% of its peak after epoch 1",
-                           f32_path="dqn_ops.baseline.TorchTrainer (plain PyTorch, F32, TF32 off)",
+                           f32_path="dqn_ops.rl.baseline.TorchTrainer (plain PyTorch, F32, TF32 off)",
                            bf16_path="dqn_ops.Trainer (BF16 forward, bf16 backward, CUDA graph)")}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{result['meta']['date']}-parity")

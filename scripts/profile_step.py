@@ -5,7 +5,7 @@ CUPTI). This is where the launch counts and per-kernel times of bench/NOTES.md c
 
     python3 scripts/profile_step.py --batches 256 4096 --out bench/results
 
-Writes <out>/<date>-<device>-profile.txt (every batch) and prints a summary.
+Writes <out>/profile.txt (every batch) and prints a summary.
 """
 from __future__ import annotations
 

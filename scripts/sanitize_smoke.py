@@ -25,17 +25,18 @@ def main():
         a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in c.branches], 1)
         r, d, w = torch.randn(B, device=dev) * 20, (torch.rand(B, device=dev) < 0.3).float(), torch.rand(B, device=dev)
         dqn_ops.dqn_loss(*q, a, r, d, c.branches, weights=w, loss_type="c51" if c.atoms > 1 else "huber")
-        # the C51 config's trainer runs the fused path (dqn_ops/fused.py), with the online and
-        # target hidden layers batched and in two passes; the one-atom config's the public ops
-        for batch_networks in ((True, False) if c.atoms > 1 else (False,)):
+        # the trainer's step (dqn_ops/step.py) with the online and target hidden layers batched
+        # and in two passes; the C51 config's loss is the fused kernel, the one-atom config's
+        # the composition of the public kernels
+        for batch_networks in (True, False):
             t = Trainer(c, TrainerConfig(batch_size=B, use_cuda_graph=False, readback_interval=2), device=dev)
             assert t.uses_fused_path == (c.atoms > 1)
-            t._batch_networks = batch_networks
+            t.batch_networks = batch_networks
             for _ in range(3):
                 t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=r, dones=d))
             t.readback()
-    # the loss kernel's general version (more than 64 atoms)
-    B, branches, atoms = 9, (3, 2), 70
+    # the loss kernel's general version (more atoms than the fused loss takes)
+    B, branches, atoms = 9, (3, 2), dqn_ops.ops.FUSED_LOSS_MAX_ATOMS + 6
     q = [torch.randn(B, sum(branches), atoms, device=dev) for _ in range(3)]
     a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in branches], 1)
     dqn_ops.dqn_loss(*q, a, torch.randn(B, device=dev) * 20, (torch.rand(B, device=dev) < 0.3).float(), branches)

@@ -11,7 +11,7 @@ flight). The host itself may run ahead of the GPU (graph replays are one launch 
 the GPU is the bottleneck the host is as far ahead as the CUDA launch queue lets it be); that
 lead is measured with an event per step and reported. Growth tolerance: 1 MiB over the run.
 Batches cycle through 16 pre-made ones on the device.
-Writes <out>/<date>-<device>-soak.json (top-level "pass") and prints a summary.
+Writes <out>/soak.json (top-level "pass") and prints a summary.
 """
 from __future__ import annotations
 

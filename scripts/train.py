@@ -1,4 +1,4 @@
-"""Train the dueling branching C51 agent on the synthetic futures market (dqn_ops.envs).
+"""Train the dueling branching C51 agent on the synthetic futures market (dqn_ops.rl.envs).
 
     python scripts/train.py --epochs 20                       # dqn_ops, BF16, CUDA graph
     python scripts/train.py --backend torch --epochs 20       # the plain-PyTorch F32 step
@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
-from dqn_ops.baseline import TorchTrainer  # noqa: E402
-from dqn_ops.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate, flat_policy, random_policy  # noqa: E402
-from dqn_ops.replay import ReplayBuffer  # noqa: E402
+from dqn_ops.rl.baseline import TorchTrainer  # noqa: E402
+from dqn_ops.rl.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate, flat_policy, random_policy  # noqa: E402
+from dqn_ops.rl.replay import ReplayBuffer  # noqa: E402
 
 from bench_common import headless_pyplot  # noqa: E402
 

@@ -1,11 +1,11 @@
 """Independent references for the tests: the network as a plain stack of ``nn.Linear``
-layers (as in ../shared/anchor/torch_step.py) and a hand-written float64 backward."""
+layers (as the plain-PyTorch anchor step of docs/design.md) and a hand-written float64 backward."""
 from __future__ import annotations
 
 import torch
 
 from dqn_ops import DQNConfig
-from dqn_ops.baseline import TorchDuelingBranchNet
+from dqn_ops.rl.baseline import TorchDuelingBranchNet
 
 CONFIGS = {
     "reference": DQNConfig(),

@@ -97,11 +97,11 @@ def test_scaling_benchmark_merge(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_distributed.py")
     subprocess.run([sys.executable, script, "--merge", str(tmp_path)], check=True, capture_output=True, text=True,
                    timeout=120)
-    merged = json.loads((tmp_path / "2026-01-01-Test_GPU-distributed.json").read_text())
+    merged = json.loads((tmp_path / "distributed.json").read_text())
     eff = {(r["world"], r["batch_per_gpu"]): r["scaling_efficiency"] for r in merged["rows"]}
     assert eff == {(1, 4096): 1.0, (2, 4096): 0.75, (1, 65536): 1.0, (2, 65536): round(3000 / 3300, 3)}
     assert merged["meta"]["worlds"] == [1, 2]
-    assert "| 65536 | 2 | 3300.0 |" in (tmp_path / "2026-01-01-Test_GPU-distributed.md").read_text()
+    assert "| 65536 | 2 | 3300.0 |" in (tmp_path / "distributed.md").read_text()
 
 
 two_gpus = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2

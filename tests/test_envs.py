@@ -1,4 +1,5 @@
-"""The synthetic futures market, the replay buffer, and a smoke run of scripts/train.py."""
+"""The RL parts (dqn_ops.rl): the synthetic futures market, the replay buffer, a smoke run of
+scripts/train.py, and the boundary: importing dqn_ops loads none of them."""
 import json
 import os
 import subprocess
@@ -8,11 +9,17 @@ import pytest
 import torch
 
 from conftest import DEVICES
-from dqn_ops.envs import (STATE_DIM, FuturesTradingEnv, annualised_sharpe, evaluate, flat_policy,
-                          random_policy)
-from dqn_ops.replay import ReplayBuffer
+from dqn_ops.rl.envs import (STATE_DIM, FuturesTradingEnv, annualised_sharpe, evaluate, flat_policy,
+                             random_policy)
+from dqn_ops.rl.replay import ReplayBuffer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def test_the_ops_package_does_not_import_the_rl_parts():
+    code = ("import sys, dqn_ops; loaded = sorted(m for m in sys.modules if m.startswith('dqn_ops.rl')); "
+            "assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,27 +1,38 @@
-"""The trainer's fused CUDA path (dqn_ops/fused.py) against the public ops it replaces.
+"""The trainer's step (dqn_ops.step.InternalOpsStep: _online_and_target_logits ->
+_dqn_loss_on_logits -> _mixed_backward_from_head) against the same step on the public ops
+(dqn_ops.step.PublicOpsStep: bf16_dueling_forward -> dqn_loss -> mixed_backward).
 
-The fused ops do the same arithmetic in the same order as bf16_dueling_forward -> dqn_loss ->
-mixed_backward, so the comparison is for equal bits (NaN where NaN): the loss, TD errors, mean
-Q and the flat gradient, on random networks and batches with terminal transitions, rewards that
-clip at the support's ends, a NaN reward and an out-of-range action. The public ops themselves
-are checked against float64 references in test_loss.py and test_network.py.
+The internal ops do the same arithmetic in the same order as the public ones, on the CPU and
+on CUDA, fused loss kernel or not, so the comparison is for equal bits (NaN where NaN): the
+loss, TD errors, mean Q, the saved activations and the flat gradient, on random networks and
+batches with terminal transitions and rewards that clip at the support's ends, and with a NaN
+reward (and, on CUDA, an out-of-range action). The public ops themselves are checked against
+float64 references in test_loss.py and test_network.py.
 """
+from typing import NamedTuple
+
 import pytest
 import torch
 
-from conftest import requires_cuda
-from dqn_ops import DQNConfig, DuelingBranchQNet, Trainer, TrainerConfig, fused
+from conftest import DEVICES, requires_cuda
+from dqn_ops import DQNConfig, DuelingBranchQNet, Trainer, TrainerConfig, ops
+from dqn_ops.step import InternalOpsStep, PublicOpsStep, default_batch_networks, fused_loss_supported
 from poison import poison_cuda_cache
 
 V_MIN, V_MAX, GAMMA = -10.0, 10.0, 0.97
 
-CASES = {  # branches, atoms
-    "reference": ((3, 3, 3), 51),
-    "two_branches_11_atoms": ((2, 5), 11),
-    "one_action_two_atoms": ((1,), 2),
-    "lanes_with_one_or_two_atoms": ((6, 2), 33),
-    "64_atoms": ((3, 5), 64),
-    "eight_uneven_branches": ((2, 3, 1, 4, 3, 2, 5, 2), 7),
+CASES = {  # branches, atoms, loss type
+    "reference": ((3, 3, 3), 51, "c51"),
+    "two_branches_11_atoms": ((2, 5), 11, "c51"),
+    "one_action_two_atoms": ((1,), 2, "c51"),
+    "lanes_with_one_or_two_atoms": ((6, 2), 33, "c51"),
+    "64_atoms": ((3, 5), 64, "c51"),
+    "eight_uneven_branches": ((2, 3, 1, 4, 3, 2, 5, 2), 7, "c51"),
+    # beyond the fused loss kernel: on CUDA the internal loss op composes the public kernels
+    "65_atoms": ((3, 2), 65, "c51"),
+    "nine_branches": ((2, 3, 1, 2, 4, 2, 3, 1, 2), 5, "c51"),
+    "one_atom_mse": ((3, 3, 3), 1, "mse"),
+    "one_atom_huber": ((2, 4), 1, "huber"),
 }
 
 
@@ -30,107 +41,115 @@ def _config(branches, atoms):
                      branches=branches)
 
 
-def _net(config, seed):
-    return DuelingBranchQNet(config, generator=torch.Generator().manual_seed(seed)).cuda()
+def _net(config, seed, device):
+    return DuelingBranchQNet(config, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def _batch(config, B, seed, poison_samples=True):
+def _batch(config, B, seed, device, poison_samples=False):
+    """state_pairs [2B, SD] = [s; s'], actions, rewards, dones, weights."""
     g = torch.Generator().manual_seed(seed)
     actions = torch.stack([torch.randint(0, n, (B,), generator=g) for n in config.branches], 1)
     # rewards up to 1.5x the support: r + gamma z clips at v_min / v_max for many atoms
     rewards = (torch.rand(B, generator=g) * 2 - 1) * 1.5 * V_MAX
     dones = (torch.rand(B, generator=g) < 0.2).float()
-    if poison_samples and B > 3:
-        rewards[1] = float("nan")  # a poisoned sample: NaN loss and gradient rows
-        actions[2, -1] = config.branches[-1]  # out of range: the same on CUDA
-    b = dict(states=torch.randn(2 * B, config.state_dim, generator=g), actions=actions, rewards=rewards,
+    if poison_samples:
+        rewards[1] = float("nan")  # NaN loss and gradient rows
+        if torch.device(device).type == "cuda":
+            actions[2, -1] = config.branches[-1]  # out of range: NaN too on CUDA (the CPU raises)
+    b = dict(state_pairs=torch.randn(2 * B, config.state_dim, generator=g), actions=actions, rewards=rewards,
              dones=dones, weights=torch.rand(B, generator=g) + 0.5)
-    return {k: v.cuda() for k, v in b.items()}
+    return {k: v.to(device) for k, v in b.items()}
 
 
-@torch.no_grad()
-def _public_step(online, target, b, precision):
-    """The unfused path, as Trainer runs it with the public ops."""
-    B, layout = b["actions"].shape[0], online._layout_ints
-    out = torch.ops.dqn_ops.bf16_dueling_forward.default(b["states"], online.flat_params, online.params_bf16,
-                                                         layout, precision)
-    q_target = torch.ops.dqn_ops.bf16_dueling_forward.default(b["states"][B:], target.flat_params,
-                                                              target.params_bf16, layout, precision)[0]
-    loss, grad_q, td, mean_q = torch.ops.dqn_ops.dqn_loss.default(
-        out[0][:B], out[0][B:], q_target, b["actions"], b["rewards"], b["dones"], b["weights"],
-        list(online.config.branches), V_MIN, V_MAX, GAMMA, "c51")
-    grad, _ = torch.ops.dqn_ops.mixed_backward.default(grad_q, None, *[t[:B] for t in out[2:6]], online.flat_params,
-                                                       online.params_bf16, layout, precision, False)
-    return dict(loss=loss, td_error=td, mean_q=mean_q, grad=grad, grad_q=grad_q, acts=[t[:B] for t in out[2:6]])
+class Sample(NamedTuple):
+    config: DQNConfig
+    loss_type: str
+    online: DuelingBranchQNet  # F32 parameters with their BF16 mirror
+    target: DuelingBranchQNet
+    batch: dict
 
 
-def _logits(online, target, states, batch_networks):
-    return fused.online_and_target_logits(states, online.flat_params, online.params_bf16, target.flat_params,
-                                          target.params_bf16, online._layout_ints, batch_networks)
+def sample_inputs(case, device, B=37, seed=3, poison_samples=False) -> Sample:
+    """The inputs of the step family: a case's networks (online and target differ) and a batch."""
+    branches, atoms, loss_type = CASES[case]
+    config = _config(branches, atoms)
+    return Sample(config, loss_type, _net(config, 1, device), _net(config, 2, device),
+                  _batch(config, B, seed, device, poison_samples))
 
 
-@torch.no_grad()
-def _fused_step(online, target, b, precision, batch_networks=False):
-    B, layout = b["actions"].shape[0], online._layout_ints
-    f = _logits(online, target, b["states"], batch_networks)
-    r = fused.dqn_loss_on_logits(f.logits[:B], f.logits[B:], f.logits_next_target, online.flat_params,
-                                 target.flat_params, b["actions"], b["rewards"], b["dones"], b["weights"], layout,
-                                 V_MIN, V_MAX, GAMMA)
-    acts = [t[:B] for t in f[2:]]
-    grad = fused.mixed_backward_from_head(r.grad_head, r.grad_head_bf16, acts, online.flat_params,
-                                          online.params_bf16, layout, precision)
-    return dict(loss=r.loss, td_error=r.td_error, mean_q=r.mean_q, grad=grad, grad_head=r.grad_head,
-                grad_head_bf16=r.grad_head_bf16, acts=acts)
+def _steps(s: Sample, precision="bf16", batch_networks=False):
+    kw = dict(loss_type=s.loss_type, v_min=V_MIN, v_max=V_MAX, gamma=GAMMA, precision=precision)
+    return (InternalOpsStep(s.online, s.target, batch_networks=batch_networks, **kw),
+            PublicOpsStep(s.online, s.target, **kw))
+
+
+def _run(step, batch, poison):
+    if poison:
+        poison_cuda_cache()
+    return step(**batch)
 
 
 def _same_bits(a, b, what):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
-@requires_cuda
+def _assert_same_step(got, want):
+    for i, (x, y) in enumerate(zip(got.saved, want.saved)):
+        _same_bits(x, y, f"saved activation {i}")
+    for k in ("loss", "td_error", "mean_q", "grad"):
+        _same_bits(getattr(got, k), getattr(want, k), k)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
 @pytest.mark.parametrize("batch_networks", [False, True], ids=["two_passes", "networks_batched"])
-def test_fused_path_gives_the_public_ops_bits(case, precision, batch_networks):
-    config = _config(*CASES[case])
-    online, target = _net(config, 1), _net(config, 2)
-    b = _batch(config, 37, seed=3)
-    poison_cuda_cache()
-    want = _public_step(online, target, b, precision)
-    poison_cuda_cache()
-    got = _fused_step(online, target, b, precision, batch_networks)
-    for i, (x, y) in enumerate(zip(got["acts"], want["acts"])):
-        _same_bits(x, y, f"saved activation {i}")
-    for k in ("loss", "td_error", "mean_q", "grad"):
-        _same_bits(got[k], want[k], k)
-    assert torch.isnan(got["loss"]) and torch.isnan(got["td_error"][1:3]).all()  # the poisoned samples
-    assert torch.isfinite(got["td_error"][3:]).all()
+def test_internal_ops_give_the_public_ops_bits(device, case, precision, batch_networks):
+    s = sample_inputs(case, device)
+    internal, public = _steps(s, precision, batch_networks)
+    cuda = device == "cuda"
+    want, got = _run(public, s.batch, cuda), _run(internal, s.batch, cuda)
+    _assert_same_step(got, want)
+    assert torch.isfinite(got.grad).all() and torch.isfinite(got.td_error).all()
 
 
-@requires_cuda
-@pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "lanes_with_one_or_two_atoms"])
-def test_head_gradient_is_the_dueling_backward_of_grad_q(case):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "nine_branches", "one_atom_huber"])
+def test_non_finite_samples_give_the_public_ops_bits(device, case):
+    s = sample_inputs(case, device, poison_samples=True)
+    internal, public = _steps(s)
+    cuda = device == "cuda"
+    want, got = _run(public, s.batch, cuda), _run(internal, s.batch, cuda)
+    _assert_same_step(got, want)
+    poisoned = slice(1, 3) if cuda else slice(1, 2)
+    assert torch.isnan(got.loss) and torch.isnan(got.td_error[poisoned]).all()
+    assert torch.isfinite(got.td_error[3:]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "lanes_with_one_or_two_atoms",
+                                  "nine_branches", "one_atom_mse"])
+def test_head_gradient_is_the_dueling_backward_of_grad_q(device, case):
     """grad_head against the dueling aggregate's backward written out in PyTorch: value column
     = sum over every action of d(q); a branch's advantage columns = d(q) minus its mean over the
     branch's actions. And grad_head_bf16 is its BF16 copy in the padded layout, padding 0."""
-    config = _config(*CASES[case])
-    online, target = _net(config, 4), _net(config, 5)
-    b = _batch(config, 64, seed=6, poison_samples=False)
-    want = _public_step(online, target, b, "bf16")
-    got = _fused_step(online, target, b, "bf16")
-    grad_q, atoms = want["grad_q"].double(), config.atoms
+    s = sample_inputs(case, device, B=64, seed=6)
+    config, atoms = s.config, s.config.atoms
+    internal, public = _steps(s)
+    grad_q = public(**s.batch).loss_out.grad_q.double()
+    got = internal(**s.batch).loss_out
     cols, first = [grad_q.sum(1)], 0
     for n in config.branches:
         dq = grad_q[:, first:first + n]
         cols.append((dq - dq.mean(1, keepdim=True)).flatten(1))
         first += n
     ref = torch.cat(cols, 1)
-    torch.testing.assert_close(got["grad_head"].double(), ref, rtol=1e-5, atol=1e-9)
-    padded = got["grad_head_bf16"]
+    torch.testing.assert_close(got.grad_head.double(), ref, rtol=1e-5, atol=1e-9)
+    padded = got.grad_head_bf16
     assert padded.shape == (64, config.head_ld)
     out_col = col = 0
     for j, width in enumerate([atoms] + [atoms * n for n in config.branches]):
-        _same_bits(padded[:, col:col + width], got["grad_head"][:, out_col:out_col + width].to(torch.bfloat16),
+        _same_bits(padded[:, col:col + width], got.grad_head[:, out_col:out_col + width].to(torch.bfloat16),
                    f"head {j}")
         pad = -(-width // 8) * 8
         assert (padded[:, col + width:col + pad] == 0).all(), f"head {j}: padding not 0"
@@ -138,90 +157,112 @@ def test_head_gradient_is_the_dueling_backward_of_grad_q(case):
     assert col == config.head_ld
 
 
-@requires_cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("B", [1, 8, 300])
-def test_batched_networks_give_the_two_passes_bits_in_either_memory_order(B):
+def test_batched_networks_give_the_two_passes_bits_in_either_memory_order(device, B):
     """The batched hidden layers stride from the lower-addressed network's weights to the
     other's: each network as the online one in turn covers both orders, and the same network
     as both (stride 0)."""
-    config = _config((3, 3, 3), 51)
-    a, b = _net(config, 1), _net(config, 2)
-    states = torch.randn(2 * B, config.state_dim, generator=torch.Generator().manual_seed(B)).cuda()
+    s = sample_inputs("reference", device, B=B, seed=B)
+    a, b = s.online, s.target
     for online, target in [(a, b), (b, a), (a, a)]:
-        poison_cuda_cache()
-        want = _logits(online, target, states, False)
-        poison_cuda_cache()
-        got = _logits(online, target, states, True)
-        for name, x, y in zip(fused.Logits._fields, got, want):
+        two_passes = InternalOpsStep(online, target, batch_networks=False)
+        batched = InternalOpsStep(online, target, batch_networks=True)
+        want = _run(two_passes.forward, dict(state_pairs=s.batch["state_pairs"]), device == "cuda")
+        got = _run(batched.forward, dict(state_pairs=s.batch["state_pairs"]), device == "cuda")
+        for name, x, y in zip(ops.Logits._fields, got, want):
             assert x.shape == y.shape, name
             _same_bits(x, y, name)
-        assert want.logits_next_target.shape == (B, config.head_ld)
+        assert want.logits_next_target.shape == (B, s.config.head_ld)
 
 
-@requires_cuda
-def test_trainer_steps_equal_with_and_without_the_fused_path():
-    config = _config((3, 3, 3), 51)
-    cfg = TrainerConfig(batch_size=128, use_cuda_graph=True, readback_interval=4, on_non_finite="flag")
-    a, b = Trainer(config, cfg, device="cuda", seed=7), Trainer(config, cfg, device="cuda", seed=7)
-    assert a.uses_fused_path
-    b.uses_fused_path = False  # before the first step, so its graph captures the public ops
-    for i in range(8):
-        batch = _batch(config, 128, seed=10 + i, poison_samples=False)
-        batch["next_states"] = batch["states"][128:]
-        batch["states"] = batch["states"][:128]
-        a.step(batch)
-        b.step(batch)
-    torch.cuda.synchronize()
-    assert a.graphed and b.graphed
-    _same_bits(a.online.flat_params, b.online.flat_params, "online params")
-    _same_bits(a.target.flat_params, b.target.flat_params, "target params")
-    _same_bits(a.td_error, b.td_error, "td_error")
-    assert a.readback() == b.readback()
+def _snapshot(net):
+    copy = DuelingBranchQNet(net.config).to(net.flat_params.device)
+    copy.flat_params.data.copy_(net.flat_params)
+    copy.params_bf16.copy_(net.params_bf16)
+    return copy
 
 
-@requires_cuda
-def test_opcheck():
-    config = _config((2, 5), 11)
-    online, target = _net(config, 1), _net(config, 2)
-    b = _batch(config, 16, seed=3, poison_samples=False)
-    layout, B = online._layout_ints, 16
-    p, p_lp, p_target = online.flat_params.detach(), online.params_bf16, target.flat_params.detach()
-    p_target_lp = target.params_bf16
-    f = fused.online_and_target_logits(b["states"], p, p_lp, p_target, p_target_lp, layout, False)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["reference", "two_branches_11_atoms", "65_atoms", "nine_branches", "one_atom_mse",
+                                  "one_atom_huber"])
+def test_trainer_step_is_the_public_ops_step(device, case):
+    """The trainer's one path (graphed on CUDA) against PublicOpsStep on copies of its networks
+    taken before the step: the same gradient, TD errors, loss and mean Q, bit for bit."""
+    branches, atoms, loss_type = CASES[case]
+    config, B = _config(branches, atoms), 64
+    cfg = TrainerConfig(batch_size=B, loss_type=loss_type, gamma=GAMMA, v_min=V_MIN, v_max=V_MAX, readback_interval=1,
+                        on_non_finite="flag")
+    t = Trainer(config, cfg, device=device, seed=7)
+    assert t.batch_networks == default_batch_networks(B)
+    batches = [_batch(config, B, seed=10 + i, device=device) for i in range(5)]
+    for b in batches:
+        b.update(states=b["state_pairs"][:B], next_states=b["state_pairs"][B:])
+    for b in batches[:-1]:  # on CUDA: 3 warm-up steps, then the capture
+        t.step({k: v for k, v in b.items() if k != "state_pairs"})
+    online, target = _snapshot(t.online), _snapshot(t.target)
+    t.step({k: v for k, v in batches[-1].items() if k != "state_pairs"})
+    assert t.graphed == (device == "cuda")
+    want = PublicOpsStep(online, target, loss_type=loss_type, v_min=V_MIN, v_max=V_MAX, gamma=GAMMA,
+                         precision=cfg.backward_precision)(
+        *(batches[-1][k] for k in ("state_pairs", "actions", "rewards", "dones", "weights")))
+    _same_bits(t.online.flat_params.grad, want.grad, "grad")
+    _same_bits(t.td_error, want.td_error, "td_error")
+    t.readback()
+    row = t.stats.rows[-1]
+    assert row["loss"] == want.loss.item() and row["mean_q"] == want.mean_q.item()
+
+
+def _internal_op_args(s: Sample):
+    """Each internal op's arguments, from one run of the step before it (contiguous copies:
+    opcheck wants its own tensors)."""
+    internal, _ = _steps(s)
+    b, B = s.batch, s.batch["actions"].shape[0]
+    p, p_lp = s.online.flat_params.detach(), s.online.params_bf16
+    tp, tp_lp, layout = s.target.flat_params.detach(), s.target.params_bf16, s.online._layout_ints
+    out = internal(**b)
+    f, head = out.forward_out, out.loss_out
     logits = [f.logits[:B].contiguous(), f.logits[B:].contiguous()]
-    r = fused.dqn_loss_on_logits(logits[0], logits[1], logits[1], p, p_target, b["actions"], b["rewards"], b["dones"],
-                                 b["weights"], layout, V_MIN, V_MAX, GAMMA)
-    acts = [t[:B].contiguous() for t in f[2:]]
-    for batch_networks in (False, True):
-        torch.library.opcheck(torch.ops.dqn_ops._online_and_target_logits.default,
-                              (b["states"], p, p_lp, p_target, p_target_lp, layout, batch_networks))
-    for weights in (None, b["weights"]):
-        torch.library.opcheck(torch.ops.dqn_ops._dqn_loss_on_logits.default,
-                              (logits[0], logits[1], logits[1], p, p_target, b["actions"], b["rewards"], b["dones"],
-                               weights, layout, V_MIN, V_MAX, GAMMA))
-    for precision in ("bf16", "tf32"):
-        torch.library.opcheck(torch.ops.dqn_ops._mixed_backward_from_head.default,
-                              (r.grad_head, r.grad_head_bf16, *acts, p, p_lp, layout, precision))
+    saved = [t.contiguous() for t in out.saved]
+    return {
+        "_online_and_target_logits": [(b["state_pairs"], p, p_lp, tp, tp_lp, layout, batch_networks)
+                                      for batch_networks in (False, True)],
+        "_dqn_loss_on_logits": [(logits[0], logits[1], f.logits_next_target, p, tp, b["actions"], b["rewards"],
+                                 b["dones"], weights, layout, V_MIN, V_MAX, GAMMA, s.loss_type)
+                                for weights in (None, b["weights"])],
+        "_mixed_backward_from_head": [(head.grad_head, head.grad_head_bf16, *saved, p, p_lp, layout, precision)
+                                      for precision in ("bf16", "tf32")],
+    }
 
 
-@requires_cuda
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["two_branches_11_atoms", "nine_branches", "one_atom_huber"])
+def test_opcheck(device, case):
+    s = sample_inputs(case, device, B=16)
+    for name, arg_sets in _internal_op_args(s).items():
+        for args in arg_sets:
+            torch.library.opcheck(getattr(torch.ops.dqn_ops, name).default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("what,match", [
     ("odd_rows", r"state_pairs: expected \[s; s'\], an even number of rows, got 15"),
     ("state_width", r"state_pairs: expected shape \[\*, 24\]"),
-    ("target_dtype", "target_params: expected dtype Float"),
+    ("target_dtype", "target_params: (expected dtype Float|a BFloat16 mirror needs Float params)"),  # CUDA | CPU
     ("target_mirror", r"target_params_bf16: expected shape \["),
-    ("target_device", "target_params: expected a tensor on cuda"),
+    pytest.param("target_device", "target_params: expected a tensor on cuda", marks=requires_cuda),
 ])
-def test_online_and_target_logits_rejects_bad_input(what, match):
-    config = _config((2, 5), 11)
-    online, target = _net(config, 1), _net(config, 2)
-    args = dict(state_pairs=torch.zeros(16, config.state_dim, device="cuda"), params=online.flat_params.detach(),
-                params_bf16=online.params_bf16, target_params=target.flat_params.detach(),
-                target_params_bf16=target.params_bf16)
+def test_online_and_target_logits_rejects_bad_input(device, what, match):
+    if what == "target_device" and device == "cpu":
+        pytest.skip("one device here")
+    s = sample_inputs("two_branches_11_atoms", device, B=8)
+    args = dict(state_pairs=s.batch["state_pairs"], params=s.online.flat_params.detach(),
+                params_bf16=s.online.params_bf16, target_params=s.target.flat_params.detach(),
+                target_params_bf16=s.target.params_bf16)
     if what == "odd_rows":
         args["state_pairs"] = args["state_pairs"][:15]
     if what == "state_width":
-        args["state_pairs"] = torch.zeros(16, config.state_dim + 1, device="cuda")
+        args["state_pairs"] = torch.zeros(16, s.config.state_dim + 1, device=device)
     if what == "target_dtype":
         args["target_params"] = args["target_params"].double()
     if what == "target_mirror":
@@ -229,56 +270,55 @@ def test_online_and_target_logits_rejects_bad_input(what, match):
     if what == "target_device":
         args["target_params"] = args["target_params"].cpu()
     with pytest.raises(RuntimeError, match=match):
-        torch.ops.dqn_ops._online_and_target_logits.default(*args.values(), online._layout_ints, True)
+        ops._online_and_target_logits(*args.values(), s.online._layout_ints, True)
 
 
-@requires_cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("what,match", [
-    ("atoms", "takes C51 with 2 to 64 atoms"),
-    ("branches", "takes at most 8 branches"),
     ("logits", r"logits: expected shape \[\*, "),
     ("target_params", "target_params: expected dtype Float"),
     ("actions", r"actions: expected shape \[16, 2\]"),
 ])
-def test_loss_on_logits_rejects_bad_input(what, match):
-    config = _config((2, 5), 11)
-    if what == "atoms":
-        config = _config((2, 5), 65)
-    if what == "branches":
-        config = _config((2,) * 9, 11)
-    online = _net(config, 1)
-    B, layout = 16, online._layout_ints
-    logits = torch.zeros(B, config.head_ld, device="cuda")
-    p = online.flat_params.detach()
-    args = dict(logits=logits, logits_next_online=logits, logits_next_target=logits, params=p,
-                target_params=p, actions=torch.zeros(B, config.num_branches, dtype=torch.long,
-                                                                      device="cuda"),
-                rewards=torch.zeros(B, device="cuda"), dones=torch.zeros(B, device="cuda"), weights=None)
+def test_loss_on_logits_rejects_bad_input(device, what, match):
+    s = sample_inputs("two_branches_11_atoms", device, B=16)
+    B, config = 16, s.config
+    logits = torch.zeros(B, config.head_ld, device=device)
+    p = s.online.flat_params.detach()
+    args = dict(logits=logits, logits_next_online=logits, logits_next_target=logits, params=p, target_params=p,
+                actions=s.batch["actions"], rewards=s.batch["rewards"], dones=s.batch["dones"], weights=None)
     if what == "logits":
-        args["logits"] = torch.zeros(B, config.head_ld + 1, device="cuda")
+        args["logits"] = torch.zeros(B, config.head_ld + 1, device=device)
     if what == "target_params":
         args["target_params"] = p.double()
     if what == "actions":
-        args["actions"] = torch.zeros(B, 3, dtype=torch.long, device="cuda")
+        args["actions"] = torch.zeros(B, 3, dtype=torch.long, device=device)
     with pytest.raises(RuntimeError, match=match):
-        torch.ops.dqn_ops._dqn_loss_on_logits.default(*args.values(), layout, V_MIN, V_MAX, GAMMA)
+        ops._dqn_loss_on_logits(*args.values(), s.online._layout_ints, V_MIN, V_MAX, GAMMA)
 
 
-def test_fused_path_runs_only_where_it_is_built_for():
+def test_fused_loss_runs_only_where_it_is_built_for():
     ref = DQNConfig()
     assert ref.head_ld == 56 + 3 * 160  # 51 atoms -> 56 columns; 3 x 51 = 153 -> 160 (csrc/layout.h)
-    assert fused.supported(ref, "c51", torch.device("cuda"))
-    assert not fused.supported(ref, "c51", torch.device("cpu"))
-    assert not fused.supported(_config((3,), 65), "c51", torch.device("cuda"))
-    assert not fused.supported(_config((2,) * 9, 11), "c51", torch.device("cuda"))
-    assert not fused.supported(DQNConfig(atoms=1), "huber", torch.device("cuda"))
-    assert not Trainer(_config((2, 5), 11), TrainerConfig(batch_size=8), device="cpu").uses_fused_path
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    max_atoms, max_branches = ops.FUSED_LOSS_MAX_ATOMS, ops.FUSED_LOSS_MAX_BRANCHES
+    assert isinstance(max_atoms, int) and isinstance(max_branches, int) and max_atoms >= 51 and max_branches >= 3
+    assert fused_loss_supported(ref, "c51", cuda)
+    assert not fused_loss_supported(ref, "c51", cpu)
+    assert fused_loss_supported(_config((3,), max_atoms), "c51", cuda)
+    assert not fused_loss_supported(_config((3,), max_atoms + 1), "c51", cuda)
+    assert fused_loss_supported(_config((2,) * max_branches, 11), "c51", cuda)
+    assert not fused_loss_supported(_config((2,) * (max_branches + 1), 11), "c51", cuda)
+    assert not fused_loss_supported(DQNConfig(atoms=1), "huber", cuda)
+    t = Trainer(_config((2, 5), 11), TrainerConfig(batch_size=8), device="cpu")
+    assert not t.uses_fused_path
+    with pytest.raises(AttributeError):
+        t.uses_fused_path = True  # a report of what runs, not a switch
 
 
 @pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="a CPU-only torch build makes no fake CUDA tensors")
-def test_fake_kernels_give_the_fused_step_its_shapes():
+def test_fake_kernels_give_the_internal_ops_their_shapes():
     """The fake kernels (torch.compile / FakeTensor tracing) on fake CUDA tensors: runs on a
-    machine without a GPU; on the GPU, test_opcheck checks them against the real kernels."""
+    machine without a GPU; test_opcheck checks them against the real kernels."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     c = _config((2, 3, 1, 4), 33)
@@ -286,18 +326,21 @@ def test_fake_kernels_give_the_fused_step_its_shapes():
     B, n = 8, layout[-1]
     with FakeTensorMode():
         p, p_lp = torch.empty(n, device="cuda"), torch.empty(n, device="cuda", dtype=torch.bfloat16)
-        f = fused.online_and_target_logits(torch.empty(2 * B, c.state_dim, device="cuda"), p, p_lp, p, p_lp, layout,
-                                           True)
+        f = ops._online_and_target_logits(torch.empty(2 * B, c.state_dim, device="cuda"), p, p_lp, p, p_lp, layout,
+                                          True)
         assert f.logits.shape == (2 * B, c.head_ld) and f.logits.dtype == torch.float32
         assert f.logits_next_target.shape == (B, c.head_ld) and f.logits_next_target.dtype == torch.float32
         assert [t.shape for t in f[2:]] == [(2 * B, c.state_dim), (2 * B, 64), (2 * B, 48), (2 * B, c.head_hidden)]
         assert all(t.dtype == torch.bfloat16 for t in f[2:])
-        r = fused.dqn_loss_on_logits(f.logits[:B], f.logits[B:], f.logits_next_target, p, p,
-                                     torch.empty(B, c.num_branches, dtype=torch.long, device="cuda"),
-                                     torch.empty(B, device="cuda"), torch.empty(B, device="cuda"), None, layout,
-                                     V_MIN, V_MAX, GAMMA)
+        loss_args = (f.logits[:B], f.logits[B:], f.logits_next_target, p, p,
+                     torch.empty(B, c.num_branches, dtype=torch.long, device="cuda"), torch.empty(B, device="cuda"),
+                     torch.empty(B, device="cuda"), None, layout, V_MIN, V_MAX, GAMMA)
+        r = ops._dqn_loss_on_logits(*loss_args)
         assert r.loss.shape == () and r.td_error.shape == (B,) and r.mean_q.shape == ()
         assert r.grad_head.shape == (B, c.head_out) and r.grad_head_bf16.shape == (B, c.head_ld)
         assert r.grad_head_bf16.dtype == torch.bfloat16
-        grad = fused.mixed_backward_from_head(r.grad_head, r.grad_head_bf16, [t[:B] for t in f[2:]], p, p_lp, layout)
+        with pytest.raises(RuntimeError, match=r"dqn_ops._dqn_loss_on_logits: loss_type: expected one of "
+                                               r"\('c51', 'mse', 'huber'\), got 'l1'"):
+            ops._dqn_loss_on_logits(*loss_args, loss_type="l1")
+        grad = ops._mixed_backward_from_head(r.grad_head, r.grad_head_bf16, [t[:B] for t in f[2:]], p, p_lp, layout)
         assert grad.shape == (n,) and grad.dtype == torch.float32

@@ -10,7 +10,7 @@ from poison import poison_cuda_cache
 from reference import (CONFIGS, TINY, ReferenceNet, dueling_head_grad, reference_backward, reference_net_like,
                        rel_err)
 
-# Precision bars (DESIGN.md): relative Frobenius error of the backward against float64.
+# Precision bars (docs/design.md): relative Frobenius error of the backward against float64.
 BACKWARD_BARS = {"fp32": 1e-5, "tf32": 3e-3, "bf16": 2e-2}
 
 
@@ -399,7 +399,7 @@ def test_cuda_graph_replay_equals_eager(precision):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()  # warm-up: cuBLAS handle and workspace exist before capture (DESIGN.md fact 4)
+        step()  # warm-up: cuBLAS handle and workspace exist before capture (docs/design.md)
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, NonFiniteError, Trainer, TrainerConfig
 from dqn_ops.trainer import load_batch
-from dqn_ops.baseline import TorchTrainer
+from dqn_ops.rl.baseline import TorchTrainer
 
 TINY_C51 = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3))
 TINY_Q = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=1, branches=(3, 3, 3))

@@ -1,5 +1,5 @@
-"""The same network in plain PyTorch (``nn.Linear`` layers, as ../shared/anchor/torch_step.py
-builds it): the baseline the benchmarks compare against and the reference the tests check
+"""The same network in plain PyTorch (``nn.Linear`` layers, as the plain-PyTorch anchor step of
+docs/design.md builds it): the baseline the benchmarks compare against and the reference the tests check
 the kernels with. Its state-dict names are DuelingBranchQNet's, so weights move both ways."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .graphed import CapturedStep
-from .layout import DQNConfig
-from .network import DuelingBranchQNet
-from .readback import DeferredReadback
-from .spectral import SpectralNorm
-from .trainer import STAT_FIELDS, TrainerConfig, greedy_from_logits, load_batch
+from ..graphed import CapturedStep
+from ..layout import DQNConfig
+from ..network import DuelingBranchQNet
+from ..readback import DeferredReadback
+from ..spectral import SpectralNorm
+from ..trainer import STAT_FIELDS, TrainerConfig, greedy_from_logits, load_batch
 
 
 class TorchDuelingBranchNet(nn.Module):
@@ -166,7 +166,7 @@ class TorchTrainer:
 
     def compile_parts(self):
         """torch.compile the forward + loss and the post-step updates (the strongest PyTorch
-        recipe of ../shared/anchor/torch_step.py when the whole step is then graphed)."""
+        recipe of the anchor step when the whole step is then graphed)."""
         self._loss_part = torch.compile(self._loss_part)
         self._post_part = torch.compile(self._post_part)
 

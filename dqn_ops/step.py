@@ -1,0 +1,181 @@
+"""The training step's forward -> loss -> backward, written once.
+
+``InternalOpsStep`` is what ``Trainer`` runs, on every device and for every network and loss:
+``_online_and_target_logits`` (the online network on [s; s'] and the target network on s', up
+to the output layer's logits) -> ``_dqn_loss_on_logits`` (the dueling aggregation, the loss and
+d(loss)/d(head logits) in one pass) -> ``_mixed_backward_from_head``. On CUDA, for C51 with at
+most ``FUSED_LOSS_MAX_ATOMS`` atoms and ``FUSED_LOSS_MAX_BRANCHES`` branches
+(``fused_loss_supported``), the loss is one fused kernel: the logits cross memory once instead
+of three times, two kernels fewer; elsewhere the op composes the public kernels.
+
+``PublicOpsStep`` is the same step on the public ops, ``bf16_dueling_forward`` ->
+``dqn_loss`` -> ``mixed_backward``: the reference the tests compare the trainer's path with
+(the same bits) and whose ops the benchmarks time one by one.
+
+Both take the online and target ``DuelingBranchQNet`` (read at each call, so a checkpoint
+load is seen) and the loss's settings, and run the stages ``forward(state_pairs)``,
+``loss(forward_out, actions, rewards, dones, weights)`` and ``backward(forward_out,
+loss_out)`` one by one or together (calling the object returns a ``StepOutput``). No host
+sync, no allocation outside torch's caching allocator: the sequence captures in a CUDA graph.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .layout import DQNConfig
+
+# Up to this batch size the online and target networks' hidden layers run as one batched GEMM
+# each: fewer launches, at the price of the target's pass on s (about 16% more FLOPs for the
+# reference config); at larger batches the FLOPs cost more than the launches save
+# (scripts/bench_batch_networks.py measures both).
+BATCH_NETWORKS_MAX_BATCH = 4096
+
+
+def fused_loss_supported(config: DQNConfig, loss_type: str, device: torch.device) -> bool:
+    """Whether ``_dqn_loss_on_logits`` runs its fused dueling-in-loss kernel for this network,
+    loss and device (else it composes the public kernels, with the same results)."""
+    return (torch.device(device).type == "cuda" and loss_type == "c51"
+            and 2 <= config.atoms <= ops.FUSED_LOSS_MAX_ATOMS and config.num_branches <= ops.FUSED_LOSS_MAX_BRANCHES)
+
+
+def default_batch_networks(batch_size: int) -> bool:
+    """Whether the trainer's forward batches the online and target networks' hidden layers."""
+    return batch_size <= BATCH_NETWORKS_MAX_BATCH
+
+
+class StepOutput(NamedTuple):
+    loss: Tensor                # []
+    grad: Tensor                # the flat F32 gradient, in the online network's layout
+    td_error: Tensor            # [B]
+    mean_q: Tensor              # []
+    saved: Tuple[Tensor, ...]   # states_bf16, h1, h2, hh of s: the activations the backward read
+    forward_out: tuple          # the forward stage's output
+    loss_out: tuple             # the loss stage's output
+
+
+class _Params(NamedTuple):
+    online: Tensor
+    online_bf16: Tensor
+    target: Tensor
+    target_bf16: Tensor
+    layout: Sequence[int]
+
+
+class _Step:
+    """The sequence both paths share; subclasses give its three stages."""
+
+    def __init__(self, online, target, *, loss_type: str = "c51", v_min: float = -10.0, v_max: float = 10.0,
+                 gamma: float = 0.99, precision: str = "bf16"):
+        if loss_type not in ops.LOSS_TYPES:
+            raise ValueError(f"{type(self).__name__}: loss_type must be one of {ops.LOSS_TYPES}, got {loss_type!r}")
+        if precision not in ops.BACKWARD_PRECISIONS:
+            raise ValueError(f"{type(self).__name__}: precision must be one of {ops.BACKWARD_PRECISIONS}, "
+                             f"got {precision!r}")
+        if online.config != target.config:
+            raise ValueError(f"{type(self).__name__}: online and target networks differ: "
+                             f"{online.config} vs {target.config}")
+        self.online, self.target = online, target
+        self.loss_type, self.v_min, self.v_max, self.gamma = loss_type, float(v_min), float(v_max), float(gamma)
+        self.precision = precision
+
+    def __call__(self, state_pairs: Tensor, actions: Tensor, rewards: Tensor, dones: Tensor,
+                 weights: Optional[Tensor] = None) -> StepOutput:
+        """One forward -> loss -> backward. ``state_pairs``: [2B, SD], s then s'; actions [B, D]
+        int64; rewards, dones, weights (or None) [B]."""
+        fwd = self.forward(state_pairs)
+        out = self.loss(fwd, actions, rewards, dones, weights)
+        grad = self.backward(fwd, out)
+        return StepOutput(out.loss, grad, out.td_error, out.mean_q, self.saved(fwd), fwd, out)
+
+    def _params(self) -> _Params:
+        # detached: the stages form the gradient themselves, so they run alike in any grad mode
+        # (the internal ops have no autograd formula)
+        net, tgt = self.online, self.target
+        return _Params(net.flat_params.detach(), net.params_bf16, tgt.flat_params.detach(), tgt.params_bf16,
+                       net._layout_ints)
+
+    def saved(self, fwd) -> Tuple[Tensor, ...]:
+        """The activations of s (the first half of the forward's rows) that the backward reads;
+        leading rows of contiguous tensors, so contiguous and aligned."""
+        acts = self._activations(fwd)
+        B = acts[0].shape[0] // 2
+        return tuple(t[:B] for t in acts)
+
+    def _activations(self, fwd) -> Sequence[Tensor]:
+        raise NotImplementedError
+
+    def forward(self, state_pairs: Tensor):
+        raise NotImplementedError
+
+    def loss(self, fwd, actions: Tensor, rewards: Tensor, dones: Tensor, weights: Optional[Tensor]):
+        raise NotImplementedError
+
+    def backward(self, fwd, loss_out) -> Tensor:
+        raise NotImplementedError
+
+
+class InternalOpsStep(_Step):
+    """The trainer's step: ``_online_and_target_logits`` -> ``_dqn_loss_on_logits`` ->
+    ``_mixed_backward_from_head``. ``batch_networks``: the forward runs both networks' hidden
+    layers as one batched GEMM each (the same results; ``default_batch_networks(B)`` is the trainer's
+    choice). Stage outputs: ``ops.Logits``, ``ops.LossOnLogits``, the flat gradient."""
+
+    def __init__(self, online, target, *, batch_networks: bool = False, **kwargs):
+        super().__init__(online, target, **kwargs)
+        self.batch_networks = bool(batch_networks)
+
+    def forward(self, state_pairs: Tensor) -> ops.Logits:
+        p = self._params()
+        return ops._online_and_target_logits(state_pairs, p.online, p.online_bf16, p.target, p.target_bf16, p.layout,
+                                             self.batch_networks)
+
+    def _activations(self, fwd: ops.Logits):
+        return fwd[2:]
+
+    def loss(self, fwd: ops.Logits, actions, rewards, dones, weights=None) -> ops.LossOnLogits:
+        p, B = self._params(), actions.shape[0]
+        return ops._dqn_loss_on_logits(fwd.logits[:B], fwd.logits[B:], fwd.logits_next_target, p.online, p.target,
+                                       actions, rewards, dones, weights, p.layout, self.v_min, self.v_max, self.gamma,
+                                       self.loss_type)
+
+    def backward(self, fwd: ops.Logits, loss_out: ops.LossOnLogits) -> Tensor:
+        p = self._params()
+        return ops._mixed_backward_from_head(loss_out.grad_head, loss_out.grad_head_bf16, self.saved(fwd), p.online,
+                                             p.online_bf16, p.layout, self.precision)
+
+
+class PublicForward(NamedTuple):
+    online: ops.ForwardOutput  # the online network on [s; s']
+    q_next_target: Tensor      # the target network's dueling logits on s'
+
+
+class PublicOpsStep(_Step):
+    """The same step on the public ops: ``bf16_dueling_forward`` (online on [s; s'], target on
+    s') -> ``dqn_loss`` -> ``mixed_backward``. Stage outputs: ``PublicForward``,
+    ``ops.LossOutput``, the flat gradient."""
+
+    def forward(self, state_pairs: Tensor) -> PublicForward:
+        p, B = self._params(), state_pairs.shape[0] // 2
+        online = ops.bf16_dueling_forward(state_pairs, p.online, p.online_bf16, p.layout, self.precision)
+        q_next_target = ops.bf16_dueling_forward(state_pairs[B:], p.target, p.target_bf16, p.layout,
+                                                 self.precision).q_logits
+        return PublicForward(online, q_next_target)
+
+    def _activations(self, fwd: PublicForward):
+        return fwd.online[2:]
+
+    def loss(self, fwd: PublicForward, actions, rewards, dones, weights=None) -> ops.LossOutput:
+        B = actions.shape[0]
+        q = fwd.online.q_logits
+        return ops.dqn_loss(q[:B], q[B:], fwd.q_next_target, actions, rewards, dones, self.online.config.branches,
+                            v_min=self.v_min, v_max=self.v_max, gamma=self.gamma, weights=weights,
+                            loss_type=self.loss_type)
+
+    def backward(self, fwd: PublicForward, loss_out: ops.LossOutput) -> Tensor:
+        p = self._params()
+        return ops.mixed_backward(loss_out.grad_q, None, self.saved(fwd), p.online, p.online_bf16, p.layout,
+                                  self.precision)[0]

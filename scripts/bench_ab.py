@@ -1,0 +1,107 @@
+"""The graphed training step of two builds of dqn_ops, timed alternately in one run.
+
+A refactor that should not change speed is checked by timing the step of the tree before it
+(a copy of an older commit, built in place) and of this tree, in turns on the same GPU, so that
+clock and thermal drift fall on both alike. Two builds of the extension register the same op
+names, so each timing runs in a process of its own, with that tree first on ``PYTHONPATH``.
+
+    git archive <base-commit> csrc dqn_ops scripts setup.py | tar -x -C .base   # then, on the GPU:
+    (cd .base && python3 setup.py build_ext --inplace)
+    python3 scripts/bench_ab.py --base .base --out gpu_out
+
+Writes ``<out>/step-ab.{json,md}``: per batch size, the median over the rounds of each tree's
+µs per step (``Trainer.step()`` replaying its CUDA graph on a fixed batch), and new / base.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# Runs in the child process: only the public Trainer API, which both trees have.
+TIMING = r"""
+import json, sys, torch, dqn_ops
+from dqn_ops import DQNConfig, Trainer, TrainerConfig
+B, iters, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+c = DQNConfig()
+g = torch.Generator(device="cuda").manual_seed(B)
+batch = dict(states=torch.randn(B, c.state_dim, device="cuda", generator=g),
+             next_states=torch.randn(B, c.state_dim, device="cuda", generator=g),
+             actions=torch.stack([torch.randint(0, n, (B,), device="cuda", generator=g) for n in c.branches], 1),
+             rewards=torch.randn(B, device="cuda", generator=g),
+             dones=(torch.rand(B, device="cuda", generator=g) < 0.05).float())
+t = Trainer(c, TrainerConfig(batch_size=B, on_non_finite="flag"), device="cuda", seed=0)
+t.step(batch)
+for _ in range(10):
+    t.step()
+assert t.graphed, "the step did not capture"
+torch.cuda.synchronize()
+e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+samples = []
+for _ in range(repeats):
+    e0.record()
+    for _ in range(iters):
+        t.step()
+    e1.record()
+    e1.synchronize()
+    samples.append(e0.elapsed_time(e1) * 1000 / iters)
+print(json.dumps(dict(us=sorted(samples)[len(samples) // 2], dqn_ops=dqn_ops.__file__)))
+"""
+
+
+def time_tree(tree, B, iters, repeats):
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    out = subprocess.run([sys.executable, "-c", TIMING, str(B), str(iters), str(repeats)], env=env, cwd=tree,
+                         capture_output=True, text=True, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    expected = os.path.join(os.path.abspath(tree), "dqn_ops")
+    if not result["dqn_ops"].startswith(expected):
+        raise SystemExit(f"bench_ab: {tree} imported dqn_ops from {result['dqn_ops']}, not from {expected}")
+    return result["us"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="the other tree, built in place")
+    ap.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
+    ap.add_argument("--rounds", type=int, default=5, help="alternations base, new per batch size")
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--out", default=os.path.join(ROOT, "gpu_out"))
+    args = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from bench_common import run_meta
+
+    trees = dict(base=args.base, new=ROOT)
+    rows = []
+    for B in args.batches:
+        times = {name: [] for name in trees}
+        for r in range(args.rounds):
+            order = list(trees) if r % 2 == 0 else list(reversed(trees))  # neither always goes first
+            for name in order:
+                times[name].append(time_tree(trees[name], B, args.iters, 3))
+        med = {name: statistics.median(v) for name, v in times.items()}
+        rows.append(dict(batch=B, base_us=round(med["base"], 2), new_us=round(med["new"], 2),
+                         ratio=round(med["new"] / med["base"], 4), base_all=times["base"], new_all=times["new"]))
+        print(f"B={B:6d}  base {med['base']:8.1f} us  new {med['new']:8.1f} us  new/base {med['new'] / med['base']:.3f}",
+              flush=True)
+    meta = run_meta("cuda" if torch.cuda.is_available() else "cpu", base=os.path.abspath(args.base),
+                    rounds=args.rounds, iters=args.iters)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "step-ab.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"# Graphed step, base vs new tree — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
+             f"Median of {args.rounds} alternating rounds (each the median of 3 x {args.iters} steps).", "",
+             "| B | base µs | new µs | new / base |", "|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['base_us']} | {r['new_us']} | {r['ratio']:.3f} |" for r in rows]
+    with open(os.path.join(args.out, "step-ab.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
