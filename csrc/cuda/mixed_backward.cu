@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "branch_table.cuh"
+#include "dueling.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
 #include "network_args.h"
@@ -33,11 +34,10 @@ using at::Tensor;
 constexpr int kThreads = 256;
 constexpr int kLoadsInFlight = 4;  // per thread, in the dueling backward kernel
 
-// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q, a thread per (row, atom)
-// (row_group), a branch's dq loaded kLoadsInFlight at a time:  dv = sum over every action of
-// dq;  da[k] = dq[k] - mean over the branch's actions of dq. d_head is compact [rows,
-// head_out]; the BF16 copy the `bf16` GEMMs read (d_head_bf16, may be null) is in the padded
-// layout [rows, head_ld] of NetLayout, its padding columns 0.
+// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q (dueling.cuh), a thread per
+// (row, atom) (row_group), a branch's dq loaded kLoadsInFlight at a time. d_head is compact
+// [rows, head_out]; the BF16 copy the `bf16` GEMMs read (d_head_bf16, may be null) is in the
+// padded layout [rows, head_ld] of NetLayout, its padding columns 0.
 __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const float* __restrict__ grad_head,
                                         float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
                                         int64_t head_ld, int64_t rows, int atoms, int64_t head_out,
@@ -65,11 +65,13 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
               if (k0 + j < size) sum += x[j];
           }
         dv += sum;
-        const float mean = sum / size;
+        const float mean = branch_mean(sum, size);
 #pragma unroll 4
         for (int k = 0; k < size; ++k) {
           const int64_t col = int64_t(atoms) * (1 + first + k) + z;
-          const float g = (dq ? dq[int64_t(k) * atoms] - mean : 0.f) + (gh ? gh[col] : 0.f);
+          // Without grad_q: dq = 0 and mean = 0, so g = (0 - 0) + direct.
+          const float g =
+              dueling_advantage_grad(dq ? dq[int64_t(k) * atoms] : 0.f, dq ? mean : 0.f, gh ? gh[col] : 0.f);
           dh[col] = g;
           if (low) low[branches.pad_col[d] + int64_t(k) * atoms + z] = __float2bfloat16_rn(g);
         }
@@ -385,11 +387,9 @@ std::tuple<Tensor, Tensor> mixed_backward_cuda(
   const bool bf16 = precision == BackwardPrecision::kBF16;
   Grad d_head{at::empty({B, L.head_out}, params.options()),
               bf16 ? at::empty({B, L.head_ld}, params_bf16.options()) : Tensor()};
-  dueling_backward_kernel<<<row_group_blocks(B, L.atoms, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      grad_q.has_value() ? grad_q->data_ptr<float>() : nullptr,
-      grad_head.has_value() ? grad_head->data_ptr<float>() : nullptr, d_head.f32.data_ptr<float>(), d_head.low_ptr(),
-      L.head_ld, B, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_dueling_backward(grad_q.has_value() ? grad_q->data_ptr<float>() : nullptr,
+                          grad_head.has_value() ? grad_head->data_ptr<float>() : nullptr, d_head.f32.data_ptr<float>(),
+                          d_head.low_ptr(), B, L, branches, at::cuda::getCurrentCUDAStream());
   return backward_from_head(d_head, states_bf16, h1, h2, hh, params, params_bf16, L, precision, need_grad_states, op);
 }
 
@@ -412,6 +412,15 @@ Tensor mixed_backward_from_head_cuda(const Tensor& grad_head, const Tensor& grad
 }
 
 }  // namespace
+
+void launch_dueling_backward(const float* grad_q, const float* grad_head, float* d_head, __nv_bfloat16* d_head_bf16,
+                             int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream) {
+  dueling_backward_kernel<<<row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream>>>(
+      grad_q, grad_head, d_head, d_head_bf16, L.head_ld, rows, static_cast<int>(L.atoms), L.head_out,
+      static_cast<int>(L.total_actions), branches);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace cuda
 
 TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {
