@@ -262,11 +262,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> online_and_target_log
     const Tensor& target_params_bf16, c10::IntArrayRef layout, bool batch_networks) {
   const char* op = kLogitsOp;
   const NetLayout L = parse_layout(layout, op);
-  check_forward_args(state_pairs, params, params_bf16, L, "bf16", op, "state_pairs");
-  check_device(target_params, op, "target_params", params.device());
-  check_params(target_params, target_params_bf16, L, op, "target_params", "target_params_bf16");
-  const int64_t rows = state_pairs.size(0), B = rows / 2;
-  DQN_CHECK(rows % 2 == 0, op, ": state_pairs: expected [s; s'], an even number of rows, got ", rows);
+  const int64_t B =
+      check_online_and_target_args(state_pairs, params, params_bf16, target_params, target_params_bf16, L);
 
   const c10::cuda::CUDAGuard guard(state_pairs.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -1,6 +1,6 @@
 // mixed_backward on CUDA: the network's backward pass into one flat F32 gradient buffer.
 //
-// cuBLAS takes no F32 x BF16 operand mix (DESIGN.md fact 1), so each precision is a pair of
+// cuBLAS takes no F32 x BF16 operand mix (docs/design.md), so each precision is a pair of
 // operand types it accepts:
 //   bf16: dY rounded to BF16 where it is produced; BF16 x BF16 -> F32, COMPUTE_32F;
 //         dX reads the BF16 mirror (the weights the forward used).
@@ -134,7 +134,8 @@ __global__ void upcast_kernel(UpcastJobs jobs) {
 // accumulators, then one fixed-order reduction in shared memory. With one chunk (rows <=
 // kChunkRows) the block writes dst; otherwise it writes its chunk's partial sums and
 // column_sum_chunks_kernel adds the chunks in order. Deterministic: the order depends only
-// on `rows`. (v1, one block per column tile over all rows: 20 µs at B = 4096, 48 blocks.)
+// on `rows`. Chunking the rows gives large batches enough blocks: one block per column tile
+// over all rows leaves most of the GPU idle (48 blocks for the reference network).
 constexpr int kColTile = 32, kRowLanes = 16, kRowUnroll = 4;
 constexpr int64_t kChunkRows = 512;
 constexpr int kMaxZeroRanges = 32;
@@ -277,8 +278,8 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, const Tensor& 
   };
 
   // The few elements no GEMM or column sum writes are zeroed by the column-sum kernel (a fill
-  // of the whole buffer was a launch of its own: 1.25 µs of a B = 256 step on the H200, v6d);
-  // with more ranges than its parameters hold, the whole buffer is zeroed first.
+  // of the whole buffer would be a launch of its own, which counts at small batches); with
+  // more ranges than its parameters hold, the whole buffer is zeroed first.
   const std::vector<std::pair<int64_t, int64_t>> gaps = unwritten_ranges(L, bf16);
   const bool zero_in_column_sums = gaps.size() <= static_cast<size_t>(kMaxZeroRanges);
   Tensor grad = zero_in_column_sums ? at::empty({L.numel}, f32) : at::zeros({L.numel}, f32);
@@ -401,12 +402,10 @@ Tensor mixed_backward_from_head_cuda(const Tensor& grad_head, const Tensor& grad
                                      c10::string_view precision_str) {
   const char* op = kBackwardFromHeadOp;
   const NetLayout L = parse_layout(layout, op);
-  const BackwardPrecision precision = parse_precision(std::string(precision_str), op);
-  check_params(params, params_bf16, L, op);
-  const int64_t B = check_saved_activations(states_bf16, h1, h2, hh, params_bf16, L, op);
-  check_tensor(grad_head, op, "grad_head", params.device(), at::kFloat, {B, L.head_out});
-  check_tensor(grad_head_bf16, op, "grad_head_bf16", params.device(), at::kBFloat16, {B, L.head_ld});
-  check_aligned(grad_head_bf16, op, "grad_head_bf16", 16);
+  const std::string precision_s(precision_str);
+  check_backward_from_head_args(grad_head, grad_head_bf16, states_bf16, h1, h2, hh, params, params_bf16, L,
+                                precision_s);
+  const BackwardPrecision precision = parse_precision(precision_s, op);
   return std::get<0>(backward_from_head(Grad{grad_head, grad_head_bf16}, states_bf16, h1, h2, hh, params, params_bf16,
                                         L, precision, false, op));
 }
