@@ -123,8 +123,8 @@ inline int64_t check_online_and_target_args(const at::Tensor& state_pairs, const
   const char* op = kLogitsOp;
   check_forward_args(state_pairs, params, params_bf16, L, "bf16", op, "state_pairs");
   check_device(target_params, op, "target_params", params.device());
-  check_params(target_params, target_params_bf16, L, op, "target_params", "target_params_bf16");
   check_dtype(target_params, op, "target_params", params.scalar_type());
+  check_params(target_params, target_params_bf16, L, op, "target_params", "target_params_bf16");
   check_dtype(target_params_bf16, op, "target_params_bf16", params_bf16.scalar_type());
   const int64_t rows = state_pairs.size(0);
   DQN_CHECK(rows % 2 == 0, op, ": state_pairs: expected [s; s'], an even number of rows, got ", rows);

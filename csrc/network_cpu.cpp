@@ -27,19 +27,17 @@ HiddenActs hidden_layers(const Tensor& x, const NetViews& p, const NetLayout& L)
 Tensor output_logits(const Tensor& hh, const NetViews& p, const NetLayout& L) {
   Tensor hhc = hh.to(p.ct);
   Tensor logits = at::empty({hh.size(0), L.head_ld}, p.params.options());
-  for (const HeadSlice& h : L.heads) {
-    Tensor out = logits.narrow(1, h.pad_col, h.pad_width);
-    at::mm_out(out, hhc.narrow(1, h.in_col, h.in_width), p.mirror_weight(h.w_off, h.pad_width, h.in_width).t());
-  }
+  for (const HeadSlice& h : L.heads)  // out-of-place ops: the inputs may require grad (no out= then)
+    logits.narrow(1, h.pad_col, h.pad_width)
+        .copy_(at::mm(hhc.narrow(1, h.in_col, h.in_width), p.mirror_weight(h.w_off, h.pad_width, h.in_width).t()));
   return logits;
 }
 
 Tensor head_from_logits(const Tensor& logits, const Tensor& params, const NetLayout& L) {
   Tensor head = at::empty({logits.size(0), L.head_out}, logits.options());
-  for (const HeadSlice& h : L.heads) {
-    Tensor out = head.narrow(1, h.out_col, h.out_width);
-    at::add_out(out, logits.narrow(1, h.pad_col, h.out_width), params.narrow(0, L.b_out + h.out_col, h.out_width));
-  }
+  for (const HeadSlice& h : L.heads)
+    head.narrow(1, h.out_col, h.out_width)
+        .copy_(logits.narrow(1, h.pad_col, h.out_width) + params.narrow(0, L.b_out + h.out_col, h.out_width));
   return head;
 }
 
