@@ -1,6 +1,8 @@
 // Argument validation of dqn_loss, shared by the CPU and CUDA kernels.
 #pragma once
 
+#include <climits>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -93,6 +95,17 @@ inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_o
   DQN_CHECK(s.batch >= 1, op, ": q: expected a batch of at least 1 sample, got 0");
   check_loss_constants(op, s.atoms, v_min, v_max, gamma, loss_type);
   return s;
+}
+
+// The sizes the CUDA loss kernels take (both ops): the general C51 version's shared memory
+// per warp, and the int indices.
+constexpr int64_t kLossCudaMaxAtoms = 256;
+
+inline void check_loss_cuda_limits(const char* op, int64_t batch, int64_t total_actions, int64_t atoms) {
+  DQN_CHECK(atoms <= kLossCudaMaxAtoms, op, ": the CUDA kernel takes at most ", kLossCudaMaxAtoms, " atoms, got ",
+            atoms);
+  DQN_CHECK(batch <= INT_MAX / 2 && batch * total_actions * atoms <= (int64_t(1) << 40), op, ": batch too large (",
+            batch, " samples)");
 }
 
 // _dqn_loss_on_logits: the three passes' output-layer GEMM results in the padded layout

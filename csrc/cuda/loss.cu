@@ -31,7 +31,6 @@
 //     backward; 5 launches (and the memset).
 // Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh).
 #include <algorithm>
-#include <climits>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -136,13 +135,6 @@ LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int
   return out;
 }
 
-// The sizes the kernels' int indices take (both ops).
-void check_kernel_limits(const char* op, int64_t batch, int64_t total_actions, int64_t atoms) {
-  DQN_CHECK(atoms <= kMaxAtoms, op, ": the CUDA kernel takes at most ", kMaxAtoms, " atoms, got ", atoms);
-  DQN_CHECK(batch <= INT_MAX / 2 && batch * total_actions * atoms <= (int64_t(1) << 40), op, ": batch too large (",
-            batch, " samples)");
-}
-
 // The fields both ops fill alike: the samples and the loss constants. The caller sets the
 // logits, the gradient outputs and (the fused loss) the dueling fields.
 LossParams loss_params(const Tensor& actions, const Tensor& rewards, const Tensor& dones,
@@ -169,7 +161,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
                                                          double gamma, c10::string_view loss_type) {
   const LossShape S = check_loss_args(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches,
                                       v_min, v_max, gamma, std::string(loss_type));
-  check_kernel_limits(kLossOp, S.batch, S.total_actions, S.atoms);
+  check_loss_cuda_limits(kLossOp, S.batch, S.total_actions, S.atoms);
   const BranchTable br = make_branch_table(branches, kLossOp);
   // Kernels must run on the tensors' device, whichever device is current.
   const c10::cuda::CUDAGuard guard(q.device());
@@ -196,7 +188,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
                                                   target_params, actions, rewards, dones, weights, L, v_min, v_max,
                                                   gamma, std::string(loss_type));
   const int64_t B = logits.size(0);
-  check_kernel_limits(op, B, L.total_actions, L.atoms);
+  check_loss_cuda_limits(op, B, L.total_actions, L.atoms);
   const BranchTable br = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(logits.device());
   const auto f32 = params.options();

@@ -17,7 +17,6 @@ namespace {
 
 // Warps per block. The fused loss runs a warp per branch of a sample in one block.
 constexpr int kMaxWarps = kFusedLossMaxBranches;
-constexpr int64_t kMaxAtoms = 256;
 // C51 with at most this many atoms runs the register version (c51_branch_small: a lane owns
 // atoms `lane` and `lane + 32`), the only one the fused loss has.
 constexpr int kDuelingMaxAtoms = kFusedLossMaxAtoms;
