@@ -1,21 +1,35 @@
 // Every schema of the package, in one block. Kernels register per backend:
 // csrc/*_cpu.cpp (CPU reference) and csrc/cuda/*.cu (CUDA). Fake (meta) kernels and autograd
-// formulas are registered from Python, beside the wrappers (dqn_ops/ops.py).
+// formulas are registered from Python, beside the wrappers (dqn_ops/ops.py, dqn_ops/fused.py).
 //
 // How to add an op:
 //   1. its schema here (mutable arguments as Tensor(a!), documented below);
-//   2. argument checks shared by both backends in a csrc/*_args.h header;
-//   3. the CPU reference kernel in csrc/, the CUDA kernel in csrc/cuda/;
+//   2. argument checks shared by both backends in a csrc/*_args.h header (and nowhere else);
+//   3. the CPU reference kernel in csrc/, the CUDA kernel in csrc/cuda/ (one .cu per op family:
+//      setup.py compiles csrc/cuda/*.cu; a .cu's private parts go in csrc/cuda/<family>/*.cuh);
 //   4. in dqn_ops/ops.py: a typed wrapper, register_fake, and register_autograd if differentiable;
 //   5. tests/test_<op>.py: reference comparison, opcheck, bad inputs, CUDA graph + no-sync on GPU.
+// A limit the Python side must know is a constant in a C++ header, exported below (PyInit__C).
 #include <Python.h>
 #include <torch/library.h>
 
-// `import dqn_ops._C` loads this library, whose static initialisers register the ops.
+#include "fused_loss_limits.h"
+
+// `import dqn_ops._C` loads this library, whose static initialisers register the ops. The
+// module also carries the limits the Python side chooses a path by:
+//   FUSED_LOSS_MAX_ATOMS, FUSED_LOSS_MAX_BRANCHES: the largest C51 configuration whose
+//     _dqn_loss_on_logits runs as the single fused kernel on CUDA (csrc/fused_loss_limits.h).
 extern "C" {
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  if (PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_ATOMS", dqn_ops::kFusedLossMaxAtoms) < 0 ||
+      PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_BRANCHES", dqn_ops::kFusedLossMaxBranches) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 }
 
@@ -81,21 +95,31 @@ TORCH_LIBRARY(dqn_ops, m) {
       "Tensor dones, Tensor? weights, int[] branches, float v_min, float v_max, float gamma, "
       "str loss_type=\"c51\") -> (Tensor loss, Tensor grad_q, Tensor td_error, Tensor mean_q)");
 
-  // The trainer's fused CUDA path (dqn_ops/trainer.py): the three ops above with the dueling
-  // aggregation and its backward moved into the loss, so the logits make one trip through
-  // memory instead of three. CUDA only (and fake kernels); each result equals, bit for bit,
-  // what the public ops compute (tests/test_fused_step.py).
-  //   _online_and_target_logits: bf16_dueling_forward stopped before the aggregation, of the
-  //     online network on state_pairs [2B, SD] = [s; s'] and of the target network on s': the
-  //     output layer's GEMM results, no bias, in the padded layout ([2B, head_ld] and
-  //     [B, head_ld]; csrc/layout.h), and the online network's activations on all 2B rows.
-  //     batch_networks: both networks' hidden layers in one batched GEMM each (the target also
-  //     runs on s): fewer launches, more FLOPs; the same results either way.
-  //   _dqn_loss_on_logits: dqn_loss ('c51', atoms <= 64, at most 8 branches) on those
-  //     logits, biases read from each network's params; returns d(loss)/d(head logits) as
-  //     mixed_backward's dueling step would form it: F32 compact [B, head_out] and BF16
-  //     padded [B, head_ld] (padding 0).
-  //   _mixed_backward_from_head: mixed_backward from that gradient.
+  // The trainer's step (dqn_ops/trainer.py): the three ops above with the dueling aggregation
+  // and its backward moved into the loss, so that on CUDA the logits make one trip through
+  // memory instead of three. Internal (the schemas may change). CPU and CUDA, every network
+  // configuration and loss type; each result equals, bit for bit, what the public ops compute
+  // on the same backend (bf16_dueling_forward -> dqn_loss -> mixed_backward).
+  //   _online_and_target_logits: bf16_dueling_forward stopped before the output bias and the
+  //     aggregation, of the online network on state_pairs [2B, SD] = [s; s'] and of the target
+  //     network on s': the output layer's GEMM results, no bias, in the padded layout
+  //     ([2B, head_ld] and [B, head_ld], params' dtype; csrc/layout.h: head j's columns start
+  //     at its pad_col, its padding columns are its zero weight rows' products), and the
+  //     online network's activations on all 2B rows (as bf16_dueling_forward returns them).
+  //     batch_networks: on CUDA, both networks' hidden layers in one batched GEMM each (the
+  //     target also runs on s, rows it drops): fewer launches, more FLOPs. The results are the
+  //     same either way, and on the CPU the flag changes nothing.
+  //   _dqn_loss_on_logits: the output bias and the dueling aggregation of the three passes
+  //     (biases read from each network's params at b_out), dqn_loss with loss_type, and
+  //     d(loss)/d(head logits) as mixed_backward's dueling step forms it from grad_q: F32
+  //     compact [B, head_out] and BF16 padded [B, head_ld] (padding 0). F32 logits and params
+  //     only, as dqn_loss takes F32 only. On CUDA, C51 with atoms <= FUSED_LOSS_MAX_ATOMS and
+  //     branches <= FUSED_LOSS_MAX_BRANCHES runs as one fused kernel; anything else runs the
+  //     public ops' kernels in sequence. The same bits either way.
+  //   _mixed_backward_from_head: mixed_backward from that head gradient (no dueling step). On
+  //     CUDA the `bf16` GEMMs read grad_head_bf16; the CPU kernel reads grad_head and rounds it
+  //     itself, as mixed_backward's does. grad_head has params' dtype, grad_head_bf16 the
+  //     mirror's: BF16, or params' dtype on the CPU's float64 path (the mirror in params' dtype).
   m.def(
       "_online_and_target_logits(Tensor state_pairs, Tensor params, Tensor params_bf16, Tensor target_params, "
       "Tensor target_params_bf16, int[] layout, bool batch_networks) -> (Tensor logits, "
@@ -103,8 +127,8 @@ TORCH_LIBRARY(dqn_ops, m) {
   m.def(
       "_dqn_loss_on_logits(Tensor logits, Tensor logits_next_online, Tensor logits_next_target, Tensor params, "
       "Tensor target_params, Tensor actions, Tensor rewards, Tensor dones, Tensor? weights, int[] layout, "
-      "float v_min, float v_max, float gamma) -> (Tensor loss, Tensor grad_head, Tensor grad_head_bf16, "
-      "Tensor td_error, Tensor mean_q)");
+      "float v_min, float v_max, float gamma, str loss_type=\"c51\") -> (Tensor loss, Tensor grad_head, "
+      "Tensor grad_head_bf16, Tensor td_error, Tensor mean_q)");
   m.def(
       "_mixed_backward_from_head(Tensor grad_head, Tensor grad_head_bf16, Tensor states_bf16, Tensor h1, "
       "Tensor h2, Tensor hh, Tensor params, Tensor params_bf16, int[] layout, str precision=\"bf16\") -> Tensor");

@@ -45,7 +45,7 @@ struct NetLayout {
   // pad_width columns start at pad_col (multiples of kLayoutAlign) and rows are head_ld apart,
   // so every GEMM operand is 16-byte aligned and every GEMM size a multiple of 8 (with
   // head_out = 510, heads at columns 51, 204, ... and 51 or 153 rows, cuBLAS fell back to
-  // align-1 SM75 kernels plus split-K reductions: 2-10x slower, measured).
+  // align-1 SM75 kernels plus split-K reductions, several times slower).
   int64_t head_ld;
   int64_t w_s1, w_s2, w_h1;             // weight offsets
   std::vector<HeadSlice> heads;         // D + 1 output heads, value first

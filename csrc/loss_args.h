@@ -1,7 +1,10 @@
 // Argument validation of dqn_loss, shared by the CPU and CUDA kernels.
 #pragma once
 
+#include <climits>
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +12,7 @@
 #include <c10/util/Optional.h>
 
 #include "checks.h"
+#include "layout.h"
 
 namespace dqn_ops {
 
@@ -27,11 +31,39 @@ struct LossShape {
   LossType type;
 };
 
-inline LossType parse_loss_type(const std::string& s) {
+inline LossType parse_loss_type(const std::string& s, const char* op = kLossOp) {
   if (s == "c51") return LossType::kC51;
   if (s == "mse") return LossType::kMSE;
   if (s == "huber") return LossType::kHuber;
-  DQN_CHECK(false, kLossOp, ": loss_type: expected one of 'c51', 'mse', 'huber', got '", s, "'");
+  DQN_CHECK(false, op, ": loss_type: expected one of 'c51', 'mse', 'huber', got '", s, "'");
+}
+
+// The checks of the loss type against the atom count, and of the support and the discount:
+// dqn_loss's and _dqn_loss_on_logits's. Returns the parsed type.
+inline LossType check_loss_constants(const char* op, int64_t atoms, double v_min, double v_max, double gamma,
+                                     const std::string& loss_type) {
+  const LossType type = parse_loss_type(loss_type, op);
+  if (type == LossType::kC51) {
+    DQN_CHECK(atoms >= 2, op, ": loss_type 'c51' needs at least 2 atoms, got ", atoms,
+              " (use 'mse' or 'huber' for plain Q-values)");
+    DQN_CHECK(v_min < v_max, op, ": v_min must be below v_max, got v_min=", std::to_string(v_min), ", v_max=",
+              std::to_string(v_max));
+  } else {
+    DQN_CHECK(atoms == 1, op, ": loss_type '", loss_type, "' takes plain Q-values (1 atom), got ", atoms,
+              " atoms (use 'c51')");
+  }
+  DQN_CHECK(gamma >= 0 && gamma <= 1, op, ": gamma: expected a value in [0, 1], got ", std::to_string(gamma));
+  return type;
+}
+
+// The per-sample inputs of both losses: actions [B, D] int64, rewards and dones [B] F32, weights [B] F32 or None.
+inline void check_sample_args(const char* op, const at::Tensor& actions, const at::Tensor& rewards,
+                              const at::Tensor& dones, const c10::optional<at::Tensor>& weights, int64_t batch,
+                              int64_t branches, const at::Device& dev) {
+  check_tensor(actions, op, "actions", dev, at::kLong, {batch, branches});
+  const std::pair<const at::Tensor*, const char*> per_sample[] = {{&rewards, "rewards"}, {&dones, "dones"}};
+  for (const auto& t : per_sample) check_tensor(*t.first, op, t.second, dev, at::kFloat, {batch});
+  if (weights.has_value()) check_tensor(*weights, op, "weights", dev, at::kFloat, {batch});
 }
 
 inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_online, const at::Tensor& q_next_target,
@@ -40,7 +72,7 @@ inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_o
                                  double v_max, double gamma, const std::string& loss_type) {
   const char* op = kLossOp;
   LossShape s;
-  s.type = parse_loss_type(loss_type);
+  s.type = parse_loss_type(loss_type, op);
   DQN_CHECK(!branches.empty(), op, ": branches: expected at least one branch, got none");
   s.total_actions = 0;
   for (size_t d = 0; d < branches.size(); ++d) {
@@ -59,22 +91,45 @@ inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_o
       {&q, "q"}, {&q_next_online, "q_next_online"}, {&q_next_target, "q_next_target"}};
   for (const auto& t : logits)
     check_tensor(*t.first, op, t.second, dev, at::kFloat, {s.batch, s.total_actions, s.atoms});
-  check_tensor(actions, op, "actions", dev, at::kLong, {s.batch, D});
-  const std::pair<const at::Tensor*, const char*> per_sample[] = {{&rewards, "rewards"}, {&dones, "dones"}};
-  for (const auto& t : per_sample) check_tensor(*t.first, op, t.second, dev, at::kFloat, {s.batch});
-  if (weights.has_value()) check_tensor(*weights, op, "weights", dev, at::kFloat, {s.batch});
+  check_sample_args(op, actions, rewards, dones, weights, s.batch, D, dev);
   DQN_CHECK(s.batch >= 1, op, ": q: expected a batch of at least 1 sample, got 0");
-  if (s.type == LossType::kC51) {
-    DQN_CHECK(s.atoms >= 2, op, ": loss_type 'c51' needs at least 2 atoms, got ", s.atoms,
-              " (use 'mse' or 'huber' for plain Q-values)");
-    DQN_CHECK(v_min < v_max, op, ": v_min must be below v_max, got v_min=", std::to_string(v_min), ", v_max=",
-              std::to_string(v_max));
-  } else {
-    DQN_CHECK(s.atoms == 1, op, ": loss_type '", loss_type, "' takes plain Q-values (1 atom), got ", s.atoms,
-              " atoms (use 'c51')");
-  }
-  DQN_CHECK(gamma >= 0 && gamma <= 1, op, ": gamma: expected a value in [0, 1], got ", std::to_string(gamma));
+  check_loss_constants(op, s.atoms, v_min, v_max, gamma, loss_type);
   return s;
+}
+
+// The sizes the CUDA loss kernels take (both ops): the general C51 version's shared memory
+// per warp, and the int indices.
+constexpr int64_t kLossCudaMaxAtoms = 256;
+
+inline void check_loss_cuda_limits(const char* op, int64_t batch, int64_t total_actions, int64_t atoms) {
+  DQN_CHECK(atoms <= kLossCudaMaxAtoms, op, ": the CUDA kernel takes at most ", kLossCudaMaxAtoms, " atoms, got ",
+            atoms);
+  DQN_CHECK(batch <= INT_MAX / 2 && batch * total_actions * atoms <= (int64_t(1) << 40), op, ": batch too large (",
+            batch, " samples)");
+}
+
+// _dqn_loss_on_logits: the three passes' output-layer GEMM results in the padded layout
+// ([B, head_ld] F32, no bias), each network's F32 params (their b_out is the output bias), the
+// samples as for dqn_loss. Returns the loss type; B is logits.size(0).
+inline LossType check_loss_on_logits_args(const at::Tensor& logits, const at::Tensor& logits_next_online,
+                                          const at::Tensor& logits_next_target, const at::Tensor& params,
+                                          const at::Tensor& target_params, const at::Tensor& actions,
+                                          const at::Tensor& rewards, const at::Tensor& dones,
+                                          const c10::optional<at::Tensor>& weights, const NetLayout& L, double v_min,
+                                          double v_max, double gamma, const std::string& loss_type) {
+  const char* op = kLossOnLogitsOp;
+  const LossType type = check_loss_constants(op, L.atoms, v_min, v_max, gamma, loss_type);
+  const at::Device dev = logits.device();
+  DQN_CHECK(dev.is_cpu() || dev.is_cuda(), op, ": logits: expected a CPU or CUDA tensor, got one on ", dev);
+  check_tensor(logits, op, "logits", dev, at::kFloat, {-1, L.head_ld});
+  const int64_t B = logits.size(0);
+  DQN_CHECK(B >= 1, op, ": logits: expected a batch of at least 1 row, got 0");
+  check_tensor(logits_next_online, op, "logits_next_online", dev, at::kFloat, {B, L.head_ld});
+  check_tensor(logits_next_target, op, "logits_next_target", dev, at::kFloat, {B, L.head_ld});
+  check_tensor(params, op, "params", dev, at::kFloat, {L.numel});
+  check_tensor(target_params, op, "target_params", dev, at::kFloat, {L.numel});
+  check_sample_args(op, actions, rewards, dones, weights, B, L.num_branches(), dev);
+  return type;
 }
 
 }  // namespace dqn_ops

@@ -1,4 +1,6 @@
-// CPU reference kernel of dqn_loss: one sample after the other, in double precision.
+// CPU reference kernels of dqn_loss (one sample after the other, in double precision) and of
+// _dqn_loss_on_logits (the output bias, the dueling aggregation, dqn_loss and the aggregation's
+// backward: network_cpu.h's pieces around the same loss).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -8,7 +10,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "layout.h"
 #include "loss_args.h"
+#include "network_cpu.h"
 
 namespace dqn_ops {
 namespace {
@@ -25,14 +29,14 @@ double softmax(const float* x, int64_t n, std::vector<double>& p) {
   return m + std::log(s);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cpu(const Tensor& q, const Tensor& q_next_online,
-                                                        const Tensor& q_next_target, const Tensor& actions,
-                                                        const Tensor& rewards, const Tensor& dones,
-                                                        const c10::optional<Tensor>& weights, c10::IntArrayRef branches,
-                                                        double v_min, double v_max, double gamma,
-                                                        c10::string_view loss_type) {
-  const LossShape S = check_loss_args(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches,
-                                      v_min, v_max, gamma, std::string(loss_type));
+// The loss on validated inputs (S from check_loss_args or loss_shape); `op` names the op in
+// the out-of-range-action error.
+std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, const Tensor& q_next_online,
+                                                              const Tensor& q_next_target, const Tensor& actions,
+                                                              const Tensor& rewards, const Tensor& dones,
+                                                              const c10::optional<Tensor>& weights, const LossShape& S,
+                                                              double v_min, double v_max, double gamma,
+                                                              const char* op) {
   const int64_t B = S.batch, A = S.total_actions, NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
   Tensor loss = at::empty({}, q.options());
   Tensor grad_q = at::zeros_like(q);
@@ -50,7 +54,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cpu(const Tensor& q, const T
 
   for (int64_t b = 0; b < B; ++b)
     for (int64_t d = 0; d < D; ++d)
-      DQN_CHECK(act[b * D + d] >= 0 && act[b * D + d] < S.branch_sizes[d], kLossOp, ": actions: sample ", b,
+      DQN_CHECK(act[b * D + d] >= 0 && act[b * D + d] < S.branch_sizes[d], op, ": actions: sample ", b,
                 " takes action ", act[b * D + d], " in branch ", d, ", which has ", S.branch_sizes[d], " actions");
 
   const double dz = S.type == LossType::kC51 ? (v_max - v_min) / double(NA - 1) : 0.0;
@@ -157,8 +161,51 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cpu(const Tensor& q, const T
   return {loss, grad_q, td_error, mean_q};
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cpu(const Tensor& q, const Tensor& q_next_online,
+                                                        const Tensor& q_next_target, const Tensor& actions,
+                                                        const Tensor& rewards, const Tensor& dones,
+                                                        const c10::optional<Tensor>& weights, c10::IntArrayRef branches,
+                                                        double v_min, double v_max, double gamma,
+                                                        c10::string_view loss_type) {
+  const LossShape S = check_loss_args(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches,
+                                      v_min, v_max, gamma, std::string(loss_type));
+  return dqn_loss_reference(q, q_next_online, q_next_target, actions, rewards, dones, weights, S, v_min, v_max, gamma,
+                            kLossOp);
+}
+
+// _dqn_loss_on_logits: q of each pass as bf16_dueling_forward forms it from these logits, the
+// dqn_loss reference, and d(loss)/d(head logits) as mixed_backward forms it from grad_q.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cpu(
+    const Tensor& logits, const Tensor& logits_next_online, const Tensor& logits_next_target, const Tensor& params,
+    const Tensor& target_params, const Tensor& actions, const Tensor& rewards, const Tensor& dones,
+    const c10::optional<Tensor>& weights, c10::IntArrayRef layout, double v_min, double v_max, double gamma,
+    c10::string_view loss_type) {
+  const char* op = kLossOnLogitsOp;
+  const NetLayout L = parse_layout(layout, op);
+  LossShape S;
+  S.type = check_loss_on_logits_args(logits, logits_next_online, logits_next_target, params, target_params, actions,
+                                     rewards, dones, weights, L, v_min, v_max, gamma, std::string(loss_type));
+  S.batch = logits.size(0);
+  S.total_actions = L.total_actions;
+  S.atoms = L.atoms;
+  S.branch_sizes = L.branch_sizes;
+  S.action_offsets = L.action_offsets;
+  auto q_of = [&](const Tensor& pass_logits, const Tensor& net_params) {
+    return cpu::dueling_aggregate(cpu::head_from_logits(pass_logits, net_params, L), L);
+  };
+  const auto [loss, grad_q, td_error, mean_q] =
+      dqn_loss_reference(q_of(logits, params), q_of(logits_next_online, params), q_of(logits_next_target, target_params),
+                         actions, rewards, dones, weights, S, v_min, v_max, gamma, op);
+  Tensor grad_head = cpu::dueling_backward(grad_q, c10::nullopt, L);
+  Tensor grad_head_bf16 = cpu::padded_head_grad(grad_head, L, at::kBFloat16);
+  return {loss, grad_head, grad_head_bf16, td_error, mean_q};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dqn_ops, CPU, m) { m.impl("dqn_loss", &dqn_loss_cpu); }
+TORCH_LIBRARY_IMPL(dqn_ops, CPU, m) {
+  m.impl("dqn_loss", &dqn_loss_cpu);
+  m.impl("_dqn_loss_on_logits", &dqn_loss_on_logits_cpu);
+}
 
 }  // namespace dqn_ops

@@ -17,7 +17,7 @@ constexpr const char* kBackwardOp = "dqn_ops.mixed_backward";
 constexpr const char* kLogitsOp = "dqn_ops._online_and_target_logits";
 constexpr const char* kBackwardFromHeadOp = "dqn_ops._mixed_backward_from_head";
 
-// Operand types of the backward GEMMs (DESIGN.md fact 1: cuBLAS takes no F32 x BF16 mix).
+// Operand types of the backward GEMMs (docs/design.md: cuBLAS takes no F32 x BF16 mix).
 enum class BackwardPrecision {
   kBF16,  // dY cast to BF16 where produced; BF16 x BF16 -> F32
   kTF32,  // F32 dY x F32 master weights / upcast activations on TF32 tensor cores
@@ -112,6 +112,40 @@ inline void check_backward_args(const c10::optional<at::Tensor>& grad_q, const c
     check_device(*grad_head, op, "grad_head", params.device());
     check_contiguous(*grad_head, op, "grad_head");
   }
+}
+
+// _online_and_target_logits: state_pairs [2B, SD] = [s; s'] as bf16_dueling_forward's states,
+// and two networks' params (the target's in the same dtypes as the online network's).
+// Returns B.
+inline int64_t check_online_and_target_args(const at::Tensor& state_pairs, const at::Tensor& params,
+                                            const at::Tensor& params_bf16, const at::Tensor& target_params,
+                                            const at::Tensor& target_params_bf16, const NetLayout& L) {
+  const char* op = kLogitsOp;
+  check_forward_args(state_pairs, params, params_bf16, L, "bf16", op, "state_pairs");
+  check_device(target_params, op, "target_params", params.device());
+  check_dtype(target_params, op, "target_params", params.scalar_type());
+  check_params(target_params, target_params_bf16, L, op, "target_params", "target_params_bf16");
+  check_dtype(target_params_bf16, op, "target_params_bf16", params_bf16.scalar_type());
+  const int64_t rows = state_pairs.size(0);
+  DQN_CHECK(rows % 2 == 0, op, ": state_pairs: expected [s; s'], an even number of rows, got ", rows);
+  return rows / 2;
+}
+
+// _mixed_backward_from_head: grad_head [B, head_out] in params' dtype and its copy in the
+// mirror's dtype in the padded layout [B, head_ld], with the saved activations. Returns B.
+inline int64_t check_backward_from_head_args(const at::Tensor& grad_head, const at::Tensor& grad_head_bf16,
+                                             const at::Tensor& states_bf16, const at::Tensor& h1,
+                                             const at::Tensor& h2, const at::Tensor& hh, const at::Tensor& params,
+                                             const at::Tensor& params_bf16, const NetLayout& L,
+                                             const std::string& precision) {
+  const char* op = kBackwardFromHeadOp;
+  parse_precision(precision, op);
+  check_params(params, params_bf16, L, op);
+  const int64_t B = check_saved_activations(states_bf16, h1, h2, hh, params_bf16, L, op);
+  check_tensor(grad_head, op, "grad_head", params.device(), params.scalar_type(), {B, L.head_out});
+  check_tensor(grad_head_bf16, op, "grad_head_bf16", params.device(), params_bf16.scalar_type(), {B, L.head_ld});
+  if (params.is_cuda()) check_aligned(grad_head_bf16, op, "grad_head_bf16", 16);
+  return B;
 }
 
 }  // namespace dqn_ops

@@ -1,7 +1,7 @@
 // _load_batch on CUDA: the copies of a training batch into the trainer's input buffers in one
-// launch. One cudaMemcpyAsync per buffer took 5 copies and a fill, ~9 µs of kernels in front
-// of a B = 4096 step on the H200 (and torch._foreach_copy_, measured as the replacement, 20 µs:
-// its multi-tensor kernel is not a vectorised copy; bench/NOTES.md, step v6c).
+// launch, instead of a cudaMemcpyAsync per buffer (5 copies and a fill, each a launch in front of
+// the step). torch._foreach_copy_ would be one launch too, but its multi-tensor kernel is not a
+// vectorised copy, and was slower than the copies it replaces.
 //
 // Block row y copies pair y; each thread moves 16 bytes at a time where both pointers are
 // 16-byte aligned, else single bytes (a source at an odd offset: correct, slower).

@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "branch_table.cuh"
+#include "dueling.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
 #include "network_args.h"
@@ -79,10 +80,9 @@ __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const flo
 
 // From the output layer's GEMM results in the padded layout (logits [rows, head_ld], see
 // NetLayout::head_ld) writes head = logits + b_out in the compact layout [rows, head_out] and
-// the dueling aggregate q[b, action, z] = v[b, z] + a[b, action, z] - mean over the branch's
-// actions. A thread per (row, atom) (row_group); a branch's advantages are loaded together
-// (kLoadsInFlight at a time: one memory latency per branch, not one per action) and read again,
-// from L1, for q instead of from `head`.
+// the dueling aggregate q[b, action, z] (dueling.cuh). A thread per (row, atom) (row_group); a
+// branch's advantages are loaded together (kLoadsInFlight at a time: one memory latency per
+// branch, not one per action) and read again, from L1, for q instead of from `head`.
 __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64_t head_ld,
                                          const float* __restrict__ b_out, float* __restrict__ head,
                                          float* __restrict__ q, int64_t rows, int atoms, int64_t head_out,
@@ -94,7 +94,7 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
     float* row = head + b * head_out;
     float* q_row = q + b * int64_t(total_actions) * atoms;
     for (int z = g.col; z < atoms; z += g.width) {
-      const float v = in[z] + b_out[z];
+      const float v = biased_logit(in[z], b_out[z]);
       row[z] = v;
       for (int d = 0; d < branches.count; ++d) {
         const int size = branches.size[d], first = branches.action_offset[d];
@@ -105,7 +105,7 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
           float a[kLoadsInFlight];
 #pragma unroll
           for (int j = 0; j < kLoadsInFlight; ++j)
-            if (k0 + j < size) a[j] = adv[int64_t(k0 + j) * atoms] + bias[int64_t(k0 + j) * atoms];
+            if (k0 + j < size) a[j] = biased_logit(adv[int64_t(k0 + j) * atoms], bias[int64_t(k0 + j) * atoms]);
 #pragma unroll
           for (int j = 0; j < kLoadsInFlight; ++j)
             if (k0 + j < size) {
@@ -113,10 +113,11 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
               sum += a[j];
             }
         }
-        const float mean = sum / size;
+        const float mean = branch_mean(sum, size);
 #pragma unroll 4
         for (int k = 0; k < size; ++k)
-          q_row[int64_t(first + k) * atoms + z] = v + (adv[int64_t(k) * atoms] + bias[int64_t(k) * atoms]) - mean;
+          q_row[int64_t(first + k) * atoms + z] =
+              dueling_q(v, biased_logit(adv[int64_t(k) * atoms], bias[int64_t(k) * atoms]), mean);
       }
     }
   }
@@ -247,11 +248,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
   const int64_t B = states.size(0);
   Tensor head = at::empty({B, L.head_out}, params.options());
   Tensor q = at::empty({B, L.total_actions, L.atoms}, params.options());
-  head_bias_dueling_kernel<<<row_group_blocks(B, L.atoms, kThreads), kThreads, 0,
-                             at::cuda::getCurrentCUDAStream()>>>(
-      f.logits.data_ptr<float>(), L.head_ld, params.data_ptr<float>() + L.b_out, head.data_ptr<float>(),
-      q.data_ptr<float>(), B, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_head_bias_dueling(f.logits.data_ptr<float>(), params.data_ptr<float>() + L.b_out, head.data_ptr<float>(),
+                           q.data_ptr<float>(), B, L, branches, at::cuda::getCurrentCUDAStream());
   return {q, head, f.x, f.h1, f.h2, f.hh};
 }
 
@@ -264,11 +262,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> online_and_target_log
     const Tensor& target_params_bf16, c10::IntArrayRef layout, bool batch_networks) {
   const char* op = kLogitsOp;
   const NetLayout L = parse_layout(layout, op);
-  check_forward_args(state_pairs, params, params_bf16, L, "bf16", op, "state_pairs");
-  check_device(target_params, op, "target_params", params.device());
-  check_params(target_params, target_params_bf16, L, op, "target_params", "target_params_bf16");
-  const int64_t rows = state_pairs.size(0), B = rows / 2;
-  DQN_CHECK(rows % 2 == 0, op, ": state_pairs: expected [s; s'], an even number of rows, got ", rows);
+  const int64_t B =
+      check_online_and_target_args(state_pairs, params, params_bf16, target_params, target_params_bf16, L);
 
   const c10::cuda::CUDAGuard guard(state_pairs.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -290,6 +285,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> online_and_target_log
 }
 
 }  // namespace
+
+void launch_head_bias_dueling(const float* logits, const float* b_out, float* head, float* q, int64_t rows,
+                              const NetLayout& L, const BranchTable& branches, cudaStream_t stream) {
+  head_bias_dueling_kernel<<<row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream>>>(
+      logits, L.head_ld, b_out, head, q, rows, static_cast<int>(L.atoms), L.head_out,
+      static_cast<int>(L.total_actions), branches);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace cuda
 
 TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {

@@ -4,8 +4,8 @@
 // backward): a group of `width` threads per row, one per column (striding when the row is
 // wider than the block), as many rows per block as fit. Consecutive threads read consecutive
 // columns, no index needs a 64-bit division (a per-element `i % cols` cost more than the
-// memory traffic), and narrow rows (51 atoms, 64 float4s) do not leave most of a block idle.
-// (v1 ran a block per row: 11% achieved occupancy for the dueling kernel at B = 256.)
+// memory traffic), and narrow rows (51 atoms, 64 float4s) do not leave most of a block idle,
+// as a block per row would.
 #pragma once
 
 #include <algorithm>

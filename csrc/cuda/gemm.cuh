@@ -26,7 +26,7 @@ struct Operand {
 //
 // cuBLAS is column-major, and a row-major X is the column-major X^T, so this computes
 // C^T = op(B)^T op(A)^T: the operands swap places and M, N swap roles. alpha = 1, beta = 0.
-// Both operands must have one type (DESIGN.md fact 1: cuBLAS refuses F32 x BF16).
+// Both operands must have one type (docs/design.md: cuBLAS refuses F32 x BF16).
 inline void gemm_strided_batched(const char* op, const char* what, int64_t M, int64_t N, int64_t K, const Operand& A,
                                  int64_t stride_a, const Operand& B, int64_t stride_b, void* C, cudaDataType_t c_type,
                                  int64_t ldc, int64_t stride_c, int64_t batch, cublasComputeType_t compute) {

@@ -1,6 +1,6 @@
 // mixed_backward on CUDA: the network's backward pass into one flat F32 gradient buffer.
 //
-// cuBLAS takes no F32 x BF16 operand mix (DESIGN.md fact 1), so each precision is a pair of
+// cuBLAS takes no F32 x BF16 operand mix (docs/design.md), so each precision is a pair of
 // operand types it accepts:
 //   bf16: dY rounded to BF16 where it is produced; BF16 x BF16 -> F32, COMPUTE_32F;
 //         dX reads the BF16 mirror (the weights the forward used).
@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "branch_table.cuh"
+#include "dueling.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
 #include "network_args.h"
@@ -33,11 +34,10 @@ using at::Tensor;
 constexpr int kThreads = 256;
 constexpr int kLoadsInFlight = 4;  // per thread, in the dueling backward kernel
 
-// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q, a thread per (row, atom)
-// (row_group), a branch's dq loaded kLoadsInFlight at a time:  dv = sum over every action of
-// dq;  da[k] = dq[k] - mean over the branch's actions of dq. d_head is compact [rows,
-// head_out]; the BF16 copy the `bf16` GEMMs read (d_head_bf16, may be null) is in the padded
-// layout [rows, head_ld] of NetLayout, its padding columns 0.
+// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q (dueling.cuh), a thread per
+// (row, atom) (row_group), a branch's dq loaded kLoadsInFlight at a time. d_head is compact
+// [rows, head_out]; the BF16 copy the `bf16` GEMMs read (d_head_bf16, may be null) is in the
+// padded layout [rows, head_ld] of NetLayout, its padding columns 0.
 __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const float* __restrict__ grad_head,
                                         float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
                                         int64_t head_ld, int64_t rows, int atoms, int64_t head_out,
@@ -65,11 +65,13 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
               if (k0 + j < size) sum += x[j];
           }
         dv += sum;
-        const float mean = sum / size;
+        const float mean = branch_mean(sum, size);
 #pragma unroll 4
         for (int k = 0; k < size; ++k) {
           const int64_t col = int64_t(atoms) * (1 + first + k) + z;
-          const float g = (dq ? dq[int64_t(k) * atoms] - mean : 0.f) + (gh ? gh[col] : 0.f);
+          // Without grad_q: dq = 0 and mean = 0, so g = (0 - 0) + direct.
+          const float g =
+              dueling_advantage_grad(dq ? dq[int64_t(k) * atoms] : 0.f, dq ? mean : 0.f, gh ? gh[col] : 0.f);
           dh[col] = g;
           if (low) low[branches.pad_col[d] + int64_t(k) * atoms + z] = __float2bfloat16_rn(g);
         }
@@ -132,7 +134,8 @@ __global__ void upcast_kernel(UpcastJobs jobs) {
 // accumulators, then one fixed-order reduction in shared memory. With one chunk (rows <=
 // kChunkRows) the block writes dst; otherwise it writes its chunk's partial sums and
 // column_sum_chunks_kernel adds the chunks in order. Deterministic: the order depends only
-// on `rows`. (v1, one block per column tile over all rows: 20 µs at B = 4096, 48 blocks.)
+// on `rows`. Chunking the rows gives large batches enough blocks: one block per column tile
+// over all rows leaves most of the GPU idle (48 blocks for the reference network).
 constexpr int kColTile = 32, kRowLanes = 16, kRowUnroll = 4;
 constexpr int64_t kChunkRows = 512;
 constexpr int kMaxZeroRanges = 32;
@@ -275,8 +278,8 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, const Tensor& 
   };
 
   // The few elements no GEMM or column sum writes are zeroed by the column-sum kernel (a fill
-  // of the whole buffer was a launch of its own: 1.25 µs of a B = 256 step on the H200, v6d);
-  // with more ranges than its parameters hold, the whole buffer is zeroed first.
+  // of the whole buffer would be a launch of its own, which counts at small batches); with
+  // more ranges than its parameters hold, the whole buffer is zeroed first.
   const std::vector<std::pair<int64_t, int64_t>> gaps = unwritten_ranges(L, bf16);
   const bool zero_in_column_sums = gaps.size() <= static_cast<size_t>(kMaxZeroRanges);
   Tensor grad = zero_in_column_sums ? at::empty({L.numel}, f32) : at::zeros({L.numel}, f32);
@@ -385,11 +388,9 @@ std::tuple<Tensor, Tensor> mixed_backward_cuda(
   const bool bf16 = precision == BackwardPrecision::kBF16;
   Grad d_head{at::empty({B, L.head_out}, params.options()),
               bf16 ? at::empty({B, L.head_ld}, params_bf16.options()) : Tensor()};
-  dueling_backward_kernel<<<row_group_blocks(B, L.atoms, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      grad_q.has_value() ? grad_q->data_ptr<float>() : nullptr,
-      grad_head.has_value() ? grad_head->data_ptr<float>() : nullptr, d_head.f32.data_ptr<float>(), d_head.low_ptr(),
-      L.head_ld, B, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.total_actions), branches);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_dueling_backward(grad_q.has_value() ? grad_q->data_ptr<float>() : nullptr,
+                          grad_head.has_value() ? grad_head->data_ptr<float>() : nullptr, d_head.f32.data_ptr<float>(),
+                          d_head.low_ptr(), B, L, branches, at::cuda::getCurrentCUDAStream());
   return backward_from_head(d_head, states_bf16, h1, h2, hh, params, params_bf16, L, precision, need_grad_states, op);
 }
 
@@ -401,17 +402,24 @@ Tensor mixed_backward_from_head_cuda(const Tensor& grad_head, const Tensor& grad
                                      c10::string_view precision_str) {
   const char* op = kBackwardFromHeadOp;
   const NetLayout L = parse_layout(layout, op);
-  const BackwardPrecision precision = parse_precision(std::string(precision_str), op);
-  check_params(params, params_bf16, L, op);
-  const int64_t B = check_saved_activations(states_bf16, h1, h2, hh, params_bf16, L, op);
-  check_tensor(grad_head, op, "grad_head", params.device(), at::kFloat, {B, L.head_out});
-  check_tensor(grad_head_bf16, op, "grad_head_bf16", params.device(), at::kBFloat16, {B, L.head_ld});
-  check_aligned(grad_head_bf16, op, "grad_head_bf16", 16);
+  const std::string precision_s(precision_str);
+  check_backward_from_head_args(grad_head, grad_head_bf16, states_bf16, h1, h2, hh, params, params_bf16, L,
+                                precision_s);
+  const BackwardPrecision precision = parse_precision(precision_s, op);
   return std::get<0>(backward_from_head(Grad{grad_head, grad_head_bf16}, states_bf16, h1, h2, hh, params, params_bf16,
                                         L, precision, false, op));
 }
 
 }  // namespace
+
+void launch_dueling_backward(const float* grad_q, const float* grad_head, float* d_head, __nv_bfloat16* d_head_bf16,
+                             int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream) {
+  dueling_backward_kernel<<<row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream>>>(
+      grad_q, grad_head, d_head, d_head_bf16, L.head_ld, rows, static_cast<int>(L.atoms), L.head_out,
+      static_cast<int>(L.total_actions), branches);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace cuda
 
 TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {

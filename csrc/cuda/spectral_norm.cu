@@ -1,7 +1,10 @@
-// batched_spectral_norm on CUDA: one cooperative launch runs the power iteration of every
-// weight matrix, whatever their number and sizes.
+// batched_spectral_norm on CUDA, two strategies:
+//   cluster (sm_90, matrices whose rows fit a thread-block cluster's shared memory): one launch,
+//     a cluster of blocks per matrix, no grid barrier (spectral_norm_cluster_kernel, below);
+//   cooperative (larger matrices, and devices before sm_90): one cooperative launch runs the
+//     power iteration of every such matrix, whatever their number and sizes (spectral_norm_kernel).
 //
-// Work split. Matrix m is cut into K_m "virtual blocks" of about kElemsPerVirtualBlock
+// The cooperative strategy. Work split: Matrix m is cut into K_m "virtual blocks" of about kElemsPerVirtualBlock
 // elements: contiguous row slices (for W^T u and W v) and, in the reduction phase,
 // contiguous column slices. K_m depends on the matrix's shape alone, so a matrix is computed
 // the same way, to the bit, whether it shares the launch with others or runs alone (the
@@ -19,9 +22,6 @@
 //
 // Descriptors travel by value as the kernel's parameter (a CUDA graph records them), up to
 // kMaxMatricesPerLaunch per launch; more matrices take more launches.
-//
-// This is v2, for matrices too large for v4 (below: one thread-block cluster per matrix, no
-// grid barrier, sm_90) and for devices before sm_90.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(kThreads)
       const int warp = tid / 32, lane = tid % 32;
       float sq = 0.f;
       // kRowsPerPass rows of the warp at a time (rows kWarps apart), their loads and their warp
-      // sums interleaved: one memory latency and one shuffle chain per pass instead of per row
-      // (v2 took a row at a time). Each row's sum runs in the same order as before.
+      // sums interleaved: one memory latency and one shuffle chain per pass instead of per row.
+      // Each row's sum runs in the same order as a row at a time would add it.
       for (int rp = r0 + warp; rp < r1; rp += kWarps * kRowsPerPass) {
         float dot[kRowsPerPass];
 #pragma unroll
@@ -250,18 +250,18 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------------------
-// v4: matrices whose rows fit in the shared memory of a thread-block cluster (sm_90) run one
-// matrix per cluster of kCluster blocks, with no grid barrier. Block k of the cluster holds
+// The cluster strategy: matrices whose rows fit in the shared memory of a thread-block cluster
+// (sm_90) run one matrix per cluster of kCluster blocks, with no grid barrier. Block k of the cluster holds
 // rows [k rows / kCluster, (k + 1) rows / kCluster) of W and its u slice in shared memory
 // (W is read from global memory once per call, not once per phase), and the blocks exchange
 // partial sums through distributed shared memory, separated by cluster barriers (hardware,
-// not a grid-wide spin on global memory as in v2):
+// not a grid-wide spin on global memory as in the cooperative strategy):
 //   A  partial_k = W_k^T u_k;  barrier;  every block: v~ = sum_k partial_k (k order), |v~|^2
 //   B  u~_k = W_k v~ / |v~|, partial |u~_k|^2;  barrier;  every block: |u~| (k order)
 //   C  u = u~ / |u~|; rank 0 writes v = v~ / |v~| and sigma; W_k rescaled where sigma > sigma_max.
 // A matrix's result depends on its shape and values alone (its own cluster): batched and
 // one-launch-per-matrix still agree bit for bit. Larger matrices, and devices before sm_90,
-// take the v2 kernel above.
+// take the cooperative kernel above.
 constexpr int kCluster = 8;
 constexpr int64_t kClusterSmemFloats = 40 * 1024;  // 160 KiB of dynamic shared memory per block
 
@@ -408,10 +408,10 @@ void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, T
                                     v.data_ptr<float>(), sigma.data_ptr<float>(), iterations, eps));
 }
 
-// v2: one cooperative launch, its grid capped at the blocks of spectral_norm_kernel that fit on
-// the device at once (virtual blocks beyond it loop).
-void launch(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma, float* partial,
-            float* sq_v, float* sq_u, int iterations, float eps, cudaStream_t stream) {
+// The cooperative strategy: one cooperative launch, its grid capped at the blocks of
+// spectral_norm_kernel that fit on the device at once (virtual blocks beyond it loop).
+void launch_cooperative(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
+                        float* partial, float* sq_v, float* sq_u, int iterations, float eps, cudaStream_t stream) {
   const int cap = cooperative_block_cap(spectral_norm_kernel, kThreads, 0);
   DQN_CHECK(cap > 0, kSpectralOp, ": the kernel cannot be resident on this device");
   const int grid = std::min(b.total_vblocks, cap);
@@ -469,24 +469,24 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
   for (const MatrixDesc& d : descs)
     (clusters && cluster_eligible(d.rows, d.cols) ? small : large).push_back(d);
   const size_t per_launch = one_launch_per_matrix ? 1 : kMaxMatricesPerLaunch;
-  for (size_t first = 0; first < small.size(); first += per_launch) {
-    Batch b{};
-    b.count = static_cast<int>(std::min(per_launch, small.size() - first));
-    for (int i = 0; i < b.count; ++i) b.m[i] = small[first + i];
-    launch_clusters(b, params, params_bf16, u, v, sigma, static_cast<int>(n_power_iterations),
-                    static_cast<float>(eps), stream);
-  }
-  for (size_t first = 0; first < large.size(); first += per_launch) {
-    Batch b{};
-    b.count = static_cast<int>(std::min(per_launch, large.size() - first));
-    for (int i = 0; i < b.count; ++i) {
-      b.m[i] = large[first + i];
-      b.m[i].first_vblock = b.total_vblocks;
-      DQN_CHECK(int64_t(b.total_vblocks) + b.m[i].vblocks <= INT_MAX, kSpectralOp, ": too many blocks");
-      b.total_vblocks += b.m[i].vblocks;
+  for (const bool cluster : {true, false}) {
+    const std::vector<MatrixDesc>& group = cluster ? small : large;
+    for (size_t first = 0; first < group.size(); first += per_launch) {
+      Batch b{};  // the next per_launch matrices, their virtual blocks numbered in order
+      b.count = static_cast<int>(std::min(per_launch, group.size() - first));
+      for (int i = 0; i < b.count; ++i) {
+        b.m[i] = group[first + i];
+        b.m[i].first_vblock = b.total_vblocks;
+        DQN_CHECK(int64_t(b.total_vblocks) + b.m[i].vblocks <= INT_MAX, kSpectralOp, ": too many blocks");
+        b.total_vblocks += b.m[i].vblocks;
+      }
+      if (cluster)
+        launch_clusters(b, params, params_bf16, u, v, sigma, static_cast<int>(n_power_iterations),
+                        static_cast<float>(eps), stream);
+      else
+        launch_cooperative(b, params, params_bf16, u, v, sigma, partial, sq_v, sq_u,
+                           static_cast<int>(n_power_iterations), static_cast<float>(eps), stream);
     }
-    launch(b, params, params_bf16, u, v, sigma, partial, sq_v, sq_u, static_cast<int>(n_power_iterations),
-           static_cast<float>(eps), stream);
   }
 }
 

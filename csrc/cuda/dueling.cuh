@@ -1,0 +1,55 @@
+// The dueling aggregation and its backward: the one home of this arithmetic on the device.
+//
+// head_bias_dueling_kernel (dueling_forward.cu), dueling_backward_kernel (mixed_backward.cu)
+// and the fused loss (loss/rows.cuh: branch_rows, q_at, branch_q, write_branch_head_grad,
+// write_value_grad) all compute through these functions, so the fused path's q and
+// d(head logits) are the same bits as the public ops' by construction.
+//
+// Branch d with n actions, at one atom:
+//   forward:  a_k = logit_k + bias_k (biased_logit; the value v likewise),
+//             mean = (sum over k, in order from 0.f, of a_k) / n (branch_mean),
+//             q_k = (v + a_k) - mean (dueling_q);
+//   backward: from dq_k = d(loss)/d(q_k) and g, a direct gradient of the head logits (0 when none):
+//             sum = sum over k, in order from 0.f, of dq_k;  da_k = (dq_k - sum / n) + g_k
+//             (dueling_advantage_grad);  dv = g_v + the branches' sums, in branch order.
+// The parenthesisation is part of the contract: float addition is not associative.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "branch_table.cuh"
+#include "layout.h"
+
+namespace dqn_ops {
+namespace cuda {
+
+__device__ __forceinline__ float biased_logit(float logit, float bias) { return logit + bias; }
+
+__device__ __forceinline__ float branch_mean(float sum, int actions) { return sum / actions; }
+
+__device__ __forceinline__ float dueling_q(float v, float advantage, float mean) { return (v + advantage) - mean; }
+
+__device__ __forceinline__ float dueling_advantage_grad(float dq, float dq_mean, float direct) {
+  return (dq - dq_mean) + direct;
+}
+
+// The public ops' dueling kernels, for the loss's composed path (_dqn_loss_on_logits on a
+// configuration the fused kernel does not take). Each launches one kernel on `stream`.
+
+// From the output layer's GEMM results in the padded layout (logits [rows, head_ld], no bias):
+// head = logits + b_out, compact [rows, head_out], and q = the dueling aggregate
+// [rows, total_actions, atoms]. Defined in dueling_forward.cu.
+void launch_head_bias_dueling(const float* logits, const float* b_out, float* head, float* q, int64_t rows,
+                              const NetLayout& L, const BranchTable& branches, cudaStream_t stream);
+
+// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q, compact [rows, head_out] F32, and
+// its BF16 copy in the padded layout [rows, head_ld], padding 0 (d_head_bf16 may be null;
+// grad_q or grad_head may be null, not both). Defined in mixed_backward.cu.
+void launch_dueling_backward(const float* grad_q, const float* grad_head, float* d_head, __nv_bfloat16* d_head_bf16,
+                             int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace dqn_ops

@@ -1,0 +1,62 @@
+// The loss kernels' launch constants and parameter block (loss.cu's parts: see loss.cu).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "fused_loss_limits.h"
+#include "loss_args.h"
+
+namespace dqn_ops {
+namespace cuda {
+// Internal linkage, as when these parts were one file: each header is included by loss.cu
+// alone, and the compiler sees every call site of every device function.
+namespace {
+
+// Warps per block. The fused loss runs a warp per branch of a sample in one block.
+constexpr int kMaxWarps = kFusedLossMaxBranches;
+// C51 with at most this many atoms runs the register version (c51_branch_small: a lane owns
+// atoms `lane` and `lane + 32`), the only one the fused loss has.
+constexpr int kDuelingMaxAtoms = kFusedLossMaxAtoms;
+constexpr int kQChunk = 4;        // actions whose expected Q reduce together
+constexpr int kStageUnroll = 12;  // loads in flight per lane while staging
+// Shared memory per block without an opt-in; past it the rows are read from global memory.
+constexpr size_t kSmemBudget = 48 * 1024;
+
+struct LossParams {
+  const float* q;
+  const float* q_next_online;
+  const float* q_next_target;
+  const int64_t* actions;
+  const float* rewards;
+  const float* dones;
+  const float* weights;  // nullptr: all 1
+  float* grad_q;
+  float* td_error;
+  float* loss;
+  float* mean_q;
+  float* partials;    // [2, gridDim.x]
+  unsigned* counter;  // blocks finished: 0 at launch
+  int batch, total_actions, atoms;
+  int warps_per_sample, samples_per_block;
+  int max_actions;  // the largest branch: sizes the staging area
+  bool staged;      // general version: the rows are copied to shared memory first
+  int work_floats;  // C51: shared memory per warp
+  float v_min, v_max, dz, gamma;
+  LossType type;
+  // The fused loss (kDueling): q, q_next_online and q_next_target are the output layer's
+  // raw GEMM rows [batch, head_ld] (padded layout, no bias); the biases are b_online / b_target
+  // (each network's b_out); the gradient goes to grad_head (F32 [batch, head_out]) and
+  // grad_head_bf16 (padded [batch, head_ld]) instead of grad_q.
+  const float* b_online;
+  const float* b_target;
+  float* grad_head;
+  __nv_bfloat16* grad_head_bf16;
+  int64_t head_ld, head_out;
+};
+
+}  // namespace
+}  // namespace cuda
+}  // namespace dqn_ops

@@ -1,0 +1,229 @@
+// Row access of the loss kernels (loss.cu's parts: see loss.cu): the three passes' rows of a
+// branch as the loss reads them (dqn_loss: dueling-aggregated q; the fused loss: raw head
+// logits, aggregated as they are read), the fused loss's gradient writes w.r.t. the head
+// logits, and the general C51 version's staging of its rows in shared memory.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "../branch_table.cuh"
+#include "../dueling.cuh"
+#include "layout.h"
+#include "params.cuh"
+
+namespace dqn_ops {
+namespace cuda {
+namespace {  // see loss/params.cuh
+
+// One network pass's rows of branch d of sample b, as the loss reads them. dqn_loss: the
+// dueling-aggregated rows, action k's atom j at row[k * atoms + j]. The fused loss
+// (kDueling): the raw advantage logits at the same place, aggregated as they are read with
+// dueling.cuh's arithmetic (head_bias_dueling_kernel's), so that q is the same bits. v (the
+// value logit + its bias) and mean are per lane, at its atoms j0 and j1.
+struct BranchRows {
+  const float* row;
+  const float* bias;  // kDueling only
+  float v0, v1, mean0, mean1;
+};
+
+// The rows of branch d of sample b in the three passes: the online network on s (rows[0])
+// and on s' (rows[1]), the target network on s' (rows[2]). kDueling: every pass's loads of a
+// chunk of kQChunk actions are issued together (one memory latency per chunk for all three
+// passes, not one per load: the loss is latency-bound), then added in action order.
+template <bool kDueling>
+__device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, int d, int j0, int j1, bool has0,
+                            bool has1, BranchRows (&rows)[3]) {
+  const float* base[3] = {P.q, P.q_next_online, P.q_next_target};
+  const int NA = P.atoms;
+  if constexpr (!kDueling) {
+#pragma unroll
+    for (int p = 0; p < 3; ++p)
+      rows[p] = BranchRows{base[p] + (int64_t(b) * P.total_actions + br.action_offset[d]) * NA, nullptr, 0.f, 0.f,
+                           0.f, 0.f};
+  } else {
+    const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
+    const int n = br.size[d];
+    float s0[3] = {0.f, 0.f, 0.f}, s1[3] = {0.f, 0.f, 0.f};
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      const float* in = base[p] + int64_t(b) * P.head_ld;
+      rows[p].row = in + br.pad_col[d];
+      rows[p].bias = b_out[p] + int64_t(NA) * (1 + br.action_offset[d]);
+      rows[p].v0 = has0 ? biased_logit(in[j0], b_out[p][j0]) : 0.f;
+      rows[p].v1 = has1 ? biased_logit(in[j1], b_out[p][j1]) : 0.f;
+    }
+    for (int k0 = 0; k0 < n; k0 += kQChunk) {
+      float x0[3][kQChunk], x1[3][kQChunk];
+#pragma unroll
+      for (int p = 0; p < 3; ++p)
+#pragma unroll
+        for (int k = 0; k < kQChunk; ++k) {
+          const int64_t i = int64_t(k0 + k) * NA;
+          const bool live = k0 + k < n;
+          x0[p][k] = live && has0 ? biased_logit(rows[p].row[i + j0], rows[p].bias[i + j0]) : 0.f;
+          x1[p][k] = live && has1 ? biased_logit(rows[p].row[i + j1], rows[p].bias[i + j1]) : 0.f;
+        }
+#pragma unroll
+      for (int p = 0; p < 3; ++p)
+#pragma unroll
+        for (int k = 0; k < kQChunk; ++k)
+          if (k0 + k < n) {
+            s0[p] += x0[p][k];
+            s1[p] += x1[p][k];
+          }
+    }
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      rows[p].mean0 = branch_mean(s0[p], n);
+      rows[p].mean1 = branch_mean(s1[p], n);
+    }
+  }
+}
+
+// q of action k at atom j (i = k * atoms + j), v and mean at that atom.
+template <bool kDueling>
+__device__ __forceinline__ float q_at(const BranchRows& r, int64_t i, float v, float mean) {
+  if constexpr (kDueling) return dueling_q(v, biased_logit(r.row[i], r.bias[i]), mean);
+  else return r.row[i];
+}
+
+// Every branch with at most kQChunk actions (kRowsInRegisters, chosen at launch): a lane's
+// values of branch d's rows in the three passes, read once and kept in registers: q[p][k] at
+// atoms j0 (x0) and j1 (x1), -inf at a missing atom, unused for k >= n. BranchRows re-reads a
+// row after the dueling mean, and those reads are a tenth of the fused loss's instructions;
+// registers spare them. Same arithmetic as BranchRows and q_at.
+struct BranchQ {
+  float x0[3][kQChunk], x1[3][kQChunk];
+};
+
+template <bool kDueling>
+__device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int d, int j0, int j1, bool has0,
+                         bool has1, BranchQ& q) {
+  const float* base[3] = {P.q, P.q_next_online, P.q_next_target};
+  const int NA = P.atoms, n = br.size[d];
+  if constexpr (!kDueling) {
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      const float* row = base[p] + (int64_t(b) * P.total_actions + br.action_offset[d]) * NA;
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k) {
+        const bool live = k < n;
+        q.x0[p][k] = live && has0 ? row[k * NA + j0] : -INFINITY;
+        q.x1[p][k] = live && has1 ? row[k * NA + j1] : -INFINITY;
+      }
+    }
+  } else {
+    const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
+    float v0[3], v1[3];
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {  // every load of the three passes issued before the first add
+      const float* in = base[p] + int64_t(b) * P.head_ld;
+      const float* row = in + br.pad_col[d];
+      const float* bias = b_out[p] + NA * (1 + br.action_offset[d]);
+      v0[p] = has0 ? biased_logit(in[j0], b_out[p][j0]) : 0.f;
+      v1[p] = has1 ? biased_logit(in[j1], b_out[p][j1]) : 0.f;
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k) {
+        const bool live = k < n;
+        q.x0[p][k] = live && has0 ? biased_logit(row[k * NA + j0], bias[k * NA + j0]) : 0.f;
+        q.x1[p][k] = live && has1 ? biased_logit(row[k * NA + j1], bias[k * NA + j1]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k)
+        if (k < n) {
+          s0 += q.x0[p][k];
+          s1 += q.x1[p][k];
+        }
+      const float mean0 = branch_mean(s0, n), mean1 = branch_mean(s1, n);
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k) {
+        q.x0[p][k] = has0 ? dueling_q(v0[p], q.x0[p][k], mean0) : -INFINITY;
+        q.x1[p][k] = has1 ? dueling_q(v1[p], q.x1[p][k], mean1) : -INFINITY;
+      }
+    }
+  }
+}
+
+// The fused loss's gradient of branch d of sample b w.r.t. the head logits: dueling.cuh's
+// backward (dueling_backward_kernel's) on dq = g at the taken action a and 0 at the others
+// (a < 0: a poisoned sample, every dq NaN), no direct gradient. Writes the branch's advantage columns (F32
+// compact; BF16 padded, its padding columns 0) and leaves sum per atom in branch_sum, which
+// the value column adds up over the branches (write_value_grad).
+__device__ void write_branch_head_grad(const LossParams& P, const BranchTable& br, int b, int d, int a, float g0,
+                                       float g1, float* branch_sum, int lane) {
+  const int NA = P.atoms, n = br.size[d];
+  float* dh = P.grad_head + int64_t(b) * P.head_out + NA * (1 + br.action_offset[d]);
+  __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld + br.pad_col[d];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int j = lane + 32 * e;
+    if (j >= NA) break;
+    const float taken = a < 0 ? NAN : e == 0 ? g0 : g1;  // dq at the taken action
+    const float other = a < 0 ? NAN : 0.f;               // and at the others
+    // The sum over the actions in order adds zeros to dq at the taken action, exactly: 0 + taken
+    // (not `taken`: that differs for -0), without a loop over the actions.
+    const float sum = 0.f + taken;
+    const float mean = branch_mean(sum, n);
+    for (int k = 0; k < n; ++k) {
+      const float x = dueling_advantage_grad(k == a ? taken : other, mean, 0.f);
+      dh[k * NA + j] = x;
+      low[k * NA + j] = __float2bfloat16_rn(x);
+    }
+    branch_sum[j] = sum;
+  }
+  const int width = n * NA;
+  for (int i = width + lane; i < round_up_to_align(width); i += 32) low[i] = __float2bfloat16_rn(0.f);
+}
+
+// The value column of sample b's head-logit gradient: the branches' sums in branch order
+// (dueling.cuh's dv, no direct gradient), then its BF16 copy and padding. branch_sums: one row of
+// kDuelingMaxAtoms per branch.
+__device__ void write_value_grad(const LossParams& P, int b, const float* branch_sums, int branches, int lane) {
+  const int NA = P.atoms;
+  float* dh = P.grad_head + int64_t(b) * P.head_out;
+  __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld;
+  for (int j = lane; j < NA; j += 32) {
+    float dv = 0.f;
+    for (int d = 0; d < branches; ++d) dv += branch_sums[d * kDuelingMaxAtoms + j];
+    dh[j] = dv;
+    low[j] = __float2bfloat16_rn(dv);
+  }
+  for (int64_t j = NA + lane; j < round_up_to_align(NA); j += 32) low[j] = __float2bfloat16_rn(0.f);
+}
+
+// Floats of shared memory per warp, C51's general version: [staged online rows | staged target
+// rows | staged taken row] when staged, then the target probabilities, positions and projected
+// distribution. (The <= 64-atom version: 4 * atoms.)
+__host__ __device__ inline int64_t c51_floats_per_warp(int64_t atoms, int64_t max_actions, bool staged) {
+  return (staged ? (2 * max_actions + 1) * atoms : 0) + 3 * atoms;
+}
+
+// Copies the three row groups into dst back to back, every load of a pass issued before the
+// first store (one memory latency per kStageUnroll * 32 floats instead of one per 32).
+__device__ void stage_rows(float* dst, const float* __restrict__ on, const float* __restrict__ tg,
+                           const float* __restrict__ xc, int n_na, int na, int lane) {
+  const int total = 2 * n_na + na;
+  for (int base = 0; base < total; base += kStageUnroll * 32) {
+    float v[kStageUnroll];
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      v[u] = i < n_na ? on[i] : i < 2 * n_na ? tg[i - n_na] : i < total ? xc[i - 2 * n_na] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < total) dst[i] = v[u];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace dqn_ops

@@ -1,0 +1,15 @@
+// The configurations the fused loss kernel (_dqn_loss_on_logits's single-launch CUDA path)
+// takes; outside them the op composes the public ops' kernels instead (csrc/cuda/loss.cu).
+// One home for the numbers: the CUDA kernels size themselves by them, and dqn_ops._C exports
+// them (FUSED_LOSS_MAX_ATOMS, FUSED_LOSS_MAX_BRANCHES, csrc/dqn_ops.cpp) for the Python side.
+#pragma once
+
+namespace dqn_ops {
+
+// A lane holds atoms `lane` and `lane + 32` of a row in registers.
+constexpr int kFusedLossMaxAtoms = 64;
+// A warp per branch, all of a sample's branches in one block of at most this many warps (the
+// value column's gradient sums the branches' partial sums in that block's shared memory).
+constexpr int kFusedLossMaxBranches = 8;
+
+}  // namespace dqn_ops

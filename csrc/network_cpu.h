@@ -1,0 +1,75 @@
+// The CPU reference's network pieces, shared by the kernels of the public ops
+// (bf16_dueling_forward, mixed_backward, dqn_loss) and of the trainer-step ops
+// (_online_and_target_logits, _dqn_loss_on_logits, _mixed_backward_from_head), so that a
+// composition of the latter is the former's bits by construction. Defined in network_cpu.cpp.
+//
+// They compute what the CUDA kernels compute, in the same order of roundings: with a BF16
+// mirror, weights, states and hidden activations are rounded to BF16 and every product
+// accumulates in F32 (the tensor cores' BF16 x BF16 -> F32); with a mirror of params' own
+// dtype nothing is rounded, which gives the float64 path gradcheck runs on.
+#pragma once
+
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include "layout.h"
+#include "network_args.h"
+
+namespace dqn_ops {
+namespace cpu {
+
+// One network's flat buffers as the reference reads them.
+struct NetViews {
+  const at::Tensor& params;       // compute dtype: F32 or F64
+  const at::Tensor& params_bf16;  // mirror: BF16 or params' dtype
+  at::ScalarType ct;
+
+  NetViews(const at::Tensor& p, const at::Tensor& mirror) : params(p), params_bf16(mirror), ct(p.scalar_type()) {}
+  // A weight of the mirror (what the forward GEMMs read), in the compute dtype.
+  at::Tensor mirror_weight(int64_t off, int64_t rows, int64_t cols) const {
+    return params_bf16.narrow(0, off, rows * cols).view({rows, cols}).to(ct);
+  }
+  at::Tensor master_weight(int64_t off, int64_t rows, int64_t cols) const {
+    return params.narrow(0, off, rows * cols).view({rows, cols});
+  }
+  at::Tensor bias(int64_t off, int64_t n) const { return params.narrow(0, off, n); }
+};
+
+// The activations the backward reads, at the mirror's precision: [rows, width] each.
+struct HiddenActs {
+  at::Tensor h1, h2, hh;
+};
+
+// The three hidden layers on x (states already at the mirror's precision, [rows, SD]).
+HiddenActs hidden_layers(const at::Tensor& x, const NetViews& p, const NetLayout& L);
+
+// The output layer's products on hh, no bias, in the padded layout [rows, head_ld] of
+// params' dtype (csrc/layout.h): head j's pad_width columns from its weight rows, padding
+// rows included, as the CUDA GEMMs run them.
+at::Tensor output_logits(const at::Tensor& hh, const NetViews& p, const NetLayout& L);
+
+// head logits [rows, head_out] (compact) = padded logits + the output bias b_out of `params`.
+at::Tensor head_from_logits(const at::Tensor& logits, const at::Tensor& params, const NetLayout& L);
+
+// q_d[b, k, :] = v[b, :] + a_d[b, k, :] - mean_k a_d[b, k, :]  (BDQ local mean, per atom)
+at::Tensor dueling_aggregate(const at::Tensor& head, const NetLayout& L);
+
+// d(head logits) [B, head_out] = grad_head + the dueling aggregation's backward of grad_q
+// (dv = sum over every action of dq; da_d = dq_d - mean_k dq_d); either may be absent, not both.
+at::Tensor dueling_backward(const c10::optional<at::Tensor>& grad_q, const c10::optional<at::Tensor>& grad_head,
+                            const NetLayout& L);
+
+// A compact head gradient [B, head_out] in the padded layout [B, head_ld] of `dtype`, padding 0.
+at::Tensor padded_head_grad(const at::Tensor& d_head, const NetLayout& L, at::ScalarType dtype);
+
+// mixed_backward from d(head logits) on: the flat gradient and, when need_grad_states,
+// d(states) (else an empty tensor).
+std::tuple<at::Tensor, at::Tensor> backward_from_head(const at::Tensor& d_head, const at::Tensor& states_bf16,
+                                                      const at::Tensor& h1, const at::Tensor& h2,
+                                                      const at::Tensor& hh, const NetViews& p, const NetLayout& L,
+                                                      BackwardPrecision precision, bool need_grad_states);
+
+}  // namespace cpu
+}  // namespace dqn_ops
