@@ -1,6 +1,6 @@
 // Every schema of the package, in one block. Kernels register per backend:
 // csrc/*_cpu.cpp (CPU reference) and csrc/cuda/*.cu (CUDA). Fake (meta) kernels and autograd
-// formulas are registered from Python, beside the wrappers (dqn_ops/ops.py, dqn_ops/fused.py).
+// formulas are registered from Python, beside the wrappers (dqn_ops/ops.py).
 //
 // How to add an op:
 //   1. its schema here (mutable arguments as Tensor(a!), documented below);
@@ -95,7 +95,7 @@ TORCH_LIBRARY(dqn_ops, m) {
       "Tensor dones, Tensor? weights, int[] branches, float v_min, float v_max, float gamma, "
       "str loss_type=\"c51\") -> (Tensor loss, Tensor grad_q, Tensor td_error, Tensor mean_q)");
 
-  // The trainer's step (dqn_ops/trainer.py): the three ops above with the dueling aggregation
+  // The trainer's step (dqn_ops/step.py): the three ops above with the dueling aggregation
   // and its backward moved into the loss, so that on CUDA the logits make one trip through
   // memory instead of three. Internal (the schemas may change). CPU and CUDA, every network
   // configuration and loss type; each result equals, bit for bit, what the public ops compute
