@@ -15,6 +15,8 @@
 #   NCU=1 NCU_BATCH=256 bash scripts/gpu_check.sh  # also scripts/ncu_step.sh (Nsight Compute counters per kernel)
 #   PROFILE=1 bash scripts/gpu_check.sh          # also scripts/profile_step.py (every kernel of the step, timed)
 #   SOAK=1 bash scripts/gpu_check.sh             # also scripts/soak.py (100,000 graphed + 10,000 eager steps)
+#   AB_BASE=.base bash scripts/gpu_check.sh      # also the graphed step of the tree in .base vs this one, timed
+#       alternately (scripts/bench_ab.py); make .base first: git archive <commit> csrc dqn_ops scripts setup.py | tar -x -C .base
 # Sanitizers: scripts/verify_gpu.sh.
 #
 # Training runs go to $OUT/runs.tar.gz (metrics.csv, summary.json, learning_curve.png; not the checkpoints),
@@ -33,6 +35,10 @@ source "$(dirname "$0")/gpu_common.sh"
 cat "$OUT/env.txt"
 
 echo "== build"
+if [ -n "${AB_BASE:-}" ]; then  # the base tree builds beside this one (the machine has the cores for both)
+  (cd "$AB_BASE" && MAX_JOBS=8 $PY setup.py build_ext --inplace > "$OUT/build-base.log" 2>&1) &
+  base_build=$!
+fi
 build_in_place
 $PY -c "import dqn_ops; assert dqn_ops.cuda_kernels_built(), 'built without CUDA kernels'; print('CUDA kernels built')" || exit 1
 
@@ -47,6 +53,14 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     if [ "$b" = step ]; then script=scripts/bench.py extra="${STEP_BENCH_ARGS:-}"; fi
     $PY "$script" --out "$OUT" $extra || echo "BENCHMARK $b FAILED"
   done 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if [ -n "${AB_BASE:-}" ]; then
+  echo "== base vs this tree, graphed step (scripts/bench_ab.py)"
+  if wait "$base_build"; then
+    $PY scripts/bench_ab.py --base "$AB_BASE" --out "$OUT" ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" | tail -6
+  else
+    tail -30 "$OUT/build-base.log"; echo "BASE BUILD FAILED"
+  fi
 fi
 if [ -n "${SANITIZE:-}" ]; then
   echo "== compute-sanitizer (scripts/verify_gpu.sh)"
