@@ -2,7 +2,7 @@
 compile *and link* is found, CPU kernels only otherwise. The op names are the same either way.
 
 Which toolkit: the first usable one of
-  1. $CUDA_HOME (or $CUDA_PATH), when set: only that one;
+  1. $CUDA_HOME (or $CUDA_PATH), when set (when it is not usable, the build line says why);
   2. the toolkit of the `nvcc` on the PATH: its real directory, as nvcc itself reports it
      (a wrapper script or a symlink on the PATH is followed to the toolkit it runs);
   3. /usr/local/cuda, /usr/local/cuda-*, /opt/cuda.
@@ -39,7 +39,7 @@ from torch.utils import cpp_extension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BUILD_PLAN = [""]  # what _extension() decided, said again when the build starts
-GIB_PER_JOB = 2.5  # the largest .cu here (mixed_backward.cu) peaks at ~1.3 GiB in nvcc's cicc
+GIB_PER_JOB = 2.5  # measured: nvcc's cicc peaks at ~1.5 GiB, cudafe++ at ~1.3, g++ at ~1.0 (one at a time)
 
 
 def _say(msg, tty=True):
@@ -84,7 +84,6 @@ def _toolkit_candidates():
     env = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if env:
         yield ("$CUDA_HOME" if os.environ.get("CUDA_HOME") else "$CUDA_PATH"), env
-        return
     nvcc = shutil.which("nvcc")
     if nvcc:
         yield f"the nvcc on the PATH ({nvcc})", _nvcc_toolkit_dir(nvcc)
@@ -118,17 +117,18 @@ def _check_toolkit(home, torch_major):
 
 
 def _find_toolkit(torch_major):
-    """(directory, None) of the first usable toolkit, or (None, why none is)."""
-    rejected = []
+    """(directory of the first usable toolkit or None, the candidates passed over and why)."""
+    rejected, seen = [], set()
     for origin, home in _toolkit_candidates():
-        home = os.path.realpath(home)
-        why = _check_toolkit(home, torch_major)
+        real = os.path.realpath(home)
+        if real in seen:
+            continue
+        seen.add(real)
+        why = _check_toolkit(real, torch_major)
         if why is None:
-            return home, None
-        rejected.append(f"{home} (from {origin}): {why}")
-    if not rejected:
-        return None, "no CUDA toolkit found (no nvcc on the PATH, no CUDA_HOME, none in /usr/local/cuda*)"
-    return None, "no usable CUDA toolkit: " + "; ".join(rejected)
+            return real, rejected
+        rejected.append(f"{home} (from {origin}): {why}" if origin != home else f"{home}: {why}")
+    return None, rejected
 
 
 def _cublas_paths(cuda_home):
@@ -166,13 +166,16 @@ def _extension():
     cxx_flags = ["-O3", "-std=c++20"]
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
 
-    why_not, cuda_home = None, None
+    why_not, cuda_home, passed_over = None, None, []
     if os.environ.get("DQN_OPS_CPU_ONLY") == "1":
         why_not = "DQN_OPS_CPU_ONLY=1"
     elif torch.version.cuda is None:
         why_not = f"torch {torch.__version__} is a CPU build"
     else:
-        cuda_home, why_not = _find_toolkit(int(torch.version.cuda.split(".")[0]))
+        cuda_home, passed_over = _find_toolkit(int(torch.version.cuda.split(".")[0]))
+        if cuda_home is None:
+            why_not = ("no usable CUDA toolkit: " + "; ".join(passed_over) if passed_over else
+                       "no CUDA toolkit found (no CUDA_HOME, no nvcc on the PATH, none in /usr/local/cuda*)")
     if why_not is None:
         cublas_inc, cublas_lib = _cublas_paths(cuda_home)
         if cublas_inc is None:
@@ -194,7 +197,8 @@ def _extension():
     os.environ["CUDA_HOME"] = cuda_home
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     BUILD_PLAN[0] = (f"building the CPU + CUDA kernels for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}"
-                     f" (CUDA toolkit {cuda_home}, cuBLAS {cublas_lib})")
+                     f" (CUDA toolkit {cuda_home}, cuBLAS {cublas_lib})"
+                     + (f"; passed over {'; '.join(passed_over)}" if passed_over else ""))
     _say(BUILD_PLAN[0], tty=False)
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     return cpp_extension.CUDAExtension(
