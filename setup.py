@@ -247,7 +247,7 @@ class BuildExtension(cpp_extension.BuildExtension):
         total = sum(len(e.sources) for e in self.extensions)
         has_cuda = any(s.endswith(".cu") for e in self.extensions for s in e.sources)
         _say(f"compiling {total} sources with MAX_JOBS={os.environ['MAX_JOBS']}"
-             + (" (CUDA: about 5 min with 2 cores)" if has_cuda else " (about 1 min with 2 cores)"))
+             + (" (about 8 CPU-minutes: 5-10 min with 2 cores)" if has_cuda else " (a few minutes with 2 cores)"))
         progress = _Progress(self.build_temp, total)
         progress.start()
         t0 = time.time()
