@@ -22,9 +22,11 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# Runs in the child process: only the public Trainer API, which both trees have.
+# Runs in the child process: only the public Trainer API, which both trees have, timed by
+# bench_common.time_us as every benchmark here is.
 TIMING = r"""
 import json, sys, torch, dqn_ops
+from bench_common import time_us
 from dqn_ops import DQNConfig, Trainer, TrainerConfig
 B, iters, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 c = DQNConfig()
@@ -39,22 +41,14 @@ t.step(batch)
 for _ in range(10):
     t.step()
 assert t.graphed, "the step did not capture"
-torch.cuda.synchronize()
-e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-samples = []
-for _ in range(repeats):
-    e0.record()
-    for _ in range(iters):
-        t.step()
-    e1.record()
-    e1.synchronize()
-    samples.append(e0.elapsed_time(e1) * 1000 / iters)
-print(json.dumps(dict(us=sorted(samples)[len(samples) // 2], dqn_ops=dqn_ops.__file__)))
+us = time_us(t.step, iters, repeats)
+print(json.dumps(dict(us=us, dqn_ops=dqn_ops.__file__)))
 """
 
 
 def time_tree(tree, B, iters, repeats):
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    # the tree's dqn_ops first; this tree's scripts/ for the timing helper both trees share
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), HERE]))
     out = subprocess.run([sys.executable, "-c", TIMING, str(B), str(iters), str(repeats)], env=env, cwd=tree,
                          capture_output=True, text=True, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
