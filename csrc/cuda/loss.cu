@@ -74,6 +74,32 @@ int resident_blocks_per_sm(void (*kernel)(const BranchTable, const LossParams), 
   return resident;
 }
 
+// The dynamic shared memory a launch of `kernel` may ask for: the device's per-block limit
+// without an opt-in (cudaDevAttrMaxSharedMemoryPerBlock, 48 KiB) less the kernel's own static
+// shared memory (sharedSizeBytes: the block's partial sums and flags), and no more than the
+// kernel's maxDynamicSharedSizeBytes. A fixed 48 KiB budget let a staging area of 48,881 to
+// 49,152 bytes through, which the launch then refused. Queried once per (device, kernel).
+// No opt-in above 48 KiB: rows that do not fit are read from global memory instead (the same
+// results), and the launches that fit keep the shape they have always had.
+size_t dynamic_smem_budget(void (*kernel)(const BranchTable, const LossParams)) {
+  using Key = std::tuple<int, const void*>;
+  static std::mutex mutex;
+  static std::map<Key, size_t> known;
+  const int device = static_cast<int>(c10::cuda::current_device());
+  const Key key{device, reinterpret_cast<const void*>(kernel)};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  int per_block = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlock, device));
+  const size_t by_device = size_t(per_block) > attr.sharedSizeBytes ? size_t(per_block) - attr.sharedSizeBytes : 0;
+  const size_t budget = std::min(by_device, size_t(std::max(attr.maxDynamicSharedSizeBytes, 0)));
+  known.emplace(key, budget);
+  return budget;
+}
+
 struct LossResults {
   Tensor loss, td_error, mean_q;
 };
@@ -94,10 +120,6 @@ LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int
   for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
   const int warps = threads / 32;
   const bool small_atoms = c51 && atoms <= kDuelingMaxAtoms;
-  const bool staged = c51 && !small_atoms &&
-                      size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= kSmemBudget;
-  const int64_t work_floats = !c51 ? 0 : small_atoms ? 4 * atoms : c51_floats_per_warp(atoms, max_actions, staged);
-  const size_t smem = size_t(warps) * work_floats * sizeof(float);
   using Kernel = void (*)(const BranchTable, const LossParams);
   const bool in_registers = small_atoms && max_actions <= kQChunk;
   const Kernel kernel = !small_atoms                 ? dqn_loss_kernel<false, false, false>
@@ -105,6 +127,16 @@ LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int
                         : dueling                    ? dqn_loss_kernel<true, true, false>
                         : in_registers               ? dqn_loss_kernel<true, false, true>
                                                      : dqn_loss_kernel<true, false, false>;
+  // The general version stages the rows where they fit in what the kernel may have.
+  const size_t budget = dynamic_smem_budget(kernel);
+  const bool staged = c51 && !small_atoms &&
+                      size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= budget;
+  const int64_t work_floats = !c51 ? 0 : small_atoms ? 4 * atoms : c51_floats_per_warp(atoms, max_actions, staged);
+  const size_t smem = size_t(warps) * work_floats * sizeof(float);
+  // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 128 atoms, 24 KiB at
+  // kLossCudaMaxAtoms): within the budget of any device these kernels build for.
+  DQN_CHECK(smem <= budget, "dqn_ops: the loss kernel needs ", smem, " bytes of shared memory for ", atoms,
+            " atoms, the device allows it ", budget);
   // A resident grid: as many blocks as fit on the GPU at once (the occupancy API), each looping
   // over sample groups, so the end-of-block work (the fence and ticket, the last block's check)
   // is paid once per resident block rather than once per group of samples. No grid barrier, so
