@@ -77,8 +77,11 @@ TORCH_LIBRARY(dqn_ops, m) {
   // One Adam (AdamW when decoupled_weight_decay) step over a flat F32 buffer that also writes
   // its BF16 mirror. step and lr are one-element device tensors, so a captured graph replays
   // with a changing lr and step. grad_norm receives the global gradient norm (before
-  // clipping); max_grad_norm clips to it. A non-finite norm skips the step on the device
-  // (params, moments, mirror and step unchanged) and sets found_inf to 1 (else 0).
+  // clipping; its sum of squares accumulates in double on both backends, so a huge but finite
+  // gradient has a finite norm); max_grad_norm clips to it. A non-finite norm, or an lr that is
+  // NaN, infinite or negative (a device tensor: checked on the device, no host read), skips the
+  // step on the device (params, moments, mirror and step unchanged) and sets found_inf to 1
+  // (else 0). No two arguments may share memory.
   m.def(
       "fused_adam_bf16(Tensor(a!) params, Tensor grads, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!) params_bf16, Tensor(e!) step, Tensor lr, float beta1, float beta2, float eps, "
