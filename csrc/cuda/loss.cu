@@ -106,8 +106,8 @@ struct LossResults {
 
 // Sizes the launch, allocates the scalar outputs and launches. P arrives with the inputs, the
 // gradient outputs, total_actions and the loss constants set.
-LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms, LossType type,
-                        bool dueling, const at::TensorOptions& f32) {
+LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms,
+                        LossType type, bool dueling, const at::TensorOptions& f32) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Block shape: C51 gives each sample min(D, kMaxWarps) warps (warp k takes branches k,
   // k + kMaxWarps, ...) and a block as many whole samples as fit in kMaxWarps warps; MSE /
@@ -135,7 +135,7 @@ LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int
   const size_t smem = size_t(warps) * work_floats * sizeof(float);
   // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 128 atoms, 24 KiB at
   // kLossCudaMaxAtoms): within the budget of any device these kernels build for.
-  DQN_CHECK(smem <= budget, "dqn_ops: the loss kernel needs ", smem, " bytes of shared memory for ", atoms,
+  DQN_CHECK(smem <= budget, op, ": the CUDA loss kernel needs ", smem, " bytes of shared memory for ", atoms,
             " atoms, the device allows it ", budget);
   // A resident grid: as many blocks as fit on the GPU at once (the occupancy API), each looping
   // over sample groups, so the end-of-block work (the fence and ticket, the last block's check)
@@ -203,7 +203,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   P.q_next_online = q_next_online.data_ptr<float>();
   P.q_next_target = q_next_target.data_ptr<float>();
   P.grad_q = grad_q.data_ptr<float>();
-  const LossResults r = launch_loss(br, P, S.batch, S.atoms, S.type, false, q.options());
+  const LossResults r = launch_loss(kLossOp, br, P, S.batch, S.atoms, S.type, false, q.options());
   return {r.loss, grad_q, r.td_error, r.mean_q};
 }
 
@@ -241,7 +241,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
     P.grad_head_bf16 = static_cast<__nv_bfloat16*>(grad_head_bf16.data_ptr());
     P.head_ld = L.head_ld;
     P.head_out = L.head_out;
-    const LossResults r = launch_loss(br, P, B, L.atoms, type, true, f32);
+    const LossResults r = launch_loss(op, br, P, B, L.atoms, type, true, f32);
     return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};
   }
   // Composed: q of each pass as bf16_dueling_forward forms it (the compact head it also writes
@@ -259,7 +259,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
   P.q_next_online = q[1].data_ptr<float>();
   P.q_next_target = q[2].data_ptr<float>();
   P.grad_q = grad_q.data_ptr<float>();
-  const LossResults r = launch_loss(br, P, B, L.atoms, type, false, f32);
+  const LossResults r = launch_loss(op, br, P, B, L.atoms, type, false, f32);
   launch_dueling_backward(grad_q.data_ptr<float>(), nullptr, grad_head.data_ptr<float>(),
                           static_cast<__nv_bfloat16*>(grad_head_bf16.data_ptr()), B, L, br, stream);
   return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};
