@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-import dqn_ops
+import dqn_ops  # noqa: F401 (loads the ops)
 import dqn_ops._C as _C
 from conftest import requires_cuda
 from poison import poison_cuda_cache
@@ -22,6 +22,12 @@ from poison import poison_cuda_cache
 pytestmark = requires_cuda
 
 HUGE = 1e30  # a sigma_max no matrix reaches
+
+
+def spectral_norm_op(params, mirror, u, v, sigma, matrices, sigma_max, iterations, one_launch_per_matrix=False):
+    """The op itself (its schema is csrc's), not a Python wrapper that may change."""
+    torch.ops.dqn_ops.batched_spectral_norm.default(params, mirror, u, v, sigma, list(matrices), list(sigma_max),
+                                                    iterations, 1e-12, one_launch_per_matrix)
 
 
 @contextlib.contextmanager
@@ -81,9 +87,9 @@ def test_spectral_cooperative_equals_default_and_float64(iterations):
     # sigma_max below some matrices' norms: the rescale of W and its mirror runs too
     sigma_max = [HUGE, 1.0, HUGE, 0.3, HUGE, 2.0, HUGE, 3.0, 5.0]
     with spectral_strategy("auto"):
-        dqn_ops.batched_spectral_norm(*a, matrices, sigma_max, iterations)
+        spectral_norm_op(*a, matrices, sigma_max, iterations)
     with spectral_strategy("cooperative"):
-        dqn_ops.batched_spectral_norm(*b, matrices, sigma_max, iterations)
+        spectral_norm_op(*b, matrices, sigma_max, iterations)
     torch.cuda.synchronize()
     params_a, mirror_a, u_a, v_a, sigma_a = a
     params_b, mirror_b, u_b, v_b, sigma_b = b
@@ -118,8 +124,8 @@ def test_spectral_cooperative_forced_is_deterministic_per_matrix():
     sigma_max = [0.5 + 0.1 * i for i in range(len(shapes))]
     with spectral_strategy("cooperative"):
         for _ in range(2):
-            dqn_ops.batched_spectral_norm(*a, matrices, sigma_max, 2)
-            dqn_ops.batched_spectral_norm(*b, matrices, sigma_max, 2, one_launch_per_matrix=True)
+            spectral_norm_op(*a, matrices, sigma_max, 2)
+            spectral_norm_op(*b, matrices, sigma_max, 2, one_launch_per_matrix=True)
     for x, y, name in zip(a, b, ["params", "params_bf16", "u", "v", "sigma"]):
         assert torch.equal(x, y), name
 
@@ -134,7 +140,7 @@ def _kernel_names(fn):
 
 def test_spectral_hook_selects_the_kernels():
     a, matrices = _buffers(SHAPES[:3])
-    run = lambda: dqn_ops.batched_spectral_norm(*a, matrices, [HUGE] * 3, 1)  # noqa: E731
+    run = lambda: spectral_norm_op(*a, matrices, [HUGE] * 3, 1)  # noqa: E731
     run()  # the first call probes the device outside the profiled region
     with spectral_strategy("cooperative"):
         names = _kernel_names(run)
@@ -157,17 +163,17 @@ def test_spectral_graph_capture_under_forced_cooperative():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            dqn_ops.batched_spectral_norm(*a, matrices, sigma_max, 1)
+            spectral_norm_op(*a, matrices, sigma_max, 1)
         torch.cuda.current_stream().wait_stream(side)
-        dqn_ops.batched_spectral_norm(*b, matrices, sigma_max, 1)
+        spectral_norm_op(*b, matrices, sigma_max, 1)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            dqn_ops.batched_spectral_norm(*a, matrices, sigma_max, 1)
+            spectral_norm_op(*a, matrices, sigma_max, 1)
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(3):
                 g.replay()
-                dqn_ops.batched_spectral_norm(*b, matrices, sigma_max, 1)
+                spectral_norm_op(*b, matrices, sigma_max, 1)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     for x, y in zip(a, b):

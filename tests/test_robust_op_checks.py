@@ -8,12 +8,18 @@ import math
 import pytest
 import torch
 
-import dqn_ops
+import dqn_ops  # noqa: F401 (loads the ops)
 import dqn_ops._C as _C
 
 ADAM = torch.ops.dqn_ops.fused_adam_bf16.default
 EMA = torch.ops.dqn_ops.ema_update.default
 N = 100
+
+
+def spectral_norm_op(params, mirror, u, v, sigma, matrices, sigma_max, iterations, one_launch_per_matrix=False):
+    """The op itself (its schema is csrc's), not a Python wrapper that may change."""
+    torch.ops.dqn_ops.batched_spectral_norm.default(params, mirror, u, v, sigma, list(matrices), list(sigma_max),
+                                                    iterations, 1e-12, one_launch_per_matrix)
 
 # The op's argument order; the scalars are one-element F32 tensors.
 NAMES = ["params", "grads", "exp_avg", "exp_avg_sq", "params_bf16", "step", "lr", "beta1", "beta2", "eps",
@@ -195,10 +201,10 @@ def test_spectral_strategy_hook():
         args = lambda: (W.clone(), W.to(torch.bfloat16), torch.nn.functional.normalize(torch.ones(9), dim=0),  # noqa: E731
                         torch.nn.functional.normalize(torch.ones(9), dim=0), torch.zeros(2))
         a = args()
-        dqn_ops.batched_spectral_norm(*a, [0, 6, 4, 24, 3, 5], [1.0, 0.5], 2)
+        spectral_norm_op(*a, [0, 6, 4, 24, 3, 5], [1.0, 0.5], 2)
         assert _C._set_spectral_strategy("auto") == "cooperative"
         b = args()
-        dqn_ops.batched_spectral_norm(*b, [0, 6, 4, 24, 3, 5], [1.0, 0.5], 2)
+        spectral_norm_op(*b, [0, 6, 4, 24, 3, 5], [1.0, 0.5], 2)
         for x, y in zip(a, b):
             assert torch.equal(x, y)
     finally:
