@@ -14,14 +14,40 @@
 #include <torch/library.h>
 
 #include "fused_loss_limits.h"
+#include "spectral_args.h"
 
 // `import dqn_ops._C` loads this library, whose static initialisers register the ops. The
 // module also carries the limits the Python side chooses a path by:
 //   FUSED_LOSS_MAX_ATOMS, FUSED_LOSS_MAX_BRANCHES: the largest C51 configuration whose
-//     _dqn_loss_on_logits runs as the single fused kernel on CUDA (csrc/fused_loss_limits.h).
+//     _dqn_loss_on_logits runs as the single fused kernel on CUDA (csrc/fused_loss_limits.h);
+// and one test hook, not part of the API:
+//   _set_spectral_strategy(name) -> previous name: "auto" (the default) or "cooperative" (every
+//     matrix of batched_spectral_norm on CUDA takes the cooperative strategy; csrc/spectral_args.h).
+namespace {
+PyObject* set_spectral_strategy_py(PyObject* /*self*/, PyObject* args) {
+  const char* name = nullptr;
+  if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
+  dqn_ops::SpectralStrategy strategy;
+  if (!dqn_ops::parse_spectral_strategy(name, &strategy)) {
+    PyErr_SetString(PyExc_ValueError, "_set_spectral_strategy: expected 'auto' or 'cooperative'");
+    return nullptr;
+  }
+  try {
+    return PyUnicode_FromString(dqn_ops::spectral_strategy_name(dqn_ops::set_spectral_strategy(strategy)));
+  } catch (const c10::Error& e) {  // DQN_OPS_SPECTRAL_STRATEGY holds an unknown name
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
+}  // namespace
+
 extern "C" {
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyMethodDef methods[] = {
+      {"_set_spectral_strategy", set_spectral_strategy_py, METH_VARARGS,
+       "Test hook: batched_spectral_norm's CUDA strategy, 'auto' or 'cooperative'; returns the previous one."},
+      {nullptr, nullptr, 0, nullptr}};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   if (PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_ATOMS", dqn_ops::kFusedLossMaxAtoms) < 0 ||
@@ -51,8 +77,11 @@ TORCH_LIBRARY(dqn_ops, m) {
   // One Adam (AdamW when decoupled_weight_decay) step over a flat F32 buffer that also writes
   // its BF16 mirror. step and lr are one-element device tensors, so a captured graph replays
   // with a changing lr and step. grad_norm receives the global gradient norm (before
-  // clipping); max_grad_norm clips to it. A non-finite norm skips the step on the device
-  // (params, moments, mirror and step unchanged) and sets found_inf to 1 (else 0).
+  // clipping; its sum of squares accumulates in double on both backends, so a huge but finite
+  // gradient has a finite norm); max_grad_norm clips to it. A non-finite norm, or an lr that is
+  // NaN, infinite or negative (a device tensor: checked on the device, no host read), skips the
+  // step on the device (params, moments, mirror and step unchanged) and sets found_inf to 1
+  // (else 0). No two arguments may share memory.
   m.def(
       "fused_adam_bf16(Tensor(a!) params, Tensor grads, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!) params_bf16, Tensor(e!) step, Tensor lr, float beta1, float beta2, float eps, "

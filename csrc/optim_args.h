@@ -45,11 +45,18 @@ inline void check_adam_args(const at::Tensor& params, const at::Tensor& grads, c
   check_scalar_tensor(lr, op, "lr", dev);
   check_scalar_tensor(grad_norm, op, "grad_norm", dev);
   check_scalar_tensor(found_inf, op, "found_inf", dev);
-  const std::pair<const at::Tensor*, const char*> bufs[] = {{&params, "params"},   {&grads, "grads"},
-                                                            {&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"},
-                                                            {&params_bf16, "params_bf16"}};
-  for (size_t i = 0; i < 5; ++i)
-    for (size_t j = i + 1; j < 5; ++j) check_no_overlap(*bufs[i].first, bufs[i].second, *bufs[j].first, bufs[j].second, op);
+  // No two arguments may share memory: the kernels write params, the moments, the mirror,
+  // step, grad_norm and found_inf while reading the others (the CUDA update reads step and the
+  // norm partials in every block while block 0 writes step), so any overlap, of two buffers,
+  // of a scalar with a buffer or of two scalars, makes the result depend on the order of writes.
+  const std::pair<const at::Tensor*, const char*> args[] = {
+      {&params, "params"},   {&grads, "grads"}, {&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"},
+      {&params_bf16, "params_bf16"}, {&step, "step"}, {&lr, "lr"}, {&grad_norm, "grad_norm"},
+      {&found_inf, "found_inf"}};
+  constexpr size_t kArgs = sizeof(args) / sizeof(args[0]);
+  for (size_t i = 0; i < kArgs; ++i)
+    for (size_t j = i + 1; j < kArgs; ++j)
+      check_no_overlap(*args[i].first, args[i].second, *args[j].first, args[j].second, op);
   DQN_CHECK(beta1 >= 0 && beta1 < 1, op, ": beta1: expected a value in [0, 1), got ", std::to_string(beta1));
   DQN_CHECK(beta2 >= 0 && beta2 < 1, op, ": beta2: expected a value in [0, 1), got ", std::to_string(beta2));
   DQN_CHECK(eps > 0, op, ": eps: expected a positive value, got ", std::to_string(eps));
@@ -67,8 +74,10 @@ inline void check_ema_args(const at::Tensor& target, const at::Tensor& target_bf
   check_flat(target, op, "target", n, dev, at::kFloat);
   check_flat(target_bf16, op, "target_bf16", n, dev, at::kBFloat16);
   check_flat(online, op, "online", n, dev, at::kFloat);
+  // target and target_bf16 are written while online is read: no two of the three may overlap.
   check_no_overlap(target, "target", online, "online", op);
   check_no_overlap(target, "target", target_bf16, "target_bf16", op);
+  check_no_overlap(target_bf16, "target_bf16", online, "online", op);
   DQN_CHECK(tau >= 0 && tau <= 1, op, ": tau: expected a value in [0, 1], got ", std::to_string(tau));
 }
 

@@ -26,17 +26,19 @@ void fused_adam_bf16_cpu(Tensor& params, const Tensor& grads, Tensor& exp_avg, T
   float* v = exp_avg_sq.data_ptr<float>();
   auto* mirror = params_bf16.data_ptr<at::BFloat16>();
 
+  // The sum of squares in double, as the CUDA kernels (csrc/cuda/optim.cu says why).
   double sq = 0;
-  for (int64_t i = 0; i < n; ++i) sq += double(g[i]) * g[i];
+  for (int64_t i = 0; i < n; ++i) sq += double(g[i]) * double(g[i]);
   const float norm = static_cast<float>(std::sqrt(sq));
   grad_norm.data_ptr<float>()[0] = norm;
-  const bool finite = std::isfinite(norm);
-  found_inf.data_ptr<float>()[0] = finite ? 0.f : 1.f;
-  if (!finite) return;  // skip the step: params, moments, mirror and step count unchanged
+  const float step_lr = lr.data_ptr<float>()[0];
+  const bool runs = adam_step_runs(norm, step_lr);
+  found_inf.data_ptr<float>()[0] = runs ? 0.f : 1.f;
+  if (!runs) return;  // skip the step: params, moments, mirror and step count unchanged
 
   const float t = step.data_ptr<float>()[0] + 1.f;
   step.data_ptr<float>()[0] = t;
-  const AdamStep s = make_adam_step(lr.data_ptr<float>()[0], t, float(beta1), float(beta2), float(eps),
+  const AdamStep s = make_adam_step(step_lr, t, float(beta1), float(beta2), float(eps),
                                     float(weight_decay), decoupled_weight_decay,
                                     clip_coefficient(norm, float(max_grad_norm.value_or(0))));
   for (int64_t i = 0; i < n; ++i) {

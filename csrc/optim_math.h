@@ -2,6 +2,7 @@
 // and the CUDA kernels so both compute the same formula in the same order (torch.optim.Adam's).
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 
 #if defined(__CUDACC__)
@@ -15,6 +16,17 @@ namespace dqn_ops {
 // torch.lerp's formula (the one torch.optim.Adam's exp_avg.lerp_ and torch._foreach_lerp_ use).
 DQN_HD float lerp_like_torch(float start, float end, float weight) {
   return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.f - weight);
+}
+
+// Whether a step runs: the gradient norm is finite and lr is a finite, non-negative number.
+// Otherwise the step is skipped (found_inf = 1; params, moments, mirror and step unchanged).
+// lr is a device tensor (a captured graph replays with a changing lr), so a bad lr cannot be
+// rejected on the host without a sync; skipping it like a non-finite gradient keeps a NaN or
+// negative schedule value from corrupting the weights, and the flag reports it. One home for
+// the rule, so the CPU and CUDA kernels skip the same steps. Comparisons instead of isfinite:
+// false for NaN on both sides, the same in host and device code.
+DQN_HD bool adam_step_runs(float grad_norm, float lr) {
+  return grad_norm <= FLT_MAX && lr >= 0.f && lr <= FLT_MAX;  // grad_norm is a square root: >= 0 or NaN
 }
 
 struct AdamStep {

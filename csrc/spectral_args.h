@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -20,6 +21,25 @@
 namespace dqn_ops {
 
 constexpr const char* kSpectralOp = "dqn_ops.batched_spectral_norm";
+
+// Which strategy the CUDA kernel takes (csrc/cuda/spectral_norm.cu). kAuto, the default: the
+// cluster strategy for every matrix it can take on this device and binary, the cooperative one
+// for the rest. kCooperative: the cooperative strategy for every matrix, the fallback every
+// device with BF16 tensor cores (sm_80+) runs; for tests and for comparing the two. Set by
+//   - the environment variable DQN_OPS_SPECTRAL_STRATEGY=auto|cooperative, read once, at the
+//     first call of spectral_strategy();
+//   - dqn_ops._C._set_spectral_strategy("auto" | "cooperative"), which returns the previous name
+//     (the test hook: no environment, no rebuild).
+// A process-wide setting read with one atomic load per call: the default path pays nothing
+// else. A CUDA graph keeps the launches of the strategy in force when it was captured. The CPU
+// kernel has one strategy and ignores it. Defined in spectral_cpu.cpp (built with or without CUDA).
+enum class SpectralStrategy : int { kAuto = 0, kCooperative = 1 };
+SpectralStrategy spectral_strategy();
+// Returns the previous strategy.
+SpectralStrategy set_spectral_strategy(SpectralStrategy strategy);
+// "auto" / "cooperative" <-> the enum; parse returns false for any other name.
+bool parse_spectral_strategy(std::string_view name, SpectralStrategy* out);
+const char* spectral_strategy_name(SpectralStrategy strategy);
 
 struct SpectralMatrix {
   int64_t w_off;  // first element of W in params

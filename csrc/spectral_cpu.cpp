@@ -1,6 +1,8 @@
 // CPU reference kernel of batched_spectral_norm: the power iteration of the CUDA kernel, one
 // matrix after the other, with float64 accumulation.
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -10,6 +12,42 @@
 #include "spectral_args.h"
 
 namespace dqn_ops {
+
+bool parse_spectral_strategy(std::string_view name, SpectralStrategy* out) {
+  if (name == "auto") *out = SpectralStrategy::kAuto;
+  else if (name == "cooperative") *out = SpectralStrategy::kCooperative;
+  else return false;
+  return true;
+}
+
+const char* spectral_strategy_name(SpectralStrategy strategy) {
+  return strategy == SpectralStrategy::kCooperative ? "cooperative" : "auto";
+}
+
+namespace {
+// The setting, initialised from the environment at its first use. An unknown name raises there
+// (and again at the next use: a static whose initialiser throws is not initialised).
+std::atomic<int>& spectral_strategy_setting() {
+  static std::atomic<int> setting{[] {
+    const char* env = std::getenv("DQN_OPS_SPECTRAL_STRATEGY");
+    SpectralStrategy s = SpectralStrategy::kAuto;
+    DQN_CHECK(env == nullptr || *env == '\0' || parse_spectral_strategy(env, &s), kSpectralOp,
+              ": DQN_OPS_SPECTRAL_STRATEGY: expected 'auto' or 'cooperative', got '", env ? env : "", "'");
+    return static_cast<int>(s);
+  }()};
+  return setting;
+}
+}  // namespace
+
+SpectralStrategy spectral_strategy() {
+  return static_cast<SpectralStrategy>(spectral_strategy_setting().load(std::memory_order_relaxed));
+}
+
+SpectralStrategy set_spectral_strategy(SpectralStrategy strategy) {
+  return static_cast<SpectralStrategy>(
+      spectral_strategy_setting().exchange(static_cast<int>(strategy), std::memory_order_relaxed));
+}
+
 namespace {
 
 using at::Tensor;

@@ -74,14 +74,40 @@ int resident_blocks_per_sm(void (*kernel)(const BranchTable, const LossParams), 
   return resident;
 }
 
+// The dynamic shared memory a launch of `kernel` may ask for: the device's per-block limit
+// without an opt-in (cudaDevAttrMaxSharedMemoryPerBlock, 48 KiB) less the kernel's own static
+// shared memory (sharedSizeBytes: the block's partial sums and flags), and no more than the
+// kernel's maxDynamicSharedSizeBytes. A fixed 48 KiB budget let a staging area of 48,881 to
+// 49,152 bytes through, which the launch then refused. Queried once per (device, kernel).
+// No opt-in above 48 KiB: rows that do not fit are read from global memory instead (the same
+// results), and the launches that fit keep the shape they have always had.
+size_t dynamic_smem_budget(void (*kernel)(const BranchTable, const LossParams)) {
+  using Key = std::tuple<int, const void*>;
+  static std::mutex mutex;
+  static std::map<Key, size_t> known;
+  const int device = static_cast<int>(c10::cuda::current_device());
+  const Key key{device, reinterpret_cast<const void*>(kernel)};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  int per_block = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlock, device));
+  const size_t by_device = size_t(per_block) > attr.sharedSizeBytes ? size_t(per_block) - attr.sharedSizeBytes : 0;
+  const size_t budget = std::min(by_device, size_t(std::max(attr.maxDynamicSharedSizeBytes, 0)));
+  known.emplace(key, budget);
+  return budget;
+}
+
 struct LossResults {
   Tensor loss, td_error, mean_q;
 };
 
 // Sizes the launch, allocates the scalar outputs and launches. P arrives with the inputs, the
 // gradient outputs, total_actions and the loss constants set.
-LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms, LossType type,
-                        bool dueling, const at::TensorOptions& f32) {
+LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms,
+                        LossType type, bool dueling, const at::TensorOptions& f32) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Block shape: C51 gives each sample min(D, kMaxWarps) warps (warp k takes branches k,
   // k + kMaxWarps, ...) and a block as many whole samples as fit in kMaxWarps warps; MSE /
@@ -94,10 +120,6 @@ LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int
   for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
   const int warps = threads / 32;
   const bool small_atoms = c51 && atoms <= kDuelingMaxAtoms;
-  const bool staged = c51 && !small_atoms &&
-                      size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= kSmemBudget;
-  const int64_t work_floats = !c51 ? 0 : small_atoms ? 4 * atoms : c51_floats_per_warp(atoms, max_actions, staged);
-  const size_t smem = size_t(warps) * work_floats * sizeof(float);
   using Kernel = void (*)(const BranchTable, const LossParams);
   const bool in_registers = small_atoms && max_actions <= kQChunk;
   const Kernel kernel = !small_atoms                 ? dqn_loss_kernel<false, false, false>
@@ -105,6 +127,16 @@ LossResults launch_loss(const BranchTable& br, LossParams& P, int64_t batch, int
                         : dueling                    ? dqn_loss_kernel<true, true, false>
                         : in_registers               ? dqn_loss_kernel<true, false, true>
                                                      : dqn_loss_kernel<true, false, false>;
+  // The general version stages the rows where they fit in what the kernel may have.
+  const size_t budget = dynamic_smem_budget(kernel);
+  const bool staged = c51 && !small_atoms &&
+                      size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= budget;
+  const int64_t work_floats = !c51 ? 0 : small_atoms ? 4 * atoms : c51_floats_per_warp(atoms, max_actions, staged);
+  const size_t smem = size_t(warps) * work_floats * sizeof(float);
+  // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 128 atoms, 24 KiB at
+  // kLossCudaMaxAtoms): within the budget of any device these kernels build for.
+  DQN_CHECK(smem <= budget, op, ": the CUDA loss kernel needs ", smem, " bytes of shared memory for ", atoms,
+            " atoms, the device allows it ", budget);
   // A resident grid: as many blocks as fit on the GPU at once (the occupancy API), each looping
   // over sample groups, so the end-of-block work (the fence and ticket, the last block's check)
   // is paid once per resident block rather than once per group of samples. No grid barrier, so
@@ -171,7 +203,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   P.q_next_online = q_next_online.data_ptr<float>();
   P.q_next_target = q_next_target.data_ptr<float>();
   P.grad_q = grad_q.data_ptr<float>();
-  const LossResults r = launch_loss(br, P, S.batch, S.atoms, S.type, false, q.options());
+  const LossResults r = launch_loss(kLossOp, br, P, S.batch, S.atoms, S.type, false, q.options());
   return {r.loss, grad_q, r.td_error, r.mean_q};
 }
 
@@ -209,7 +241,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
     P.grad_head_bf16 = static_cast<__nv_bfloat16*>(grad_head_bf16.data_ptr());
     P.head_ld = L.head_ld;
     P.head_out = L.head_out;
-    const LossResults r = launch_loss(br, P, B, L.atoms, type, true, f32);
+    const LossResults r = launch_loss(op, br, P, B, L.atoms, type, true, f32);
     return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};
   }
   // Composed: q of each pass as bf16_dueling_forward forms it (the compact head it also writes
@@ -227,7 +259,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
   P.q_next_online = q[1].data_ptr<float>();
   P.q_next_target = q[2].data_ptr<float>();
   P.grad_q = grad_q.data_ptr<float>();
-  const LossResults r = launch_loss(br, P, B, L.atoms, type, false, f32);
+  const LossResults r = launch_loss(op, br, P, B, L.atoms, type, false, f32);
   launch_dueling_backward(grad_q.data_ptr<float>(), nullptr, grad_head.data_ptr<float>(),
                           static_cast<__nv_bfloat16*>(grad_head_bf16.data_ptr()), B, L, br, stream);
   return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};

@@ -7,6 +7,16 @@
 // both moments and the BF16 mirror in one pass. Launch (1) also copies the step count into
 // the scratch so that launch (2) reads the old count there while its block 0 writes the new
 // one: no block reads a value another block of the same launch writes.
+//
+// The sum of squares accumulates in double (each thread, the blocks' partials, their fold), as
+// the CPU kernel does: the norm of a finite gradient is finite whenever it fits in F32, where an
+// F32 sum of squares overflows to inf once an element passes ~1.8e19 (or the sum passes 3.4e38)
+// and would skip a step the clipping can take. A float's square is exact in double, so the only
+// difference from the CPU's sequential sum is the order of the additions, below F32's resolution
+// after the sqrt and the rounding to F32. The cost is negligible: launch (1) is bound by the reads
+// of the gradient (one DFMA per 4-byte load; even a GPU with 1/64-rate FP64 has several times the
+// DFMA throughput that its memory bandwidth needs), and launch (2) folds at most 1024 doubles per
+// block.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -26,13 +36,14 @@ using at::Tensor;
 constexpr int kThreads = 256;
 constexpr int kMaxNormBlocks = 1024;  // = partials; each update block folds them in 4 per thread
 
+// scratch: kMaxNormBlocks partial sums of squares, then the step count (doubles).
 __global__ void __launch_bounds__(kThreads) sq_norm_partials_kernel(const float* __restrict__ g, int64_t n,
-                                                                    float* __restrict__ scratch,
+                                                                    double* __restrict__ scratch,
                                                                     const float* __restrict__ step) {
-  __shared__ float smem[kThreads];
-  float s = 0.f;
+  __shared__ double smem[kThreads];
+  double s = 0.0;
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
-    const float x = g[i];
+    const double x = g[i];
     s += x * x;
   }
   s = block_sum<kThreads>(s, smem);
@@ -52,22 +63,23 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 p) {
 
 __global__ void __launch_bounds__(kThreads) adam_update_kernel(
     float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
-    __nv_bfloat16* __restrict__ mirror, int64_t n, const float* __restrict__ scratch, int num_partials,
+    __nv_bfloat16* __restrict__ mirror, int64_t n, const double* __restrict__ scratch, int num_partials,
     float* __restrict__ step, const float* __restrict__ lr, float beta1, float beta2, float eps, float weight_decay,
     bool decoupled, float max_grad_norm, float* __restrict__ grad_norm, float* __restrict__ found_inf) {
-  __shared__ float smem[kThreads];
-  float s = 0.f;
+  __shared__ double smem[kThreads];
+  double s = 0.0;
   for (int i = threadIdx.x; i < num_partials; i += kThreads) s += scratch[i];
-  const float norm = sqrtf(block_sum<kThreads>(s, smem));
-  const bool finite = isfinite(norm);
-  const float new_step = scratch[kMaxNormBlocks] + 1.f;
+  const float norm = static_cast<float>(sqrt(block_sum<kThreads>(s, smem)));
+  const float step_lr = lr[0];
+  const bool runs = adam_step_runs(norm, step_lr);  // the same decision in every block
+  const float new_step = static_cast<float>(scratch[kMaxNormBlocks]) + 1.f;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     grad_norm[0] = norm;
-    found_inf[0] = finite ? 0.f : 1.f;
-    if (finite) step[0] = new_step;
+    found_inf[0] = runs ? 0.f : 1.f;
+    if (runs) step[0] = new_step;
   }
-  if (!finite) return;  // skip: nothing else is written
-  const AdamStep st = make_adam_step(lr[0], new_step, beta1, beta2, eps, weight_decay, decoupled,
+  if (!runs) return;  // skip: nothing else is written
+  const AdamStep st = make_adam_step(step_lr, new_step, beta1, beta2, eps, weight_decay, decoupled,
                                      clip_coefficient(norm, max_grad_norm));
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   const int64_t n4 = n / 4;  // every buffer is 16-byte aligned (checked)
@@ -129,13 +141,13 @@ void fused_adam_bf16_cuda(Tensor& params, const Tensor& grads, Tensor& exp_avg, 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t n = params.numel();
   const int partials = static_cast<int>(std::min<int64_t>(kMaxNormBlocks, (n + kThreads - 1) / kThreads));
-  Tensor scratch = at::empty({kMaxNormBlocks + 1}, params.options());
-  sq_norm_partials_kernel<<<partials, kThreads, 0, stream>>>(grads.data_ptr<float>(), n, scratch.data_ptr<float>(),
-                                                              step.data_ptr<float>());
+  Tensor scratch = at::empty({kMaxNormBlocks + 1}, params.options().dtype(at::kDouble));
+  sq_norm_partials_kernel<<<partials, kThreads, 0, stream>>>(grads.data_ptr<float>(), n,
+                                                              scratch.data_ptr<double>(), step.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   adam_update_kernel<<<update_blocks(n), kThreads, 0, stream>>>(
       params.data_ptr<float>(), grads.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-      static_cast<__nv_bfloat16*>(params_bf16.data_ptr()), n, scratch.data_ptr<float>(), partials,
+      static_cast<__nv_bfloat16*>(params_bf16.data_ptr()), n, scratch.data_ptr<double>(), partials,
       step.data_ptr<float>(), lr.data_ptr<float>(), float(beta1), float(beta2), float(eps), float(weight_decay),
       decoupled_weight_decay, float(max_grad_norm.value_or(0)), grad_norm.data_ptr<float>(),
       found_inf.data_ptr<float>());

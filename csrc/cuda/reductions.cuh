@@ -15,16 +15,16 @@ namespace dqn_ops {
 namespace cuda {
 
 // Sum over a block of N threads in a fixed tree order; every thread gets the result. smem
-// holds at least N floats.
-template <int N>
-__device__ float block_sum(float v, float* smem) {
+// holds at least N values of T (float, or double where a sum must not overflow F32).
+template <int N, typename T>
+__device__ T block_sum(T v, T* smem) {
   smem[threadIdx.x] = v;
   __syncthreads();
   for (int s = N / 2; s > 0; s >>= 1) {
     if (threadIdx.x < s) smem[threadIdx.x] += smem[threadIdx.x + s];
     __syncthreads();
   }
-  const float r = smem[0];
+  const T r = smem[0];
   __syncthreads();
   return r;
 }

@@ -1,8 +1,13 @@
 // batched_spectral_norm on CUDA, two strategies:
-//   cluster (sm_90, matrices whose rows fit a thread-block cluster's shared memory): one launch,
-//     a cluster of blocks per matrix, no grid barrier (spectral_norm_cluster_kernel, below);
-//   cooperative (larger matrices, and devices before sm_90): one cooperative launch runs the
-//     power iteration of every such matrix, whatever their number and sizes (spectral_norm_kernel).
+//   cluster (matrices whose rows fit a thread-block cluster's shared memory, where the device and
+//     the binary can run it: see cluster_support): one launch, a cluster of blocks per matrix, no
+//     grid barrier (spectral_norm_cluster_kernel, below);
+//   cooperative (every other matrix; every matrix under SpectralStrategy::kCooperative,
+//     csrc/spectral_args.h): one cooperative launch runs the power iteration of every such
+//     matrix, whatever their number and sizes (spectral_norm_kernel). It runs on every device
+//     these kernels build for (sm_80+).
+// The two sum in different orders: they agree to float rounding, not to the bit. Within a
+// strategy, a matrix's result depends on its shape and values alone.
 //
 // The cooperative strategy. Work split: Matrix m is cut into K_m "virtual blocks" of about kElemsPerVirtualBlock
 // elements: contiguous row slices (for W^T u and W v) and, in the reduction phase,
@@ -28,8 +33,8 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
+#include <map>
 #include <mutex>
-#include <set>
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
@@ -260,10 +265,12 @@ __global__ void __launch_bounds__(kThreads)
 //   B  u~_k = W_k v~ / |v~|, partial |u~_k|^2;  barrier;  every block: |u~| (k order)
 //   C  u = u~ / |u~|; rank 0 writes v = v~ / |v~| and sigma; W_k rescaled where sigma > sigma_max.
 // A matrix's result depends on its shape and values alone (its own cluster): batched and
-// one-launch-per-matrix still agree bit for bit. Larger matrices, and devices before sm_90,
-// take the cooperative kernel above.
+// one-launch-per-matrix still agree bit for bit. Larger matrices, and devices and binaries
+// cluster_support turns down, take the cooperative kernel above.
 constexpr int kCluster = 8;
-constexpr int64_t kClusterSmemFloats = 40 * 1024;  // 160 KiB of dynamic shared memory per block
+// The most dynamic shared memory a block asks for: 160 KiB. Less where the device's opt-in
+// limit is lower (cluster_support).
+constexpr int64_t kClusterSmemFloats = 40 * 1024;
 
 // Floats of dynamic shared memory a block of the cluster kernel needs for a [rows, cols] matrix.
 int64_t cluster_smem_floats(int64_t rows, int64_t cols) {
@@ -271,8 +278,6 @@ int64_t cluster_smem_floats(int64_t rows, int64_t cols) {
   // W slice, u slice, u~ slice, partial (this block's W^T u), v~, group scratch, |u~|^2 partial
   return slice_rows * cols + 2 * slice_rows + 2 * cols + kThreads + 1;
 }
-
-bool cluster_eligible(int64_t rows, int64_t cols) { return cluster_smem_floats(rows, cols) <= kClusterSmemFloats; }
 
 __global__ void __launch_bounds__(kThreads)
     spectral_norm_cluster_kernel(const __grid_constant__ Batch b, float* __restrict__ params,
@@ -373,39 +378,107 @@ __global__ void __launch_bounds__(kThreads)
   }
   cluster.sync();  // no block leaves while another may still read its shared memory
 #else
-  __trap();  // launched only on sm_90 and newer (see batched_spectral_norm_cuda)
+  __trap();  // never launched: cluster_support sees ptxVersion < 90 and sends every matrix elsewhere
 #endif
 }
 
-void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
-                     int iterations, float eps, cudaStream_t stream) {
-  int64_t floats = 0;
-  for (int i = 0; i < b.count; ++i) floats = std::max(floats, cluster_smem_floats(b.m[i].rows, b.m[i].cols));
-  {  // above 48 KiB a kernel needs the opt-in, once per device
-    static std::mutex mutex;
-    static std::set<int> opted_in;
-    const int device = static_cast<int>(c10::cuda::current_device());
-    std::lock_guard<std::mutex> lock(mutex);
-    if (opted_in.insert(device).second)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(spectral_norm_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(kClusterSmemFloats * sizeof(float))));
-  }
+// A launch configuration of the cluster kernel: `clusters` clusters of kCluster blocks.
+// attr is the storage config.attrs points to.
+cudaLaunchConfig_t cluster_config(int clusters, size_t smem_bytes, cudaStream_t stream, cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(b.count * kCluster));
+  config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = static_cast<size_t>(floats) * sizeof(float);
+  config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = kCluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
   config.numAttrs = 1;
+  return config;
+}
+
+// What the cluster strategy may use on one device: usable, and the dynamic shared memory a block
+// may have (the kernel opted in to it). Not usable (every matrix takes the cooperative strategy)
+// unless all of these hold:
+//   - the device launches clusters (cudaDevAttrClusterLaunch: sm_90 and newer);
+//   - the kernel the device runs has the real body: compiled for compute_90 or newer
+//     (ptxVersion: the virtual architecture __CUDA_ARCH__ came from; a build without sm_90 code,
+//     JIT-compiled from older PTX, runs the __trap() stub) into sm_90+ machine code
+//     (binaryVersion);
+//   - the opt-in succeeded: min(160 KiB, the device's opt-in limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+//     less the kernel's static shared memory), e.g. 99 KiB on sm_120 instead of Hopper's 227 KiB.
+//     A matrix takes clusters only where its slice fits in what was opted in to;
+//   - a cluster of kCluster blocks with that much shared memory can be resident
+//     (cudaOccupancyMaxActiveClusters > 0; a MIG slice or an MPS share may hold fewer SMs or
+//     less shared memory). If it cannot, the budget halves until one fits (smaller matrices keep
+//     clusters) or falls below what the smallest matrix needs.
+// A failed opt-in or occupancy query is a reason to fall back, not an error: its status is
+// read and cleared (cudaGetLastError), and the device is recorded as opted in only after
+// cudaFuncSetAttribute succeeded. Found once per device, then a cached lookup.
+struct ClusterSupport {
+  bool usable = false;
+  int64_t smem_floats = 0;
+};
+
+ClusterSupport probe_cluster_support(int device) {
+  ClusterSupport none;
+  int cluster_launch = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&cluster_launch, cudaDevAttrClusterLaunch, device));
+  if (!cluster_launch) return none;
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, spectral_norm_cluster_kernel) != cudaSuccess) {
+    (void)cudaGetLastError();  // no loadable image of the kernel for this device
+    return none;
+  }
+  if (attr.ptxVersion < 90 || attr.binaryVersion < 90) return none;
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  int64_t bytes = std::min<int64_t>(kClusterSmemFloats * int64_t(sizeof(float)),
+                                    int64_t(optin) - int64_t(attr.sharedSizeBytes));
+  bytes = bytes / int64_t(sizeof(float)) * int64_t(sizeof(float));
+  const int64_t smallest = cluster_smem_floats(1, 1) * int64_t(sizeof(float));
+  if (bytes < smallest) return none;
+  if (cudaFuncSetAttribute(spectral_norm_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(bytes)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return none;
+  }
+  for (; bytes >= smallest; bytes = bytes / 2 / int64_t(sizeof(float)) * int64_t(sizeof(float))) {
+    cudaLaunchAttribute la[1];
+    const cudaLaunchConfig_t config = cluster_config(1, static_cast<size_t>(bytes), nullptr, la);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, spectral_norm_cluster_kernel, &config) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return none;
+    }
+    if (clusters > 0) return ClusterSupport{true, bytes / int64_t(sizeof(float))};
+  }
+  return none;
+}
+
+const ClusterSupport& cluster_support(int device) {
+  static std::mutex mutex;
+  static std::map<int, ClusterSupport> known;  // nodes are stable: the reference outlives the lock
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(device);
+  if (it == known.end()) it = known.emplace(device, probe_cluster_support(device)).first;
+  return it->second;
+}
+
+void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
+                     int iterations, float eps, cudaStream_t stream) {
+  int64_t floats = 0;
+  for (int i = 0; i < b.count; ++i) floats = std::max(floats, cluster_smem_floats(b.m[i].rows, b.m[i].cols));
+  // Within what cluster_support opted in to: the caller sends only matrices that fit.
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t config = cluster_config(b.count, static_cast<size_t>(floats) * sizeof(float), stream, attr);
   float* p = params.data_ptr<float>();
   auto* mirror = static_cast<__nv_bfloat16*>(params_bf16.data_ptr());
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, spectral_norm_cluster_kernel, b, p, mirror, u.data_ptr<float>(),
                                     v.data_ptr<float>(), sigma.data_ptr<float>(), iterations, eps));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The cooperative strategy: one cooperative launch, its grid capped at the blocks of
@@ -423,6 +496,7 @@ void launch_cooperative(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u
   void* args[] = {&b, &p, &mirror, &up, &vp, &sp, &partial, &sq_v, &sq_u, &iterations, &eps};
   C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(spectral_norm_kernel), dim3(grid), dim3(kThreads),
                                              args, 0, stream));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
@@ -463,11 +537,13 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
   float* sq_v = partial + partial_len;
   float* sq_u = sq_v + norm_len;
 
-  // Clusters need sm_90; the choice depends on the device and the matrix's shape alone.
-  const bool clusters = at::cuda::getCurrentDeviceProperties()->major >= 9;
+  // The choice depends on the strategy setting, the device (and the binary on it) and the
+  // matrix's shape alone: a cached lookup per call.
+  const ClusterSupport& cs = cluster_support(params.device().index());
+  const bool clusters = cs.usable && spectral_strategy() == SpectralStrategy::kAuto;
   std::vector<MatrixDesc> small, large;
   for (const MatrixDesc& d : descs)
-    (clusters && cluster_eligible(d.rows, d.cols) ? small : large).push_back(d);
+    (clusters && cluster_smem_floats(d.rows, d.cols) <= cs.smem_floats ? small : large).push_back(d);
   const size_t per_launch = one_launch_per_matrix ? 1 : kMaxMatricesPerLaunch;
   for (const bool cluster : {true, false}) {
     const std::vector<MatrixDesc>& group = cluster ? small : large;

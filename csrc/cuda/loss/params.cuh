@@ -22,8 +22,6 @@ constexpr int kMaxWarps = kFusedLossMaxBranches;
 constexpr int kDuelingMaxAtoms = kFusedLossMaxAtoms;
 constexpr int kQChunk = 4;        // actions whose expected Q reduce together
 constexpr int kStageUnroll = 12;  // loads in flight per lane while staging
-// Shared memory per block without an opt-in; past it the rows are read from global memory.
-constexpr size_t kSmemBudget = 48 * 1024;
 
 struct LossParams {
   const float* q;
