@@ -1,4 +1,5 @@
-// CPU reference kernels of dqn_loss (one sample after the other, in double precision) and of
+// CPU reference kernels of dqn_loss (one sample after the other; C51 in double precision, MSE /
+// Huber in F32 as on CUDA, so that both devices overflow alike) and of
 // _dqn_loss_on_logits (the output bias, the dueling aggregation, dqn_loss and the aggregation's
 // backward: network_cpu.h's pieces around the same loss).
 #include <algorithm>
@@ -29,6 +30,80 @@ double softmax(const float* x, int64_t n, std::vector<double>& p) {
   return m + std::log(s);
 }
 
+// A double into F32 as IEEE rounding does it: out of range gives +-inf (a plain cast is undefined
+// there, and Tensor::fill_ refuses it with "cannot be converted to type float without overflow").
+float to_f32(double v) {
+  constexpr double kMax = std::numeric_limits<float>::max();
+  if (std::isnan(v) || std::abs(v) <= kMax) return static_cast<float>(v);
+  return v > 0 ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
+}
+
+// MSE / Huber on the BDQ target, in F32 with the CUDA kernel's arithmetic (bdq_sample in
+// csrc/cuda/loss/kernels.cuh): y = r + gamma (1 - done) mean_d Q_target_d(s', argmax Q_online_d(s')).
+// A non-finite y (NaN/Inf reward or done, an Inf target, or y overflowing F32) poisons the
+// sample: NaN loss, TD error and gradient rows of every action. A finite y whose squared error
+// overflows gives an inf loss with a finite gradient, as on CUDA; either way the optimizer then
+// sees a non-finite loss or gradient norm and skips the step.
+void bdq_loss_f32(const float* x, const float* xo, const float* xt, const int64_t* act, const float* r,
+                  const float* dn, const float* w, const LossShape& S, float gamma, float* g, float* td,
+                  Tensor& loss, Tensor& mean_q) {
+  const int64_t B = S.batch, A = S.total_actions, D = static_cast<int64_t>(S.branch_sizes.size());
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  float loss_acc = 0.f, q_acc = 0.f;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t row = b * A;
+    float target = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+      int64_t a_star = 0;
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t a = 0; a < n; ++a) {
+        const float qv = xo[row + off + a];
+        if (qv > best || std::isnan(qv)) {
+          best = qv;
+          a_star = a;
+          if (std::isnan(qv)) break;
+        }
+      }
+      target += xt[row + off + a_star];
+    }
+    const float y = r[b] + gamma * (1.f - dn[b]) * (target / static_cast<float>(D));
+    const float wb = w ? w[b] : 1.f;
+    const float scale = wb / (static_cast<float>(B) * static_cast<float>(D));
+    float sample_loss = 0.f, sample_td = 0.f, qsum = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+      const int64_t a = act[b * D + d];
+      if (!std::isfinite(y)) {  // poisoned sample (NaN must reach the gradient: the optimizer skips)
+        for (int64_t k = 0; k < n; ++k) g[row + off + k] = nan;
+        sample_loss = sample_td = qsum = nan;
+        continue;
+      }
+      const float qv = x[row + off + a];
+      const float delta = y - qv;
+      float l, dl;  // loss and d(loss)/d(q)
+      if (S.type == LossType::kMSE) {
+        l = delta * delta;
+        dl = -2.f * delta;
+      } else {
+        const float ad = std::abs(delta);
+        l = ad <= 1.f ? 0.5f * delta * delta : ad - 0.5f;
+        dl = std::isnan(delta) ? delta : -std::min(std::max(delta, -1.f), 1.f);  // NaN must reach the gradient
+      }
+      sample_loss += l;
+      sample_td += std::abs(delta);
+      qsum += qv;
+      g[row + off + a] = dl * scale;
+    }
+    const float fd = static_cast<float>(D);
+    td[b] = sample_td / fd;
+    loss_acc = std::fma(wb, sample_loss / fd, loss_acc);
+    q_acc += qsum / fd;
+  }
+  loss.fill_(loss_acc / static_cast<float>(B));
+  mean_q.fill_(q_acc / static_cast<float>(B));
+}
+
 // The loss on validated inputs (S from check_loss_args or loss_shape); `op` names the op in
 // the out-of-range-action error.
 std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, const Tensor& q_next_online,
@@ -57,8 +132,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, c
       DQN_CHECK(act[b * D + d] >= 0 && act[b * D + d] < S.branch_sizes[d], op, ": actions: sample ", b,
                 " takes action ", act[b * D + d], " in branch ", d, ", which has ", S.branch_sizes[d], " actions");
 
-  const double dz = S.type == LossType::kC51 ? (v_max - v_min) / double(NA - 1) : 0.0;
-  std::vector<double> p(NA), pt(NA), m(NA), bj(NA);
+  if (S.type != LossType::kC51) {
+    bdq_loss_f32(x, xo, xt, act, r, dn, w, S, static_cast<float>(gamma), g, td, loss, mean_q);
+    return {loss, grad_q, td_error, mean_q};
+  }
+  // C51, in double precision.
+  const double dz = (v_max - v_min) / double(NA - 1);
+  std::vector<double> p(NA), pt(NA), m(NA);
   double loss_sum = 0, q_sum = 0;
   for (int64_t b = 0; b < B; ++b) {
     const double discount = gamma * (1.0 - dn[b]);
@@ -75,89 +155,52 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, c
       q_sum += nan;
       continue;
     }
-    if (S.type == LossType::kC51) {
-      for (int64_t d = 0; d < D; ++d) {
-        const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
-        // double-DQN: the online network picks the next action (first of equal maxima)
-        int64_t a_star = 0;
-        double best = -std::numeric_limits<double>::infinity();
-        for (int64_t a = 0; a < n; ++a) {
-          softmax(xo + ((b * A) + off + a) * NA, NA, p);
-          double qv = 0;
-          for (int64_t j = 0; j < NA; ++j) qv += p[j] * (v_min + j * dz);
-          if (qv > best || std::isnan(qv)) {
-            best = qv;
-            a_star = a;
-            if (std::isnan(qv)) break;
-          }
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+      // double-DQN: the online network picks the next action (first of equal maxima)
+      int64_t a_star = 0;
+      double best = -std::numeric_limits<double>::infinity();
+      for (int64_t a = 0; a < n; ++a) {
+        softmax(xo + ((b * A) + off + a) * NA, NA, p);
+        double qv = 0;
+        for (int64_t j = 0; j < NA; ++j) qv += p[j] * (v_min + j * dz);
+        if (qv > best || std::isnan(qv)) {
+          best = qv;
+          a_star = a;
+          if (std::isnan(qv)) break;
         }
-        softmax(xt + ((b * A) + off + a_star) * NA, NA, pt);
-        // projection of r + discount * z onto the support
-        std::fill(m.begin(), m.end(), 0.0);
-        for (int64_t i = 0; i < NA; ++i) {
-          const double tz = std::min(v_max, std::max(v_min, r[b] + discount * (v_min + i * dz)));
-          const double bi = std::min(double(NA - 1), std::max(0.0, (tz - v_min) / dz));
-          int64_t l = static_cast<int64_t>(std::floor(bi)), u = static_cast<int64_t>(std::ceil(bi));
-          if (l == u) {  // the atom lands exactly on a support point: give it all its mass
-            if (u > 0) --l; else ++u;
-          }
-          m[l] += pt[i] * (u - bi);
-          m[u] += pt[i] * (bi - l);
-        }
-        const int64_t a = act[b * D + d];
-        const float* xc = x + ((b * A) + off + a) * NA;
-        const double lse = softmax(xc, NA, p);
-        double ce = 0, qv = 0;
-        for (int64_t j = 0; j < NA; ++j) {
-          ce -= m[j] * (xc[j] - lse);
-          qv += p[j] * (v_min + j * dz);
-          g[((b * A) + off + a) * NA + j] = static_cast<float>((p[j] - m[j]) * wb / double(B * D));
-        }
-        sample_loss += ce / D;
-        q_sum += qv / D;
       }
-      sample_td = sample_loss;
-    } else {
-      // BDQ target: every branch's target-network value at the online network's greedy action, averaged
-      double target = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
-        int64_t a_star = 0;
-        double best = -std::numeric_limits<double>::infinity();
-        for (int64_t a = 0; a < n; ++a) {
-          const double qv = xo[b * A + off + a];
-          if (qv > best || std::isnan(qv)) {
-            best = qv;
-            a_star = a;
-            if (std::isnan(qv)) break;
-          }
+      softmax(xt + ((b * A) + off + a_star) * NA, NA, pt);
+      // projection of r + discount * z onto the support
+      std::fill(m.begin(), m.end(), 0.0);
+      for (int64_t i = 0; i < NA; ++i) {
+        const double tz = std::min(v_max, std::max(v_min, r[b] + discount * (v_min + i * dz)));
+        const double bi = std::min(double(NA - 1), std::max(0.0, (tz - v_min) / dz));
+        int64_t l = static_cast<int64_t>(std::floor(bi)), u = static_cast<int64_t>(std::ceil(bi));
+        if (l == u) {  // the atom lands exactly on a support point: give it all its mass
+          if (u > 0) --l; else ++u;
         }
-        target += xt[b * A + off + a_star] / double(D);
+        m[l] += pt[i] * (u - bi);
+        m[u] += pt[i] * (bi - l);
       }
-      const double y = r[b] + discount * target;
-      for (int64_t d = 0; d < D; ++d) {
-        const int64_t idx = b * A + S.action_offsets[d] + act[b * D + d];
-        const double delta = y - x[idx];
-        double l, dl;  // loss and d(loss)/d(q)
-        if (S.type == LossType::kMSE) {
-          l = delta * delta;
-          dl = -2 * delta;
-        } else {
-          const double ad = std::abs(delta);
-          l = ad <= 1 ? 0.5 * delta * delta : ad - 0.5;
-          dl = std::isnan(delta) ? delta : -std::max(-1.0, std::min(1.0, delta));  // NaN must reach the gradient
-        }
-        sample_loss += l / D;
-        sample_td += std::abs(delta) / D;
-        q_sum += x[idx] / double(D);
-        g[idx] = static_cast<float>(dl * wb / double(B * D));
+      const int64_t a = act[b * D + d];
+      const float* xc = x + ((b * A) + off + a) * NA;
+      const double lse = softmax(xc, NA, p);
+      double ce = 0, qv = 0;
+      for (int64_t j = 0; j < NA; ++j) {
+        ce -= m[j] * (xc[j] - lse);
+        qv += p[j] * (v_min + j * dz);
+        g[((b * A) + off + a) * NA + j] = static_cast<float>((p[j] - m[j]) * wb / double(B * D));
       }
+      sample_loss += ce / D;
+      q_sum += qv / D;
     }
-    td[b] = static_cast<float>(sample_td);
+    sample_td = sample_loss;
+    td[b] = to_f32(sample_td);
     loss_sum += wb * sample_loss;
   }
-  loss.fill_(loss_sum / B);
-  mean_q.fill_(q_sum / B);
+  loss.fill_(to_f32(loss_sum / B));
+  mean_q.fill_(to_f32(q_sum / B));
   return {loss, grad_q, td_error, mean_q};
 }
 

@@ -23,13 +23,86 @@ between the two.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+import math
+import numbers
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ALIGN = 8  # elements; 16 bytes of BF16
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# -- validation of the configs' fields (DQNConfig here, TrainerConfig in trainer.py) ----------
+# Every error says "<Config>: <field> must be <what was expected>, got <what came>".
+
+def _got(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_int(config: str, field: str, value, minimum: Optional[int] = None) -> int:
+    """An integer field: an int (or numpy integer; not a bool, not a float such as 2.0 or 2.5)
+    of at least `minimum`. Returns it as an int."""
+    bound = f" >= {minimum}" if minimum is not None else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{config}: {field} must be an int{bound}, got {_got(value)}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{config}: {field} must be{bound} (an int), got {value}")
+    return value
+
+
+def check_int_tuple(config: str, field: str, value, minimum: int, expected: str,
+                    length: Optional[int] = None) -> Tuple[int, ...]:
+    """A non-empty sequence of ints >= `minimum` (of `length` entries when given), as a tuple."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{config}: {field} must be {expected}, got {_got(value)}")
+    items = tuple(value)
+    if not items or (length is not None and len(items) != length):
+        raise ValueError(f"{config}: {field} must be {expected}, got {items}")
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"{config}: {field} must be {expected}, got {items} (an entry {_got(x)})")
+        if int(x) < minimum:
+            raise ValueError(f"{config}: {field} must be {expected}, got {items}")
+    return tuple(int(x) for x in items)
+
+
+def check_float(config: str, field: str, value, low: Optional[float] = None, high: Optional[float] = None,
+                low_open: bool = False, high_open: bool = False, finite: bool = True) -> float:
+    """A real-number field (int or float, not a bool), finite unless `finite` is False, within
+    [low, high] (an open end where `low_open` / `high_open`). Returns it as a float."""
+    parts = []
+    if low is not None:
+        parts.append(f"{'>' if low_open else '>='} {low:g}")
+    if high is not None:
+        parts.append(f"{'<' if high_open else '<='} {high:g}")
+    what = ("a finite number" if finite else "a number") + (" " + " and ".join(parts) if parts else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{config}: {field} must be {what}, got {_got(value)}")
+    v = float(value)
+    bad = math.isnan(v) or (finite and math.isinf(v))
+    bad = bad or (low is not None and (v <= low if low_open else v < low))
+    bad = bad or (high is not None and (v >= high if high_open else v > high))
+    if bad:
+        raise ValueError(f"{config}: {field} must be {what}, got {value!r}")
+    return v
+
+
+def check_bool(config: str, field: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{config}: {field} must be a bool (True or False), got {_got(value)}")
+    return value
+
+
+def check_choice(config: str, field: str, value, choices: Sequence, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, str) or value not in choices:
+        opts = " or ".join(repr(c) for c in choices) + (" or None" if allow_none else "")
+        raise ValueError(f"{config}: {field} must be {opts}, got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,18 +121,15 @@ class DQNConfig:
     branches: Tuple[int, ...] = (3, 3, 3)
 
     def __post_init__(self):
-        object.__setattr__(self, "trunk_hidden", tuple(int(x) for x in self.trunk_hidden))
-        object.__setattr__(self, "branches", tuple(int(x) for x in self.branches))
-        if len(self.trunk_hidden) != 2:
-            raise ValueError(f"DQNConfig: trunk_hidden must have 2 widths, got {self.trunk_hidden}")
-        for name, v in [("state_dim", self.state_dim), ("value_hidden", self.value_hidden),
-                        ("adv_hidden", self.adv_hidden), ("atoms", self.atoms)]:
-            if int(v) < 1:
-                raise ValueError(f"DQNConfig: {name} must be >= 1, got {v}")
-        if any(w < 1 for w in self.trunk_hidden):
-            raise ValueError(f"DQNConfig: trunk widths must be >= 1, got {self.trunk_hidden}")
-        if not self.branches or any(n < 1 for n in self.branches):
-            raise ValueError(f"DQNConfig: branches must be a non-empty tuple of action counts >= 1, got {self.branches}")
+        name = "DQNConfig"
+        for field in ("state_dim", "value_hidden", "adv_hidden", "atoms"):
+            object.__setattr__(self, field, check_int(name, field, getattr(self, field), minimum=1))
+        trunk = check_int_tuple(name, "trunk_hidden", self.trunk_hidden, minimum=1, length=2,
+                                expected="2 widths >= 1 (a tuple of 2 ints)")
+        branches = check_int_tuple(name, "branches", self.branches, minimum=1,
+                                   expected="a non-empty tuple of action counts >= 1 (ints)")
+        object.__setattr__(self, "trunk_hidden", trunk)
+        object.__setattr__(self, "branches", branches)
 
     @property
     def num_branches(self) -> int:

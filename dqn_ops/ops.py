@@ -12,6 +12,7 @@ and say, prefixed with the op's name, what was expected and what came; the kerne
 """
 from __future__ import annotations
 
+import re
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -31,6 +32,37 @@ FUSED_LOSS_MAX_BRANCHES: int = _C.FUSED_LOSS_MAX_BRANCHES
 
 def _check(cond, msg: str):
     torch._check(cond, lambda: msg)
+
+
+class MissingKernelError(NotImplementedError):
+    """An op called on tensors of a device (dispatch key) this build of dqn_ops has no kernel
+    for. The dispatcher's own error (its list of every registered backend) is ``__cause__``."""
+
+
+_BACKEND = re.compile(r"Could not run 'dqn_ops::(\w+)' with arguments from the '(\w+)' backend")
+
+
+def _raise_missing_kernel(op: str, err: NotImplementedError) -> None:
+    """Raises the dqn_ops error (``from`` it) for the dispatcher's "Could not run
+    'dqn_ops::<op>' with arguments from the '<X>' backend"; returns on any other
+    NotImplementedError (the wrapper then re-raises that one). Only runs when a call failed:
+    the fast path pays for a try block, nothing else."""
+    m = _BACKEND.search(str(err))
+    if m is None:
+        return
+    op, backend = m.group(1), m.group(2)  # the op that failed (a wrapper's op, or one it ran)
+    if backend == "CUDA":
+        what = ("has no CUDA kernel: this build of dqn_ops has no CUDA kernels (built without a CUDA "
+                "toolkit, or with DQN_OPS_CPU_ONLY=1; dqn_ops.cuda_kernels_built() is False). Rebuild with a "
+                "CUDA toolkit whose nvcc matches torch's CUDA version (see the README, 'Install'), or pass "
+                "CPU tensors")
+    elif backend.startswith("Sparse") or backend.startswith("Mkldnn") or backend.startswith("Quantized"):
+        what = (f"has no kernel for {backend} tensors: its ops take dense (strided) tensors on the CPU or a "
+                "CUDA device; convert them first (e.g. .to_dense())")
+    else:
+        what = (f"has no kernel for the {backend!r} backend (device {backend.lower()!r}): dqn_ops has CPU and "
+                "CUDA kernels only; move the tensors to the CPU or a CUDA device")
+    raise MissingKernelError(f"dqn_ops.{op} {what}.") from err
 
 
 # ---------------------------------------------------------------------------------------
@@ -57,8 +89,12 @@ def bf16_dueling_forward(states: Tensor, params: Tensor, params_bf16: Tensor, la
         layout: ``ParamLayout(config).encode()``.
         backward_precision: the precision autograd's backward will use ('tf32', 'bf16', 'fp32').
     """
-    return ForwardOutput(*torch.ops.dqn_ops.bf16_dueling_forward.default(
-        states, params, params_bf16, list(layout), backward_precision))
+    try:
+        return ForwardOutput(*torch.ops.dqn_ops.bf16_dueling_forward.default(
+            states, params, params_bf16, list(layout), backward_precision))
+    except NotImplementedError as e:
+        _raise_missing_kernel("bf16_dueling_forward", e)
+        raise
 
 
 @torch.library.register_fake("dqn_ops::bf16_dueling_forward")
@@ -95,10 +131,14 @@ def _forward_backward(ctx, grad_q, grad_head, *_saved_grads):
     need_states = ctx.needs_input_grad[0]
     if grad_q is None and grad_head is None:
         return None, None, None, None, None
-    grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
-        grad_q.contiguous() if grad_q is not None else None,
-        grad_head.contiguous() if grad_head is not None else None,
-        states_bf16, h1, h2, hh, params, params_bf16, ctx.layout, ctx.precision, need_states)
+    try:
+        grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
+            grad_q.contiguous() if grad_q is not None else None,
+            grad_head.contiguous() if grad_head is not None else None,
+            states_bf16, h1, h2, hh, params, params_bf16, ctx.layout, ctx.precision, need_states)
+    except NotImplementedError as e:
+        _raise_missing_kernel("mixed_backward", e)
+        raise
     return (grad_states if need_states else None), (grad_params if ctx.needs_input_grad[1] else None), None, None, None
 
 
@@ -125,8 +165,12 @@ def mixed_backward(grad_q: Optional[Tensor], grad_head: Optional[Tensor], saved:
         (grad_params in params' layout, grad_states [B, SD] or None)
     """
     states_bf16, h1, h2, hh = tuple(saved)[-4:]
-    grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
-        grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, list(layout), precision, need_grad_states)
+    try:
+        grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
+            grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, list(layout), precision, need_grad_states)
+    except NotImplementedError as e:
+        _raise_missing_kernel("mixed_backward", e)
+        raise
     return grad_params, (grad_states if need_grad_states else None)
 
 
@@ -160,9 +204,13 @@ def fused_adam_bf16(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: 
     """
     grad_norm = params.new_empty(1) if grad_norm is None else grad_norm
     found_inf = params.new_empty(1) if found_inf is None else found_inf
-    torch.ops.dqn_ops.fused_adam_bf16.default(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2,
-                                              eps, weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm,
-                                              found_inf)
+    try:
+        torch.ops.dqn_ops.fused_adam_bf16.default(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1,
+                                                  beta2, eps, weight_decay, decoupled_weight_decay, max_grad_norm,
+                                                  grad_norm, found_inf)
+    except NotImplementedError as e:
+        _raise_missing_kernel("fused_adam_bf16", e)
+        raise
 
 
 @torch.library.register_fake("dqn_ops::fused_adam_bf16")
@@ -179,7 +227,11 @@ def _(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, e
 
 def ema_update(target: Tensor, target_bf16: Tensor, online: Tensor, tau: float) -> None:
     """target = lerp(target, online, tau) in place, writing target_bf16 in the same pass."""
-    torch.ops.dqn_ops.ema_update.default(target, target_bf16, online, tau)
+    try:
+        torch.ops.dqn_ops.ema_update.default(target, target_bf16, online, tau)
+    except NotImplementedError as e:
+        _raise_missing_kernel("ema_update", e)
+        raise
 
 
 @torch.library.register_fake("dqn_ops::ema_update")
@@ -195,7 +247,11 @@ def _(target, target_bf16, online, tau):
 def record_step(ring: Tensor, slot: Tensor, flag: Tensor, values: Sequence[Tensor], non_finite: Tensor) -> None:
     """ring[slot] = values (one-element F32 tensors, one per ring column), slot = (slot + 1) %
     rows, flag = max(flag, non_finite); all on the device (dqn_ops/readback.py)."""
-    torch.ops.dqn_ops.record_step.default(ring, slot, flag, list(values), non_finite)
+    try:
+        torch.ops.dqn_ops.record_step.default(ring, slot, flag, list(values), non_finite)
+    except NotImplementedError as e:
+        _raise_missing_kernel("record_step", e)
+        raise
 
 
 @torch.library.register_fake("dqn_ops::record_step")
@@ -210,7 +266,11 @@ def _(ring, slot, flag, values, non_finite):
 
 def _load_batch(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
     """dst[i] <- src[i] for up to 8 pairs of one dtype and size each, in one launch on CUDA."""
-    torch.ops.dqn_ops._load_batch.default(list(dst), list(src))
+    try:
+        torch.ops.dqn_ops._load_batch.default(list(dst), list(src))
+    except NotImplementedError as e:
+        _raise_missing_kernel("_load_batch", e)
+        raise
 
 
 @torch.library.register_fake("dqn_ops::_load_batch")
@@ -240,9 +300,13 @@ def batched_spectral_norm(params: Tensor, params_bf16: Tensor, u: Tensor, v: Ten
         eps: floor of the norms when normalising u and v (as ``F.normalize``).
         one_launch_per_matrix: run the same kernel once per matrix (for comparisons).
     """
-    torch.ops.dqn_ops.batched_spectral_norm.default(params, params_bf16, u, v, sigma, list(matrices),
-                                                    [float(s) for s in sigma_max], n_power_iterations, eps,
-                                                    one_launch_per_matrix)
+    try:
+        torch.ops.dqn_ops.batched_spectral_norm.default(params, params_bf16, u, v, sigma, list(matrices),
+                                                        [float(s) for s in sigma_max], n_power_iterations, eps,
+                                                        one_launch_per_matrix)
+    except NotImplementedError as e:
+        _raise_missing_kernel("batched_spectral_norm", e)
+        raise
 
 
 @torch.library.register_fake("dqn_ops::batched_spectral_norm")
@@ -298,8 +362,12 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
     step and the trainer reports it. On CUDA an out-of-range action cannot be reported without
     a host sync, so it is treated the same way; on the CPU it raises.
     """
-    return LossOutput(*torch.ops.dqn_ops.dqn_loss.default(q, q_next_online, q_next_target, actions, rewards, dones,
-                                                          weights, list(branches), v_min, v_max, gamma, loss_type))
+    try:
+        return LossOutput(*torch.ops.dqn_ops.dqn_loss.default(q, q_next_online, q_next_target, actions, rewards, dones,
+                                                              weights, list(branches), v_min, v_max, gamma, loss_type))
+    except NotImplementedError as e:
+        _raise_missing_kernel("dqn_loss", e)
+        raise
 
 
 @torch.library.register_fake("dqn_ops::dqn_loss")
@@ -355,8 +423,12 @@ def _online_and_target_logits(state_pairs: Tensor, params: Tensor, params_bf16: 
     ``state_pairs`` = [s; s'] and the target network on s'. ``batch_networks``: both networks'
     hidden layers as one batched GEMM each (fewer launches, the target also runs on s); the same
     results either way."""
-    return Logits(*torch.ops.dqn_ops._online_and_target_logits.default(
-        state_pairs, params, params_bf16, target_params, target_params_bf16, list(layout), batch_networks))
+    try:
+        return Logits(*torch.ops.dqn_ops._online_and_target_logits.default(
+            state_pairs, params, params_bf16, target_params, target_params_bf16, list(layout), batch_networks))
+    except NotImplementedError as e:
+        _raise_missing_kernel("_online_and_target_logits", e)
+        raise
 
 
 @torch.library.register_fake("dqn_ops::_online_and_target_logits")
@@ -388,9 +460,13 @@ def _dqn_loss_on_logits(logits: Tensor, logits_next_online: Tensor, logits_next_
     returning d(loss)/d(head logits) as mixed_backward's dueling step would form it. One fused
     kernel on CUDA for C51 with at most FUSED_LOSS_MAX_ATOMS atoms and FUSED_LOSS_MAX_BRANCHES
     branches; the public kernels' arithmetic otherwise."""
-    return LossOnLogits(*torch.ops.dqn_ops._dqn_loss_on_logits.default(
-        logits, logits_next_online, logits_next_target, params, target_params, actions, rewards, dones, weights,
-        list(layout), v_min, v_max, gamma, loss_type))
+    try:
+        return LossOnLogits(*torch.ops.dqn_ops._dqn_loss_on_logits.default(
+            logits, logits_next_online, logits_next_target, params, target_params, actions, rewards, dones, weights,
+            list(layout), v_min, v_max, gamma, loss_type))
+    except NotImplementedError as e:
+        _raise_missing_kernel("_dqn_loss_on_logits", e)
+        raise
 
 
 @torch.library.register_fake("dqn_ops::_dqn_loss_on_logits")
@@ -411,8 +487,12 @@ def _mixed_backward_from_head(grad_head: Tensor, grad_head_bf16: Tensor, saved: 
     """mixed_backward from _dqn_loss_on_logits' head gradient; ``saved``: (states_bf16, h1, h2,
     hh) of s, or a sequence ending in them. Returns the flat gradient."""
     states_bf16, h1, h2, hh = tuple(saved)[-4:]
-    return torch.ops.dqn_ops._mixed_backward_from_head.default(grad_head, grad_head_bf16, states_bf16, h1, h2, hh,
-                                                               params, params_bf16, list(layout), precision)
+    try:
+        return torch.ops.dqn_ops._mixed_backward_from_head.default(grad_head, grad_head_bf16, states_bf16, h1, h2, hh,
+                                                                   params, params_bf16, list(layout), precision)
+    except NotImplementedError as e:
+        _raise_missing_kernel("_mixed_backward_from_head", e)
+        raise
 
 
 @torch.library.register_fake("dqn_ops::_mixed_backward_from_head")

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import ops
 from .graphed import CapturedStep
-from .layout import DQNConfig
+from .layout import DQNConfig, check_bool, check_choice, check_float, check_int
 from .network import DuelingBranchQNet
 from .optim import FusedAdamBF16
 from .readback import DeferredReadback
@@ -60,21 +60,48 @@ class TrainerConfig:
     on_non_finite: str = "raise"   # 'raise': NonFiniteError; 'flag': count them in non_finite_steps
 
     def __post_init__(self):
-        if self.batch_size < 1:
-            raise ValueError(f"TrainerConfig: batch_size must be >= 1, got {self.batch_size}")
-        if self.on_non_finite not in ("raise", "flag"):
-            raise ValueError(f"TrainerConfig: on_non_finite must be 'raise' or 'flag', got {self.on_non_finite!r}")
-        if self.loss_type is not None and self.loss_type not in ops.LOSS_TYPES:
-            raise ValueError(f"TrainerConfig: loss_type must be one of {ops.LOSS_TYPES} or None, "
-                             f"got {self.loss_type!r}")
-        if self.backward_precision not in ops.BACKWARD_PRECISIONS:
-            raise ValueError(f"TrainerConfig: backward_precision must be one of {ops.BACKWARD_PRECISIONS}, "
-                             f"got {self.backward_precision!r}")
-        if self.warmup_steps < 1:
-            raise ValueError(f"TrainerConfig: warmup_steps must be >= 1 (cuBLAS must be warm before a capture), "
+        """Checks every field at construction (types and ranges); the error names the field, what
+        was expected and what came. Numbers are stored as float / int, betas as a tuple."""
+        n = "TrainerConfig"
+        self.batch_size = check_int(n, "batch_size", self.batch_size, minimum=1)
+        self.lr = check_float(n, "lr", self.lr, low=0.0, low_open=True)
+        if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__iter__") or len(tuple(self.betas)) != 2:
+            raise (ValueError if hasattr(self.betas, "__iter__") else TypeError)(
+                f"{n}: betas must be a pair (beta1, beta2) of numbers in [0, 1), got {self.betas!r}")
+        self.betas = tuple(check_float(n, f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
+                           for i, b in enumerate(self.betas))
+        self.adam_eps = check_float(n, "adam_eps", self.adam_eps, low=0.0)
+        self.weight_decay = check_float(n, "weight_decay", self.weight_decay, low=0.0)
+        check_bool(n, "decoupled_weight_decay", self.decoupled_weight_decay)
+        if self.max_grad_norm is not None:  # inf: the norm is computed, nothing is clipped
+            self.max_grad_norm = check_float(n, "max_grad_norm", self.max_grad_norm, low=0.0, low_open=True,
+                                             finite=False)
+        self.gamma = check_float(n, "gamma", self.gamma, low=0.0, high=1.0)
+        self.v_min = check_float(n, "v_min", self.v_min)
+        self.v_max = check_float(n, "v_max", self.v_max)
+        if not self.v_min < self.v_max:
+            raise ValueError(f"{n}: v_min must be below v_max (the C51 support [v_min, v_max]), got "
+                             f"v_min={self.v_min!r}, v_max={self.v_max!r}")
+        self.tau = check_float(n, "tau", self.tau, low=0.0, high=1.0)
+        if self.sigma_max is not None:
+            if isinstance(self.sigma_max, (list, tuple)):  # one clamp per weight matrix (SpectralNorm)
+                if not self.sigma_max:
+                    raise ValueError(f"{n}: sigma_max must be a positive number, a sequence of them or None, got "
+                                     f"{self.sigma_max!r}")
+                self.sigma_max = tuple(check_float(n, f"sigma_max[{i}]", v, low=0.0, low_open=True)
+                                       for i, v in enumerate(self.sigma_max))
+            else:
+                self.sigma_max = check_float(n, "sigma_max", self.sigma_max, low=0.0, low_open=True)
+        self.n_power_iterations = check_int(n, "n_power_iterations", self.n_power_iterations, minimum=1)
+        check_choice(n, "loss_type", self.loss_type, ops.LOSS_TYPES, allow_none=True)
+        check_choice(n, "backward_precision", self.backward_precision, ops.BACKWARD_PRECISIONS)
+        check_bool(n, "use_cuda_graph", self.use_cuda_graph)
+        if not isinstance(self.warmup_steps, bool) and isinstance(self.warmup_steps, int) and self.warmup_steps < 1:
+            raise ValueError(f"{n}: warmup_steps must be >= 1 (cuBLAS must be warm before a capture), "
                              f"got {self.warmup_steps}")
-        if not 0 <= self.tau <= 1:
-            raise ValueError(f"TrainerConfig: tau must be in [0, 1], got {self.tau}")
+        self.warmup_steps = check_int(n, "warmup_steps", self.warmup_steps, minimum=1)
+        self.readback_interval = check_int(n, "readback_interval", self.readback_interval, minimum=1)
+        check_choice(n, "on_non_finite", self.on_non_finite, ("raise", "flag"))
 
 
 class NonFiniteError(RuntimeError):
@@ -93,8 +120,9 @@ class Trainer:
             graphs off) the same step runs eagerly.
         seed: seeds the initial weights and the spectral-norm vectors.
 
-    Feed a batch either by ``step(batch)`` (a mapping with states [B, SD], actions [B, D]
-    int64, rewards [B], next_states [B, SD], dones [B], optionally weights [B]: copied into the
+    Feed a batch either by ``step(batch)`` (a mapping with float32 states [B, SD], actions [B, D]
+    int64, rewards [B], next_states [B, SD], dones [B], optionally weights [B], float32 like the
+    network takes them: another dtype raises a TypeError (``load_batch``); copied into the
     static input buffers, device to device, no sync), or by writing into ``trainer.inputs``
     yourself and calling ``step()``. ``trainer.td_error`` [B] holds the last step's per-sample
     TD error (for prioritized replay), on the device.
@@ -121,6 +149,8 @@ class Trainer:
     Non-finite steps (NaN/Inf in states, rewards or dones; an out-of-range action on CUDA):
     the gradient is non-finite, so the optimizer skips the step on the device (parameters,
     moments and step count unchanged; the spectral clamp and the target EMA still apply). A
+    loss that overflows with a finite gradient (MSE on a huge reward) is reported too; then
+    the optimizer did apply the step, and ``NonFiniteError`` says so. A
     sticky device flag copied to pinned memory after each step makes the host notice a step
     or two after the GPU ran it (the host may be further ahead: the launch queue); it then
     reads back at once and raises ``NonFiniteError`` naming the step
@@ -200,7 +230,7 @@ class Trainer:
     def step(self, batch: Optional[Mapping[str, Tensor]] = None):
         """One training step. With `batch`, copies it into ``inputs`` first."""
         if batch is not None:
-            load_batch(self.inputs, batch, self._ones)
+            load_batch(self.inputs, batch, self._ones, exact_dtypes=True)
         self._runner()
         self.steps += 1
         if self.stats.after_step():
@@ -264,12 +294,29 @@ class Trainer:
             return
         self.non_finite_steps.extend(new)
         if self.config.on_non_finite == "raise":
-            r = self.stats.rows[new[0]]
-            raise NonFiniteError(
-                f"dqn_ops.Trainer: step {new[0]} was non-finite (loss={r['loss']}, grad_norm={r['grad_norm']}, "
-                f"mean_q={r['mean_q']}); the optimizer skipped it, parameters are unchanged. "
-                f"{len(new)} such step(s) so far; look for NaN/Inf in states or rewards, or out-of-range actions. "
-                f"TrainerConfig(on_non_finite='flag') counts them in trainer.non_finite_steps instead.")
+            raise NonFiniteError(self._non_finite_message(new[0], len(new)))
+
+    def _non_finite_message(self, step: int, count: int) -> str:
+        """What the non-finite step `step` changed, exactly (``_step_body``'s order: the
+        optimizer, then spectral norm, then the target EMA and the TD errors)."""
+        r = self.stats.rows[step]
+        head = (f"dqn_ops.Trainer: step {step} was non-finite (loss={r['loss']}, grad_norm={r['grad_norm']}, "
+                f"mean_q={r['mean_q']}). ")
+        if r["skipped"] > 0:
+            what = ("The optimizer skipped it (non-finite gradient): the parameters, the Adam moments and the step "
+                    "count are unchanged. The rest of that step still ran: ")
+        else:
+            what = ("The gradient was finite, so the optimizer applied it (the parameters, the Adam moments and the "
+                    "step count changed); then: ")
+        ran = []
+        if self.spectral is not None:
+            ran.append("the spectral-norm clamp (weights rescaled to sigma <= sigma_max, its power-iteration vectors "
+                       "updated)")
+        ran.append(f"the target network's EMA toward the online weights (tau={self.config.tau})")
+        ran.append("trainer.td_error (NaN for the poisoned samples)")
+        return (head + what + ", ".join(ran) + ". "
+                f"{count} such step(s) so far; look for NaN/Inf or huge values in states or rewards, or out-of-range "
+                f"actions. TrainerConfig(on_non_finite='flag') counts them in trainer.non_finite_steps instead.")
 
     # -- acting -----------------------------------------------------------------------
     @torch.no_grad()
@@ -302,13 +349,20 @@ class Trainer:
         self._runner.reset()  # the optimizer's state tensors are new: capture again after warm-up
 
 
-def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Optional[Tensor] = None):
+def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Optional[Tensor] = None,
+               exact_dtypes: bool = False):
     """Copies a batch (states, actions, rewards, next_states, dones, optional weights) into a
     trainer's static input buffers, device to device, checking names, shapes, dtypes and devices.
     Without weights, the weights buffer becomes 1 (copied from `ones` when given, else filled).
 
+    The dtype rule: with ``exact_dtypes`` (what ``Trainer.step`` passes) every tensor must have
+    its buffer's dtype (float32; actions int64), the rule of the network and the ops, which
+    reject float64 states on the F32 path: a float64 batch raises a TypeError instead of being
+    rounded silently. Without it (this low-level copy's default), a floating tensor of another
+    dtype (e.g. float64) is converted; integer actions must still be int64.
+
     The copies of matching dtype and contiguous layout go in one launch (``dqn_ops._load_batch``);
-    the others (e.g. a float64 batch, a strided view) through ``Tensor.copy_``."""
+    the others (a converted dtype, a strided view) through ``Tensor.copy_``."""
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
         raise KeyError(f"Trainer.step: batch is missing {missing}; it needs {list(BATCH_KEYS)} (+ optional 'weights')")
@@ -319,8 +373,11 @@ def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Opt
         src, dst = batch[k], inputs[k]
         if src.shape != dst.shape:
             raise ValueError(f"Trainer.step: batch[{k!r}]: expected shape {list(dst.shape)}, got {list(src.shape)}")
-        if src.dtype != dst.dtype and not (src.is_floating_point() and dst.is_floating_point()):
-            raise TypeError(f"Trainer.step: batch[{k!r}]: expected dtype {dst.dtype}, got {src.dtype}")
+        if src.dtype != dst.dtype and (exact_dtypes or not (src.is_floating_point() and dst.is_floating_point())):
+            hint = (f": convert it first (.to({dst.dtype})); the network and the ops take {dst.dtype} here, "
+                    f"the trainer does not round a batch silently" if src.is_floating_point() and
+                    dst.is_floating_point() else "")
+            raise TypeError(f"Trainer.step: batch[{k!r}]: expected dtype {dst.dtype}, got {src.dtype}{hint}")
         if src.device != dst.device:
             raise ValueError(f"Trainer.step: batch[{k!r}] is on {src.device}, the trainer on {dst.device}: move "
                              f"the batch first (a copy from pageable host memory would sync with the device)")

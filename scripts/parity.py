@@ -12,11 +12,26 @@ peak at the end within 10% of its peak after the first epoch. A BF16 peak more t
 F32's (BF16 weights and activations are the point of the path) passes; the file still gives the
 signed difference and what the two-sided reading would say (`two_sided_passed`).
 
-RL runs diverge chaotically, so the control is measured too: the spread of each figure between
-the F32 runs of different seeds (max |x_i - mean| / |mean|). Where that spread is wider than a
-figure's band, a single-seed comparison cannot pass or fail meaningfully, and that figure is
-compared on seed-averaged values over the same seeds for both paths; the result file says which
-comparison each figure used. No band is widened.
+RL runs diverge chaotically: the F32 runs of different seeds spread about as wide as their
+mean (seed 4 of the committed result barely learns), 20x the Sharpe band, so neither one seed
+nor the difference of two seed means can tell a real difference from luck. Both paths run the
+same seeds (the same initial weights, markets, exploration and replay samples), so each figure
+is compared on the paired per-seed differences d_s = BF16_s - F32_s, relative to |mean F32|: a
+Student-t confidence interval of their mean (`--confidence`, 95% by default) is checked against
+the band (an equivalence test; no band is widened):
+
+    pass          the whole interval lies inside [-band, +band]
+    fail          the whole interval lies outside it (a real difference)
+    inconclusive  the interval straddles an edge: too few seeds for this spread
+
+and the file gives the seeds that the observed spread of the differences would need
+(`seeds_needed`; null where the observed mean difference itself is at the band's edge).
+Peak VRAM is one-sided (above). The top-level "verdict" is "fail" if any figure fails or a run
+had NaN/Inf, else "inconclusive" if any figure is, else "pass"; "pass" is true only for "pass".
+
+`--reanalyze FILE` recomputes the figures and the verdict from the per-seed numbers of an
+existing result file (no training), keeping its runs and meta (device, torch, date) and adding
+the analysis date, and rewrites FILE and its .md beside it.
 
 "Final Sharpe" is the mean of the last 5 epochs' held-out evaluations (each a greedy episode
 on 128 unseen markets), so that one noisy evaluation does not decide it.
@@ -26,12 +41,15 @@ is bound by its own host work). Every compared figure is per process (peak VRAM 
 process's own allocator peak), so concurrency changes none of them; the wall-clock timings in
 the result file are then not comparable with a run alone, and the file records `jobs`.
 
-Writes <out>/<date>-parity.json (top-level "pass") and <date>-parity.md.
+Writes <out>/<date>-parity.json (top-level "verdict" and "pass"; strict JSON: a non-finite
+number is null) and <date>-parity.md.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -39,12 +57,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dqn_ops.rl.results import dump_json  # noqa: E402
+
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 
 BANDS = dict(final_sharpe=0.05, mean_q=0.10, grad_norm_mean=0.20, grad_norm_max=0.20, peak_vram_bytes=0.10)
 FIGURE_KEYS = dict(final_sharpe="final_sharpe_mean_last5", mean_q="mean_q", grad_norm_mean="grad_norm_mean",
                    grad_norm_max="grad_norm_max", peak_vram_bytes="peak_vram_bytes")
 VRAM_GROWTH_BAND = 0.10  # each run's peak at the end vs after epoch 1: the spec's "no memory leaks"
+CONFIDENCE = 0.95  # of the t-interval of the mean paired difference
+MAX_SEEDS_NEEDED = 1000  # seeds_needed beyond this: reported as null
+# The committed 6-seed result's paired differences (bench/results/parity.json, --reanalyze) need
+# about 20 seeds (final Sharpe) and 21 (mean Q) for the 95% interval to fit the band: 24 by
+# default, 48 runs, 6 at a time (the committed run's concurrency; the figures are per process).
+DEFAULT_SEEDS = 24
 
 
 def _fmt(x) -> str:
@@ -55,55 +82,235 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def compare(runs: dict, seeds: list) -> tuple[dict, bool]:
-    """Each figure of BANDS (and the VRAM growth) compared between the paths: the figures dict written
-    to the result file, and whether all passed. `runs[path][seed]` holds one run's figures."""
-    ref_seed = seeds[0]
-    figures, ok = {}, True
+# -- statistics (the standard library only) ---------------------------------------------------
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularised incomplete beta function (Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    lbt = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(1.0 - x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(lbt) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(lbt) * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with `df` degrees of freedom."""
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile of Student's t (bisection on t_cdf; p in (0, 1))."""
+    lo, hi = -1e3, 1e3
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def paired_analysis(f32: list, bf16: list, band: float, confidence: float = CONFIDENCE,
+                    one_sided: bool = False) -> dict:
+    """The paired comparison of one figure: d_s = bf16_s - f32_s over the seeds, relative to
+    |mean f32|; the t-interval of the mean difference at `confidence` and the verdict against
+    the band (two-sided: equivalence within [-band, band]; `one_sided`: a regression check,
+    only an increase beyond +band fails)."""
+    n = len(f32)
+    diffs = [b - a for a, b in zip(f32, bf16)]
+    mean_f32 = sum(f32) / n
+    scale = max(abs(mean_f32), 1e-12)
+    mean_d = sum(diffs) / n
+    rel_mean = mean_d / scale
+    if n >= 2:
+        sd = math.sqrt(sum((d - mean_d) ** 2 for d in diffs) / (n - 1))
+        t = t_quantile(0.5 + confidence / 2.0, n - 1)
+        half = t * sd / math.sqrt(n) / scale
+    else:  # one seed: no spread, no interval
+        sd, half = None, math.inf
+    lo, hi = rel_mean - half, rel_mean + half
+    if one_sided:
+        verdict = "pass" if hi <= band else "fail" if lo > band else "inconclusive"
+    else:
+        verdict = "pass" if -band <= lo and hi <= band else "fail" if lo > band or hi < -band else "inconclusive"
+    # The seeds the observed spread would need for the interval to fit inside the band (with the
+    # observed mean difference): none if that mean is itself at or beyond the band's edge.
+    needed = None
+    edge = band - (rel_mean if one_sided else abs(rel_mean))
+    if sd is not None and edge > 0:
+        sd_rel = sd / scale
+        for m in range(2, MAX_SEEDS_NEEDED + 1):
+            if t_quantile(0.5 + confidence / 2.0, m - 1) * sd_rel / math.sqrt(m) <= edge:
+                needed = m
+                break
+    return dict(n_seeds=n, f32_mean=mean_f32, bf16_mean=sum(bf16) / n, mean_difference=mean_d,
+                relative_difference=rel_mean, sd_of_differences=sd, confidence=confidence,
+                ci_low=lo, ci_high=hi, ci_half_width=half, verdict=verdict, seeds_needed=needed)
+
+
+def compare(runs: dict, seeds: list, confidence: float = CONFIDENCE) -> tuple[dict, bool]:
+    """Each figure of BANDS (and the VRAM growth) compared between the paths: the figures dict
+    written to the result file, and whether all passed (conclusively: see ``verdict``).
+    `runs[path][seed]` holds one run's figures."""
+    figures = {}
     for name, band in BANDS.items():
         f32 = [runs["f32"][s][name] for s in seeds]
         bf16 = [runs["bf16"][s][name] for s in seeds]
         if None in f32 or None in bf16:  # peak VRAM on the CPU: not measured, not compared
-            figures[name] = dict(band=band, compared="not measured on this device", bf16=None, f32=None,
-                                 relative_difference=None, passed=None, f32_control_spread=None,
-                                 f32_per_seed=f32, bf16_per_seed=bf16)
+            figures[name] = dict(band=band, compared="not measured on this device", verdict="not measured",
+                                 bf16=None, f32=None, relative_difference=None, passed=None,
+                                 f32_control_spread=None, f32_per_seed=f32, bf16_per_seed=bf16)
             continue
-        mean_f32, mean_bf16 = sum(f32) / len(f32), sum(bf16) / len(bf16)
-        control_spread = max(rel(x, mean_f32) for x in f32) if len(f32) > 1 else 0.0
-        if control_spread <= band:
-            compared, a, b = f"seed {ref_seed}", runs["bf16"][ref_seed][name], runs["f32"][ref_seed][name]
-        else:
-            compared, a, b = f"mean over seeds {seeds}", mean_bf16, mean_f32
-        d = rel(a, b)
-        figures[name] = dict(band=band, compared=compared, bf16=a, f32=b, relative_difference=d, passed=d <= band,
-                             f32_control_spread=control_spread, f32_per_seed=f32, bf16_per_seed=bf16)
-        if name == "peak_vram_bytes":  # a regression check (module docstring): only more memory fails
-            signed = (a - b) / b
-            figures[name].update(criterion="one-sided: BF16 peak <= (1 + band) x F32 peak", signed_difference=signed,
-                                 passed=signed <= band, two_sided_passed=d <= band)
-        ok &= figures[name]["passed"]
+        one_sided = name == "peak_vram_bytes"  # a regression check (module docstring): only more memory fails
+        a = paired_analysis(f32, bf16, band, confidence, one_sided=one_sided)
+        mean_f32 = a["f32_mean"]
+        spread = max(rel(x, mean_f32) for x in f32) if len(f32) > 1 else 0.0
+        figures[name] = dict(band=band, compared=f"paired per-seed differences over seeds {list(seeds)}",
+                             bf16=a["bf16_mean"], f32=mean_f32, **{k: v for k, v in a.items()
+                                                                    if k not in ("f32_mean", "bf16_mean")},
+                             passed=a["verdict"] == "pass", f32_control_spread=spread,
+                             f32_per_seed=f32, bf16_per_seed=bf16)
+        if one_sided:
+            figures[name].update(criterion="one-sided: BF16 peak <= (1 + band) x F32 peak (the interval's upper end)",
+                                 signed_difference=a["relative_difference"],
+                                 two_sided_passed=abs(a["relative_difference"]) <= band)
     growth = {p: [runs[p][s]["vram_growth"] for s in seeds] for p in runs}
     if None not in growth["f32"] + growth["bf16"]:
         worst = max(growth["f32"] + growth["bf16"])
+        passed = worst <= VRAM_GROWTH_BAND
         figures["vram_growth"] = dict(band=VRAM_GROWTH_BAND, compared="every run: peak at the end vs after epoch 1",
+                                      verdict="pass" if passed else "fail",
                                       bf16=max(growth["bf16"]), f32=max(growth["f32"]), relative_difference=worst,
-                                      passed=worst <= VRAM_GROWTH_BAND, f32_control_spread=None,
+                                      passed=passed, f32_control_spread=None,
                                       f32_per_seed=growth["f32"], bf16_per_seed=growth["bf16"])
-        ok &= figures["vram_growth"]["passed"]
-    return figures, ok
+    return figures, overall_verdict(figures, True) == "pass"
+
+
+def overall_verdict(figures: dict, no_nan: bool) -> str:
+    verdicts = [f["verdict"] for f in figures.values() if f["verdict"] != "not measured"]
+    if not no_nan or "fail" in verdicts:
+        return "fail"
+    return "inconclusive" if "inconclusive" in verdicts else "pass"
+
+
+def analyse(runs: dict, seeds: list, meta: dict, confidence: float = CONFIDENCE) -> dict:
+    """The result file's contents from the runs' per-seed figures."""
+    figures, _ = compare(runs, seeds, confidence)
+    no_nan = not any(runs[p][s]["non_finite"] for p in runs for s in seeds)
+    verdict = overall_verdict(figures, no_nan)
+    return {"pass": verdict == "pass", "verdict": verdict, "no_nan_or_inf": no_nan, "figures": figures,
+            "runs": runs, "meta": meta}
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else "inf" if math.isinf(x) else f"{x:+.1%}"
+
+
+def write_result(result: dict, stem: str) -> list:
+    """Writes <stem>.json (strict JSON) and <stem>.md; returns the markdown's lines."""
+    meta, figures = result["meta"], result["figures"]
+    with open(stem + ".json", "w") as f:
+        dump_json(result, f)
+    seeds = meta["seeds"]
+    analysis = meta.get("analysis", {})
+    lines = [f"# Convergence parity, BF16 (dqn_ops) vs F32 (PyTorch) — {meta.get('gpu') or meta['device']}, "
+             f"torch {meta['torch']}, {meta['date']}", "",
+             f"{meta['epochs']} epochs x {meta['steps_per_epoch']} steps, B={meta['batch']}, seeds {seeds}, "
+             f"{meta['jobs']} run(s) at a time{' (tiny network: a smoke test)' if meta.get('tiny_network') else ''}. "
+             f"**verdict: {result['verdict']}** (pass: {result['pass']}; no NaN/Inf: {result['no_nan_or_inf']})", "",
+             f"Each figure: the mean of the paired per-seed differences BF16 - F32 (same seed, same data), "
+             f"relative to the F32 mean, with its {analysis.get('confidence', CONFIDENCE):.0%} t-interval over "
+             f"{len(seeds)} seeds; pass if the interval lies inside the band, fail if outside, else inconclusive"
+             f"{'; analysed ' + analysis['date'] if 'date' in analysis else ''}.", "",
+             "| figure | band | BF16 mean | F32 mean | rel. diff | CI | verdict | seeds needed | F32 seed spread |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, f in figures.items():
+        if f["passed"] is None:
+            lines.append(f"| {name} | {f['band']:.0%} | | | | | {f['verdict']} | | |")
+            continue
+        if name == "vram_growth":  # growth of each path's worst run, not a BF16-vs-F32 difference
+            lines.append(f"| {name} | {f['band']:.0%} | {f['bf16']:+.1%} | {f['f32']:+.1%} | worst run "
+                         f"{f['relative_difference']:+.1%} | | {f['verdict']} | | |")
+            continue
+        ci = f"[{_pct(f['ci_low'])}, {_pct(f['ci_high'])}]"
+        if name == "peak_vram_bytes":
+            ci += " (one-sided)"
+        needed = f["seeds_needed"] if f["seeds_needed"] is not None else f"> {MAX_SEEDS_NEEDED} or never"
+        lines.append(f"| {name} | {f['band']:.0%} | {f['bf16']:.4g} | {f['f32']:.4g} | "
+                     f"{_pct(f['relative_difference'])} | {ci} | {f['verdict']} | {needed} | "
+                     f"{f['f32_control_spread']:.1%} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
+
+
+def reanalyze(path: str, confidence: float = CONFIDENCE) -> tuple[dict, list]:
+    """Re-analyses an existing result file from its runs' per-seed numbers (no training): keeps
+    its runs and meta, adds meta["analysis"] (date, method) and rewrites it and its .md."""
+    with open(path) as f:
+        old = json.load(f)
+    meta = dict(old["meta"])
+    seeds = list(meta["seeds"])
+    runs = {p: {int(s): r for s, r in old["runs"][p].items()} for p in ("f32", "bf16")}
+    missing = [(p, s) for p in runs for s in seeds if s not in runs[p]]
+    if missing:
+        raise SystemExit(f"parity.py --reanalyze {path}: the file has no per-seed figures for {missing}")
+    meta["analysis"] = dict(date=datetime.date.today().isoformat(), confidence=confidence,
+                            method="paired per-seed differences BF16 - F32 relative to |mean F32|, Student-t "
+                                   "interval of their mean; pass inside the band, fail outside, else inconclusive",
+                            original=dict(passed=old.get("pass"),
+                                          compared=sorted({f.get("compared", "") for f in old["figures"].values()})))
+    result = analyse(runs, seeds, meta, confidence)
+    stem = path[:-len(".json")] if path.endswith(".json") else path
+    return result, write_result(result, stem)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=50)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(range(DEFAULT_SEEDS)),
+                    help=f"seeds, each run on both paths (default 0..{DEFAULT_SEEDS - 1}: see DEFAULT_SEEDS)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "bench", "results"))
     ap.add_argument("--runs", default="runs/parity")
-    ap.add_argument("--jobs", type=int, default=1, help="training processes at once (default 1)")
+    ap.add_argument("--jobs", type=int, default=6, help="training processes at once (default 6)")
     ap.add_argument("--steps", type=int, default=300, help="training steps per epoch (the check: 300)")
     ap.add_argument("--tiny", action="store_true", help="train.py's small network (a smoke test of this script)")
+    ap.add_argument("--confidence", type=float, default=CONFIDENCE,
+                    help=f"confidence of the t-interval of the mean paired difference (default {CONFIDENCE})")
+    ap.add_argument("--reanalyze", metavar="FILE",
+                    help="re-analyse an existing result file from its per-seed figures (no training) and rewrite "
+                         "it and its .md")
     args = ap.parse_args()
+    if not 0 < args.confidence < 1:
+        ap.error(f"--confidence: expected a number in (0, 1), got {args.confidence}")
+    if args.reanalyze:
+        result, lines = reanalyze(args.reanalyze, args.confidence)
+        print("\n".join(lines))
+        return
     if args.jobs < 1:
         ap.error(f"--jobs: expected at least 1, got {args.jobs}")
 
@@ -132,47 +339,25 @@ def main():
         runs[path][seed] = r
 
     seeds = args.seeds
-    figures, ok = compare(runs, seeds)
-    no_nan = not any(r["non_finite"] for p in runs.values() for r in p.values())
-    ok &= no_nan
-    result = {"pass": ok, "no_nan_or_inf": no_nan, "figures": figures, "runs": runs,
-              "meta": dict(epochs=args.epochs, steps_per_epoch=args.steps, batch=256, seeds=seeds,
-                           device=args.device, jobs=args.jobs, tiny_network=args.tiny,
-                           gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
-                           torch=torch.__version__, date=__import__("datetime").date.today().isoformat(),
-                           final_sharpe_definition="mean of the last 5 epochs' held-out evaluations",
-                           vram_criterion="the spec's 'zero regression: no memory leaks (same peak VRAM +/- 10%)': "
-                                          "BF16 peak at most 10% above F32's (one-sided), and every run's peak "
-                                          "at the end within 10% of its peak after epoch 1",
-                           f32_path="dqn_ops.rl.baseline.TorchTrainer (plain PyTorch, F32, TF32 off)",
-                           bf16_path="dqn_ops.Trainer (BF16 forward, bf16 backward, CUDA graph)")}
+    today = datetime.date.today().isoformat()
+    meta = dict(epochs=args.epochs, steps_per_epoch=args.steps, batch=256, seeds=seeds,
+                device=args.device, jobs=args.jobs, tiny_network=args.tiny,
+                gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
+                torch=torch.__version__, date=today,
+                final_sharpe_definition="mean of the last 5 epochs' held-out evaluations",
+                vram_criterion="the spec's 'zero regression: no memory leaks (same peak VRAM +/- 10%)': "
+                               "BF16 peak at most 10% above F32's (one-sided), and every run's peak "
+                               "at the end within 10% of its peak after epoch 1",
+                f32_path="dqn_ops.rl.baseline.TorchTrainer (plain PyTorch, F32, TF32 off)",
+                bf16_path="dqn_ops.Trainer (BF16 forward, bf16 backward, CUDA graph)",
+                analysis=dict(date=today, confidence=args.confidence,
+                              method="paired per-seed differences BF16 - F32 relative to |mean F32|, Student-t "
+                                     "interval of their mean; pass inside the band, fail outside, else "
+                                     "inconclusive"))
+    result = analyse(runs, seeds, meta, args.confidence)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{result['meta']['date']}-parity")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    lines = [f"# Convergence parity, BF16 (dqn_ops) vs F32 (PyTorch) — {result['meta']['gpu'] or args.device}, "
-             f"torch {torch.__version__}, {result['meta']['date']}", "",
-             f"{args.epochs} epochs x {args.steps} steps, B=256, seeds {seeds}, {args.jobs} run(s) at a time"
-             f"{' (tiny network: a smoke test)' if args.tiny else ''}. "
-             f"**pass: {ok}** (no NaN/Inf: {no_nan})", "",
-             "| figure | band | compared | BF16 | F32 | rel. diff | F32 seed spread | pass |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, f in figures.items():
-        if f["passed"] is None:
-            lines.append(f"| {name} | {f['band']:.0%} | {f['compared']} | | | | | |")
-            continue
-        if name == "vram_growth":  # growth of each path's worst run, not a BF16-vs-F32 difference
-            lines.append(f"| {name} | {f['band']:.0%} | {f['compared']} | {f['bf16']:+.1%} | {f['f32']:+.1%} | | | "
-                         f"{f['passed']} |")
-            continue
-        if name == "peak_vram_bytes":
-            rel_cell = f"{f['signed_difference']:+.1%} (one-sided; two-sided: {f['two_sided_passed']})"
-        else:
-            rel_cell = f"{f['relative_difference']:.1%}"
-        lines.append(f"| {name} | {f['band']:.0%} | {f['compared']} | {f['bf16']:.4g} | {f['f32']:.4g} | "
-                     f"{rel_cell} | {f['f32_control_spread']:.1%} | {f['passed']} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    stem = os.path.join(args.out, f"{today}-parity")
+    lines = write_result(result, stem)
     print("\n".join(lines))
     print(f"wrote {stem}.json and {stem}.md")
 

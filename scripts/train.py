@@ -9,13 +9,15 @@ Each epoch: `steps` environment steps over `num_envs` markets, each followed by 
 step on a batch sampled from the replay buffer; then a forced readback and an evaluation of the
 greedy policy on held-out markets (annualised Sharpe). Writes to --out: metrics.csv (one row per
 epoch), checkpoint.pt, learning_curve.png and summary.json (with the random and flat policies'
-Sharpe on the same held-out markets).
+Sharpe on the same held-out markets). summary.json is strict JSON: a non-finite figure is `null`
+(and an empty cell in metrics.csv). The training steps' time (`train_step_ms_total`, printed as
+"train steps ... ms") is measured with CUDA events on the GPU and with the host's wall clock on
+the CPU, where the step is synchronous; summary.json's `train_step_timing` says which.
 """
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import sys
 import time
@@ -27,6 +29,7 @@ from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
 from dqn_ops.rl.baseline import TorchTrainer  # noqa: E402
 from dqn_ops.rl.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate, flat_policy, random_policy  # noqa: E402
 from dqn_ops.rl.replay import ReplayBuffer  # noqa: E402
+from dqn_ops.rl.results import dump_json, dumps_json, strict_json  # noqa: E402
 
 from bench_common import headless_pyplot  # noqa: E402
 
@@ -107,13 +110,14 @@ def train(args) -> dict:
     baselines = dict(random=evaluate(random_policy(), args.eval_envs, device=dev)["sharpe"],
                      flat=evaluate(flat_policy, args.eval_envs, device=dev)["sharpe"])
     rows, step = [], 0
+    timing = "GPU events" if dev.type == "cuda" else "wall clock"
     try:
         from tqdm import tqdm
     except ImportError:  # the bar is a nicety
         tqdm = None
     for epoch in range(args.epochs):
         t0 = time.perf_counter()
-        events = []
+        events, step_wall_s = [], 0.0
         it = range(args.steps)
         if tqdm is not None and not args.quiet:
             it = tqdm(it, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, unit="step")
@@ -132,12 +136,15 @@ def train(args) -> dict:
                 trainer.step(batch)
                 e1.record()
                 events.append((e0, e1))
-            else:
+            else:  # the CPU step is synchronous: its wall-clock time is its time
+                s0 = time.perf_counter()
                 trainer.step(batch)
+                step_wall_s += time.perf_counter() - s0
             step += 1
         trainer.readback()  # epoch end: forced readback (syncs)
         epoch_s = time.perf_counter() - t0
-        step_ms = sum(a.elapsed_time(b) for a, b in events) if events else float("nan")
+        # The training steps' time: CUDA events on the GPU, the host's wall clock on the CPU.
+        step_ms = sum(a.elapsed_time(b) for a, b in events) if events else 1e3 * step_wall_s
         if rank != 0:
             continue  # rank 0 evaluates and reports
         ev = evaluate(trainer.act, args.eval_envs, device=dev)
@@ -152,7 +159,7 @@ def train(args) -> dict:
         if not args.quiet:
             print(f"epoch {epoch + 1:3d}  loss {row['loss']:.4f}  mean Q {row['mean_q']:+.3f}  "
                   f"grad {row['grad_norm_mean']:.3f}/{row['grad_norm_max']:.3f}  eval Sharpe {ev['sharpe']:+.2f}  "
-                  f"({epoch_s:.2f} s, train steps {step_ms:.1f} ms)", flush=True)
+                  f"({epoch_s:.2f} s, train steps {step_ms:.1f} ms {timing})", flush=True)
     if args.distributed:
         torch.distributed.destroy_process_group()
         if rank != 0:
@@ -160,7 +167,7 @@ def train(args) -> dict:
     with open(os.path.join(out, "metrics.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(strict_json(rows))  # a non-finite figure: an empty cell, as a missing one
     if isinstance(trainer, Trainer):
         torch.save(trainer.state_dict(), os.path.join(out, "checkpoint.pt"))
     else:
@@ -181,9 +188,10 @@ def train(args) -> dict:
                    peak_vram_first_epoch_bytes=rows[0]["peak_vram_bytes"],
                    epoch_seconds_median=sorted(r["epoch_seconds"] for r in rows)[len(rows) // 2],
                    train_step_ms_per_epoch_median=sorted(r["train_step_ms_total"] for r in rows)[len(rows) // 2],
+                   train_step_timing=timing,
                    baseline_sharpe=baselines)
     with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+        dump_json(summary, f)  # strict JSON: a non-finite figure is null
     _plot(rows, baselines, os.path.join(out, "learning_curve.png"), args.backend)
     return summary
 
@@ -212,4 +220,4 @@ def _plot(rows, baselines, path, title):
 if __name__ == "__main__":
     s = train(parse_args())
     if s:
-        print(json.dumps(s, indent=1))
+        print(dumps_json(s))

@@ -270,3 +270,143 @@ def test_compile_fullgraph_matches_eager():
         results.append((loss.detach(), td, x.grad))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
+
+
+# -- MSE / Huber: the same non-finite behaviour on the CPU as on CUDA (F32 arithmetic) ------------
+
+def _bdq_args(device, loss_type, B=16, branches=(3, 3)):
+    q, qo, qt, actions, rewards, dones, _ = sample_batch(B, branches, 1, device)
+    return q, qo, qt, actions, rewards, dones
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mse_overflowing_in_f32_gives_an_inf_loss_not_an_error(device):
+    # y = 1e30 is finite in F32, (y - q)^2 = 1e60 is not: the loss is inf (CUDA's F32 result;
+    # the CPU kernel used to sum in double and then fail to store 1e60 in the F32 loss), the
+    # gradient -2 delta / (B D) stays finite, and the trainer's optimizer skips on the inf norm.
+    q, qo, qt, actions, rewards, dones = _bdq_args(device, "mse")
+    rewards[3] = 1e30
+    out = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3), gamma=0.9, loss_type="mse")
+    assert out.loss.isinf() and out.loss > 0
+    assert torch.isfinite(out.grad_q).all() and torch.isfinite(out.mean_q)
+    assert out.td_error[3] == pytest.approx(1e30, rel=1e-6)
+    taken = out.grad_q[3, :, 0][out.grad_q[3, :, 0] != 0]
+    assert torch.allclose(taken, torch.full_like(taken, -2e30 / (16 * 2)), rtol=1e-5)
+    keep = torch.arange(16, device=device) != 3
+    assert torch.isfinite(out.td_error[keep]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_huber_on_a_huge_reward_stays_finite(device):
+    q, qo, qt, actions, rewards, dones = _bdq_args(device, "huber")
+    rewards[3] = 1e30
+    out = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3), gamma=0.9, loss_type="huber")
+    assert torch.isfinite(out.loss) and out.loss == pytest.approx((1e30 - 0.5) / 16, rel=1e-5)
+    assert torch.isfinite(out.grad_q).all() and out.grad_q.abs().max() <= 1 / (16 * 2) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_type", ["mse", "huber"])
+def test_a_target_overflowing_f32_poisons_the_sample(device, loss_type):
+    # r + gamma * Q_target = 3e38 + 0.9 * 3e38 overflows F32: y = inf, the sample is poisoned (NaN
+    # loss, TD error and gradient rows of every action of the sample), on both devices.
+    q, qo, qt, actions, rewards, dones = _bdq_args(device, loss_type)
+    rewards[5], dones[5] = 3e38, 0.0
+    qt[5] = 3e38
+    out = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3), gamma=0.9, loss_type=loss_type)
+    assert out.loss.isnan() and out.mean_q.isnan() and out.td_error[5].isnan()
+    assert out.grad_q[5].isnan().all()
+    keep = torch.arange(16, device=device) != 5
+    assert torch.isfinite(out.grad_q[keep]).all() and torch.isfinite(out.td_error[keep]).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("loss_type", ["mse", "huber"])
+@pytest.mark.parametrize("case", ["reward_1e30", "target_overflow", "nan_reward", "inf_done", "nan_q"])
+def test_cpu_and_cuda_agree_on_non_finite_inputs(loss_type, case):
+    q, qo, qt, actions, rewards, dones = _bdq_args("cpu", loss_type, B=64)
+    if case == "reward_1e30":
+        rewards[3] = 1e30
+    elif case == "target_overflow":
+        rewards[3], dones[3], qt[3] = 3e38, 0.0, 3e38
+    elif case == "nan_reward":
+        rewards[3] = float("nan")
+    elif case == "inf_done":
+        dones[3] = float("inf")
+    else:
+        q[3, actions[3, 0], 0] = float("nan")
+    args = (q, qo, qt, actions, rewards, dones)
+    cpu = dqn_loss(*args, (3, 3), gamma=0.9, loss_type=loss_type)
+    gpu = dqn_loss(*(t.cuda() for t in args), (3, 3), gamma=0.9, loss_type=loss_type)
+    for name in ("loss", "grad_q", "td_error", "mean_q"):
+        a, b = getattr(cpu, name), getattr(gpu, name).cpu()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), name
+        fin = torch.isfinite(a)
+        torch.testing.assert_close(a[fin], b[fin], rtol=1e-5, atol=1e-6)
+
+
+# -- what a non-finite step changes, as NonFiniteError says -------------------------------------
+
+def _trainer(atoms, sigma_max, on_non_finite="raise"):
+    from dqn_ops import DQNConfig, Trainer, TrainerConfig
+    c = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=atoms, branches=(2, 3))
+    cfg = TrainerConfig(batch_size=16, readback_interval=1, sigma_max=sigma_max, on_non_finite=on_non_finite,
+                        loss_type="mse" if atoms == 1 else None)
+    return Trainer(c, cfg, device="cpu", seed=1)
+
+
+def _batch(t, seed=0):
+    c, B = t.net_config, t.config.batch_size
+    g = torch.Generator().manual_seed(seed)
+    return dict(states=torch.randn(B, c.state_dim, generator=g), next_states=torch.randn(B, c.state_dim, generator=g),
+                actions=torch.stack([torch.randint(0, n, (B,), generator=g) for n in c.branches], 1),
+                rewards=torch.randn(B, generator=g), dones=torch.zeros(B))
+
+
+@pytest.mark.parametrize("sigma_max", [None, 1.0])
+def test_non_finite_error_states_exactly_what_the_step_changed(sigma_max):
+    from dqn_ops import NonFiniteError
+    t = _trainer(11, sigma_max)
+    t.step(_batch(t, 0))  # a finite step first: the target then differs from the online network
+    p = t.online.flat_params
+    state = t.optimizer.state[p]
+    before = dict(params=p.detach().clone(), target=t.target.flat_params.detach().clone(),
+                  step=state["step"].clone(), exp_avg=state["exp_avg"].clone(), exp_avg_sq=state["exp_avg_sq"].clone())
+    bad = _batch(t, 1)
+    bad["rewards"][4] = float("nan")
+    with pytest.raises(NonFiniteError) as ei:
+        t.step(bad)
+    msg = str(ei.value)
+    assert "step 1 was non-finite" in msg
+    assert "The optimizer skipped it (non-finite gradient): the parameters, the Adam moments and the step count " \
+           "are unchanged" in msg
+    assert "the target network's EMA toward the online weights" in msg
+    # what the message says, checked
+    assert torch.equal(state["step"], before["step"]) and torch.equal(state["exp_avg"], before["exp_avg"])
+    assert torch.equal(state["exp_avg_sq"], before["exp_avg_sq"])
+    assert not torch.equal(t.target.flat_params, before["target"])  # the EMA ran
+    if sigma_max is None:
+        assert "spectral" not in msg
+        assert torch.equal(p, before["params"])  # nothing else touches the parameters
+    else:
+        assert "the spectral-norm clamp (weights rescaled to sigma <= sigma_max" in msg
+    assert "parameters are unchanged" not in msg  # the old, too-broad claim
+
+
+def test_non_finite_error_says_when_the_optimizer_applied_the_step():
+    # MSE on a reward of 1e30: the loss overflows to inf; if the gradient stays finite the
+    # optimizer applies the step, and the message must not claim it was skipped.
+    from dqn_ops import NonFiniteError
+    t = _trainer(1, None)
+    b = _batch(t, 0)
+    b["rewards"][2] = 1e30
+    with pytest.raises(NonFiniteError) as ei:
+        t.step(b)
+        t.readback()  # a finite gradient sets no device flag: the readback finds the inf loss
+    msg = str(ei.value)
+    row = t.stats.rows[0]
+    assert row["loss"] == float("inf")
+    if row["skipped"] > 0:
+        assert "The optimizer skipped it" in msg
+    else:
+        assert "the optimizer applied it" in msg and "skipped it" not in msg

@@ -8,7 +8,14 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from parity import compare  # noqa: E402
+from parity import compare, paired_analysis, reanalyze, t_quantile  # noqa: E402
+
+
+def _strict(text: str):
+    """json.loads that rejects NaN / Infinity (not JSON), as strict parsers do."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
 
 
 def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
@@ -16,14 +23,15 @@ def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
                     "--tiny", "--device", "cpu", "--seeds", "0", "1", "--jobs", "4", "--out", str(tmp_path / "out"),
                     "--runs", str(tmp_path / "runs")], check=True, cwd=ROOT, capture_output=True)
     [result_file] = [p for p in (tmp_path / "out").iterdir() if p.name.endswith("-parity.json")]
-    result = json.loads(result_file.read_text())
-    assert isinstance(result["pass"], bool)
+    result = _strict(result_file.read_text())
+    assert isinstance(result["pass"], bool) and result["verdict"] in ("pass", "fail", "inconclusive")
+    assert result["pass"] == (result["verdict"] == "pass")
     assert result["meta"]["jobs"] == 4 and result["meta"]["seeds"] == [0, 1] and result["meta"]["tiny_network"]
     assert set(result["runs"]) == {"f32", "bf16"}
     for path, backend in (("f32", "torch"), ("bf16", "dqn_ops")):
         # each run's own summary, keyed by its seed (the jobs finish in any order)
         for seed in (0, 1):
-            summary = json.loads((tmp_path / "runs" / f"{path}-seed{seed}" / "summary.json").read_text())
+            summary = _strict((tmp_path / "runs" / f"{path}-seed{seed}" / "summary.json").read_text())
             assert summary["seed"] == seed and summary["backend"] == backend
             assert result["runs"][path][str(seed)]["mean_q"] == summary["mean_q"]
     figures = result["figures"]
@@ -31,8 +39,11 @@ def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
     compared = [f for f in figures.values() if f["passed"] is not None]
     assert len(compared) == 4
     assert result["pass"] == (all(f["passed"] for f in compared) and result["no_nan_or_inf"])
-    for f in compared:
-        assert f["passed"] == (f["relative_difference"] <= f["band"])
+    for f in compared:  # two seeds: a t-interval with 1 degree of freedom
+        assert f["n_seeds"] == 2 and f["ci_low"] <= f["relative_difference"] <= f["ci_high"]
+        inside = -f["band"] <= f["ci_low"] and f["ci_high"] <= f["band"]
+        assert f["passed"] == inside and f["verdict"] in ("pass", "fail", "inconclusive")
+    assert result["meta"]["analysis"]["confidence"] == 0.95
 
 
 def _synthetic_runs(bf16_vram: float, growth: float = 0.0) -> dict:
@@ -57,12 +68,78 @@ def test_peak_vram_is_a_one_sided_regression_check_plus_a_leak_check():
     assert not ok and not figures["vram_growth"]["passed"] and figures["peak_vram_bytes"]["passed"]
 
 
-def test_figures_with_a_wide_seed_spread_are_compared_on_seed_means():
+def test_t_quantiles():
+    for p, df, t in [(0.975, 1, 12.7062), (0.975, 5, 2.5706), (0.975, 30, 2.0423), (0.95, 10, 1.8125)]:
+        assert abs(t_quantile(p, df) - t) < 1e-3
+
+
+def _noisy(n, mean_f32, sd_seed, rel_diff, sd_pair, seed):
+    """n seeds: F32 figures spread `sd_seed` (relative) around mean_f32; BF16 = F32 + rel_diff x
+    mean_f32 plus pair noise of `sd_pair` (both relative to the mean)."""
+    import random
+    rng = random.Random(seed)
+    f32 = [mean_f32 * (1 + rng.gauss(0, sd_seed)) for _ in range(n)]
+    bf16 = [x + mean_f32 * (rel_diff + rng.gauss(0, sd_pair)) for x in f32]
+    return f32, bf16
+
+
+def test_paired_analysis_detects_a_known_difference():
+    # BF16 12% above F32 on every seed, seed-to-seed spread 100% of the mean (as the real Sharpe),
+    # pair noise 2%: the paired interval sits outside the 5% band -> fail.
+    f32, bf16 = _noisy(8, 1.5, 1.0, 0.12, 0.02, seed=1)
+    a = paired_analysis(f32, bf16, band=0.05)
+    assert a["verdict"] == "fail" and a["ci_low"] > 0.05
+    assert abs(a["relative_difference"] - 0.12) < 0.05
+
+
+def test_paired_analysis_passes_a_null_difference_with_enough_seeds():
+    # No difference, pair noise 3% of the mean: 20 seeds give an interval of about +-1.4%, inside 5%,
+    # even though the seeds themselves spread 100% (the unpaired seed means could not tell).
+    f32, bf16 = _noisy(20, 1.5, 1.0, 0.0, 0.03, seed=2)
+    a = paired_analysis(f32, bf16, band=0.05)
+    assert a["verdict"] == "pass" and -0.05 <= a["ci_low"] and a["ci_high"] <= 0.05
+    assert a["seeds_needed"] is not None and a["seeds_needed"] <= 20
+
+
+def test_paired_analysis_reports_a_noisy_small_sample_inconclusive():
+    # 3 seeds, pair noise 10% of the mean: the interval is far wider than the band -> neither pass
+    # nor fail; the number of seeds the observed spread would need is given.
+    f32, bf16 = _noisy(3, 1.5, 1.0, 0.0, 0.10, seed=3)
+    a = paired_analysis(f32, bf16, band=0.05)
+    assert a["verdict"] == "inconclusive" and (a["ci_low"] < -0.05 or a["ci_high"] > 0.05)
+    assert a["seeds_needed"] is None or a["seeds_needed"] > 3
+    one = paired_analysis(f32[:1], bf16[:1], band=0.05)  # one seed: no interval at all
+    assert one["verdict"] == "inconclusive" and one["sd_of_differences"] is None
+
+
+def test_a_wide_seed_spread_no_longer_passes_on_seed_means():
     runs = _synthetic_runs(bf16_vram=100.0)
     runs["f32"][0]["mean_q"], runs["f32"][1]["mean_q"] = 1.0, 2.0  # control spread 33% > 10%
-    runs["bf16"][0]["mean_q"], runs["bf16"][1]["mean_q"] = 2.0, 1.1  # seed 0 differs 100%, the means 3.3%
+    runs["bf16"][0]["mean_q"], runs["bf16"][1]["mean_q"] = 2.0, 1.1  # seed means 3.3% apart, pairs +100%, -45%
     figures, ok = compare(runs, [0, 1])
-    assert figures["mean_q"]["compared"].startswith("mean over seeds") and figures["mean_q"]["passed"] and ok
-    runs["bf16"][1]["mean_q"] = 0.5  # means 1.25 vs 1.5: 16.7% apart
-    figures, ok = compare(runs, [0, 1])
-    assert not figures["mean_q"]["passed"] and not ok
+    assert figures["mean_q"]["verdict"] == "inconclusive" and not figures["mean_q"]["passed"] and not ok
+    assert figures["mean_q"]["compared"].startswith("paired per-seed differences")
+
+
+def test_reanalyze_rewrites_a_result_file_from_its_per_seed_numbers(tmp_path):
+    import shutil
+    src = os.path.join(ROOT, "bench", "results", "parity.json")
+    path = tmp_path / "parity.json"
+    shutil.copy(src, path)
+    original = json.loads(open(src).read())
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "parity.py"), "--reanalyze", str(path)],
+                   check=True, cwd=ROOT, capture_output=True)
+    result = _strict(path.read_text())
+    assert result["runs"] == original["runs"]  # the runs' raw per-seed numbers kept
+    for k in ("device", "torch", "date", "gpu", "seeds", "epochs"):
+        assert result["meta"][k] == original["meta"][k]
+    assert "date" in result["meta"]["analysis"]
+    for name in ("final_sharpe", "mean_q", "grad_norm_mean", "grad_norm_max"):
+        f = result["figures"][name]
+        assert f["n_seeds"] == len(original["meta"]["seeds"]) and f["verdict"] in ("pass", "fail", "inconclusive")
+        assert f["f32_per_seed"] == original["figures"][name]["f32_per_seed"]
+    md = (tmp_path / "parity.md").read_text()
+    assert f"verdict: {result['verdict']}" in md and "seeds needed" in md
+    # reanalysing again gives the same figures (idempotent)
+    reanalyze(str(path))
+    assert _strict(path.read_text())["figures"] == result["figures"]

@@ -1,0 +1,54 @@
+"""Result files as strict JSON (null, not NaN) and no GPU-only figures on a CPU run
+(scripts/train.py; scripts/parity.py's file: tests/test_parity_script.py)."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from dqn_ops.rl.results import dump_json, dumps_json, strict_json  # noqa: E402
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_strict_json_maps_every_non_finite_float_to_null():
+    obj = dict(a=float("nan"), b=[1.0, float("inf"), (-math.inf, 2)], c=dict(d=float("nan"), e="NaN"), f=3)
+    assert strict_json(obj) == dict(a=None, b=[1.0, None, [None, 2]], c=dict(d=None, e="NaN"), f=3)
+    text = dumps_json(obj)
+    assert "NaN" not in text.replace('"NaN"', "") and "Infinity" not in text
+    assert _strict(text)["b"] == [1.0, None, [None, 2]]
+    with pytest.raises(ValueError):  # plain json would have written NaN: allow_nan=False is the net
+        json.dumps(float("nan"), allow_nan=False)
+
+
+def test_train_writes_strict_json_and_prints_wall_clock_on_the_cpu(tmp_path, monkeypatch, capsys):
+    import train
+    real_evaluate = train.evaluate
+
+    def nan_sharpe(policy, n, device):  # a non-finite figure, as a degenerate evaluation gives
+        out = real_evaluate(policy, n, device=device)
+        return dict(out, sharpe=float("nan"))
+
+    monkeypatch.setattr(train, "evaluate", nan_sharpe)
+    args = train.parse_args(["--device", "cpu", "--tiny", "--epochs", "2", "--steps", "3", "--batch", "16",
+                             "--num-envs", "8", "--eval-envs", "4", "--quiet", "--out", str(tmp_path)])
+    args.quiet = False  # print the epoch lines (no tqdm bar needed)
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    summary = train.train(args)
+    printed = capsys.readouterr().out
+    text = (tmp_path / "summary.json").read_text()
+    s = _strict(text)  # no NaN / Infinity tokens
+    assert s["final_sharpe"] is None and s["final_sharpe_mean_last5"] is None
+    assert s["baseline_sharpe"] == {"random": None, "flat": None}
+    assert s["train_step_timing"] == "wall clock" and s["train_step_ms_per_epoch_median"] > 0
+    assert summary["seed"] == s["seed"]
+    assert "nan ms" not in printed and "train steps" in printed and "ms wall clock" in printed
+    assert "nan" not in (tmp_path / "metrics.csv").read_text().lower()
