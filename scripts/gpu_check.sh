@@ -42,6 +42,15 @@ fi
 build_in_place
 $PY -c "import dqn_ops; assert dqn_ops.cuda_kernels_built(), 'built without CUDA kernels'; print('CUDA kernels built')" || exit 1
 
+if [ -n "${AB_BASE:-}" ]; then  # before the tests: the machine is otherwise idle
+  echo "== base vs this tree, graphed step (scripts/bench_ab.py)"
+  if wait "$base_build"; then
+    $PY scripts/bench_ab.py --base "$AB_BASE" --out "$OUT" ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" | tail -6
+  else
+    tail -30 "$OUT/build-base.log"; echo "BASE BUILD FAILED"
+  fi
+fi
+
 echo "== tests"
 $PY -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
 test_rc=${PIPESTATUS[0]}
@@ -53,14 +62,6 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     if [ "$b" = step ]; then script=scripts/bench.py extra="${STEP_BENCH_ARGS:-}"; fi
     $PY "$script" --out "$OUT" $extra || echo "BENCHMARK $b FAILED"
   done 2>&1 | tee "$OUT/bench.log" | tail -60
-fi
-if [ -n "${AB_BASE:-}" ]; then
-  echo "== base vs this tree, graphed step (scripts/bench_ab.py)"
-  if wait "$base_build"; then
-    $PY scripts/bench_ab.py --base "$AB_BASE" --out "$OUT" ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" | tail -6
-  else
-    tail -30 "$OUT/build-base.log"; echo "BASE BUILD FAILED"
-  fi
 fi
 if [ -n "${SANITIZE:-}" ]; then
   echo "== compute-sanitizer (scripts/verify_gpu.sh)"
