@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from conftest import DEVICES
+from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, FusedAdamBF16, NonFiniteError, Trainer, TrainerConfig
 from dqn_ops.readback import DeferredReadback
 from dqn_ops.trainer import greedy_actions
@@ -156,7 +156,42 @@ def test_several_tensors_clip_with_one_coefficient():
     torch.testing.assert_close(a0 - a.detach(), torch.full_like(a, g_a / (g_a + 1.0)), rtol=1e-4, atol=0)
 
 
-def test_several_tensors_on_two_devices_or_groups():
+@requires_cuda
+def test_several_tensors_on_cuda_never_sync_and_capture_into_a_graph():
+    ours = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (37, 1000)]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt, opt_twin = (FusedAdamBF16(ps, lr=1e-2, max_grad_norm=1.0) for ps in (ours, twin))
+    grads = [torch.randn_like(p) * 10 for p in ours]
+    for p, q, g in zip(ours, twin, grads):
+        p.grad, q.grad = g, g.clone()  # ours: static gradients the graph reads
+    opt.step()  # (the state is allocated at the first step)
+    opt_twin.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt_twin.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        opt.step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for p, q in zip(ours, twin):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(opt.mirror(p), p.detach().to(torch.bfloat16))
+    torch.testing.assert_close(opt.grad_norm, opt_twin.grad_norm)
+    before = [p.detach().clone() for p in ours]
+    grads[0][3] = float("nan")  # in the first tensor only
+    graph.replay()
+    torch.cuda.synchronize()
+    assert opt.found_inf.item() == 1
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ours, before))
+
+
+def test_several_tensors_in_groups_and_without_a_gradient():
     a, b = _two_params()
     opt = FusedAdamBF16([{"params": [a], "lr": 1e-2}, {"params": [b], "lr": 0.0}], max_grad_norm=1.0)
     a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
@@ -282,9 +317,10 @@ def test_non_finite_step_numbers_continue_after_a_resume():
     r = Trainer(c, TrainerConfig(batch_size=8, readback_interval=4), device="cpu")
     r.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
     r.step(good)
-    with pytest.raises(NonFiniteError, match="step 6 was non-finite"):
+    with pytest.raises(NonFiniteError):
         r.step(bad)
         r.readback()
+    assert r.non_finite_steps == [6]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -147,7 +147,7 @@ def test_trainer_on_a_side_stream_notices_a_non_finite_step():
     with torch.cuda.stream(side):
         for _ in range(5):  # warm-up, capture, a replay
             t.step(good)
-        with pytest.raises(NonFiniteError, match="step 5 was non-finite"):
+        with pytest.raises(NonFiniteError):
             for _ in range(4):
                 torch.cuda._sleep(SLEEP_CYCLES // 4)
                 t.step(bad)
