@@ -16,6 +16,14 @@ class CapturedStep:
     workspace. `body` must keep its inputs and outputs in tensors whose addresses do not change
     (the graph replays the same addresses); `reset()` forgets the graph (e.g. after the tensors
     were replaced by a checkpoint load), and the next calls warm up and capture again.
+
+    Device and streams: every call runs with `device` current, whichever device the caller
+    has current. Warm-up and capture use this object's side stream of `device` (never
+    ``torch.cuda.graph``'s process-wide default capture stream, which belongs to whichever
+    device was current at the first capture in the process); the warm-up joins the caller's
+    current stream of `device` before and after, and replays are launched on that stream (a
+    side stream the caller made current included), so the step is ordered with the caller's
+    work.
     """
 
     def __init__(self, body: Callable[[], None], device: torch.device, use_graph: bool = True, warmup_steps: int = 3):
@@ -39,23 +47,33 @@ class CapturedStep:
         self._eager_calls = 0
 
     def __call__(self):
+        if self.device.type != "cuda":
+            self.body()
+            self._eager_calls += 1
+            return
+        with torch.cuda.device(self.device):
+            self._call_on_device()
+
+    def _call_on_device(self):
         if self.graph is not None:
-            self.graph.replay()
+            self.graph.replay()  # on the current stream of self.device
         elif not self.use_graph:
             self.body()
             self._eager_calls += 1
-        elif self._eager_calls >= self.warmup_steps:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self.body()
-            self.graph = g
-            g.replay()
         else:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(self.device)
             current = torch.cuda.current_stream(self.device)
             self._side_stream.wait_stream(current)
-            with torch.cuda.stream(self._side_stream):
-                self.body()
-            current.wait_stream(self._side_stream)
-            self._eager_calls += 1
+            if self._eager_calls >= self.warmup_steps:
+                g = torch.cuda.CUDAGraph()
+                # (torch.cuda.graph synchronises the device before it begins the capture)
+                with torch.cuda.graph(g, stream=self._side_stream):
+                    self.body()
+                self.graph = g
+                g.replay()
+            else:
+                with torch.cuda.stream(self._side_stream):
+                    self.body()
+                current.wait_stream(self._side_stream)
+                self._eager_calls += 1

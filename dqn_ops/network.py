@@ -26,9 +26,22 @@ class DuelingBranchQNet(nn.Module):
     ``split_branches`` cuts them per branch. ``forward_full`` also returns the raw head logits
     and the saved activations.
 
-    The mirror is refreshed from ``flat_params`` at every ``forward`` while ``sync_mirror`` is
-    True (one cast over the buffer; correct under any optimizer). A caller that keeps it in
-    sync itself (``dqn_ops.FusedAdamBF16`` writes it in the Adam pass) sets it False.
+    While ``sync_mirror`` is True the mirror is refreshed from ``flat_params`` by ``forward``
+    whenever the master changed since the last refresh: autograd's version counter of
+    ``flat_params`` (bumped by every in-place write, so by any ``torch.optim`` step) or its
+    storage moved, or the mirror itself was written. A forward that finds both unchanged
+    writes nothing, so a second forward before ``backward`` (the double-DQN choice on s',
+    ``greedy_actions``, a ``no_grad`` evaluation) leaves the mirror that the first one saved for
+    backward intact; an optimizer step between forward and backward is still caught by
+    autograd's own check (the forward saves ``flat_params`` too). Writes that autograd cannot
+    see (through ``flat_params.data``) need ``refresh_mirror()``. Inside a CUDA-graph capture or
+    ``torch.compile`` the refresh is unconditional (it must be part of every replay). A caller
+    that keeps the mirror in sync itself (``dqn_ops.FusedAdamBF16`` writes it in the Adam pass)
+    sets ``sync_mirror`` False.
+
+    ``params_bf16`` is one tensor object for the network's lifetime: ``.to()``, ``.double()``,
+    ``.float()`` ... rewrite it in place (its ``.data``), so an optimizer or a caller that holds
+    it (``FusedAdamBF16.for_network``) keeps writing the mirror that the forward reads.
 
     The mirror is BF16 beside F32 parameters. On the CPU, ``net.double()`` gives the float64
     reference path: the mirror becomes float64 too and nothing is rounded; ``net.float()``
@@ -77,7 +90,22 @@ class DuelingBranchQNet(nn.Module):
     @torch.no_grad()
     def refresh_mirror(self):
         """Write the low-precision mirror from the master parameters."""
-        self.params_bf16.copy_(self.flat_params)
+        self.params_bf16.copy_(self.flat_params.detach())
+        self._mirror_key = self._master_key()
+
+    def _master_key(self):
+        """What says that the mirror may be stale: the master's and the mirror's version
+        counters and storages (a refresh bumps the mirror's version: the key is taken after)."""
+        p, m = self.flat_params, self.params_bf16
+        return (p._version, p.data_ptr(), p.dtype, m._version, m.data_ptr(), m.dtype)
+
+    def _sync_mirror(self):
+        if torch.compiler.is_compiling():  # traced: the copy is part of every call of the compiled graph
+            with torch.no_grad():
+                self.params_bf16.copy_(self.flat_params.detach())
+        elif ((self.params_bf16.is_cuda and torch.cuda.is_current_stream_capturing())  # part of every replay
+              or getattr(self, "_mirror_key", None) != self._master_key()):
+            self.refresh_mirror()
 
     def weight_matrices(self) -> Dict[str, Tensor]:
         """The weight matrices (10 for the reference config) as views of ``flat_params``."""
@@ -87,17 +115,24 @@ class DuelingBranchQNet(nn.Module):
         # .to()/.double()/.float() convert every floating tensor alike; the mirror instead
         # follows its rule: BF16 beside F32 params, params' own dtype otherwise (the exact
         # CPU reference path), and is rewritten from the converted params.
+        # The mirror keeps its tensor object (its .data is replaced), so whoever holds it (an
+        # optimizer from FusedAdamBF16.for_network) keeps writing the one the forward reads.
+        mirror = self._buffers["params_bf16"]
         super()._apply(fn, recurse)
         mirror_dtype = torch.bfloat16 if self.flat_params.dtype == torch.float32 else self.flat_params.dtype
-        if self.params_bf16.dtype != mirror_dtype or self.params_bf16.device != self.flat_params.device:
-            self.params_bf16 = torch.empty_like(self.flat_params, dtype=mirror_dtype)
+        converted = self._buffers["params_bf16"]
+        if converted.dtype != mirror_dtype or converted.device != self.flat_params.device:
+            converted = torch.empty_like(self.flat_params, dtype=mirror_dtype, requires_grad=False)
+        if converted is not mirror:
+            mirror.data = converted
+        self._buffers["params_bf16"] = mirror
         self.refresh_mirror()
         return self
 
     # -- forward ------------------------------------------------------------------------
     def forward_full(self, states: Tensor) -> ops.ForwardOutput:
         if self.sync_mirror:
-            self.params_bf16.copy_(self.flat_params.detach())
+            self._sync_mirror()
         return ops.bf16_dueling_forward(states, self.flat_params, self.params_bf16, self._layout_ints,
                                         self.backward_precision)
 
@@ -131,15 +166,22 @@ def _state_dict_per_layer(module: DuelingBranchQNet, state_dict, prefix, local_m
 
 def _load_state_dict_per_layer(module: DuelingBranchQNet, state_dict, prefix, local_metadata, strict,
                                missing_keys, unexpected_keys, error_msgs):
-    names = [prefix + n for n, _, _ in module.layout.tensors]
-    if prefix + "flat_params" in state_dict or not all(n in state_dict for n in names):
-        return  # a flat state dict, or keys missing: the default loader reports what is wrong
-    flat = torch.zeros_like(module.flat_params)
+    """Per-layer keys -> the flat buffer. Keys that are given are loaded (over a copy of the
+    current parameters), the per-layer names that are not are reported missing (so
+    ``strict=False`` loads a partial state dict, ``strict=True`` names what is missing)."""
+    if prefix + "flat_params" in state_dict:
+        return  # a flat state dict: the default loader
+    flat = module.flat_params.detach().clone()
     views = module.layer_views(flat)
     for name, _, _ in module.layout.tensors:
-        value = state_dict.pop(prefix + name)
-        if value.shape != views[name].shape:
-            error_msgs.append(f"size mismatch for {prefix + name}: copying a param with shape {tuple(value.shape)}, "
+        key = prefix + name
+        if key not in state_dict:
+            missing_keys.append(key)
+            continue
+        value = state_dict.pop(key)
+        if not isinstance(value, torch.Tensor) or value.shape != views[name].shape:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {shape}, "
                               f"the shape in the current model is {tuple(views[name].shape)}.")
             continue
         views[name].copy_(value)

@@ -27,8 +27,8 @@ class FusedAdamBF16(torch.optim.Optimizer):
             ``param.to(torch.bfloat16)``; a parameter without one gets its own, in
             ``self.mirror(param)``. ``FusedAdamBF16.for_network(net)`` wires a
             DuelingBranchQNet's mirror and turns off its per-forward mirror refresh.
-        max_grad_norm: clip to this global gradient norm (as ``clip_grad_norm_``), on the
-            device. Needs all parameters in one tensor (DuelingBranchQNet has one).
+        max_grad_norm: clip to this global gradient norm (as ``clip_grad_norm_`` over all the
+            optimizer's parameters), on the device.
 
     ``lr`` may be a float (copied to a device tensor at each ``step``) or a one-element F32
     tensor on the parameters' device (read on the device: change it with ``copy_`` between
@@ -36,6 +36,13 @@ class FusedAdamBF16(torch.optim.Optimizer):
     before clipping and ``self.found_inf`` 1.0 if it was not finite — then the step was
     skipped on the device (parameters, moments and step count unchanged). Reading them syncs;
     the step itself never does.
+
+    Over several parameters the norm, the clipping and the skip are global, as
+    ``clip_grad_norm_`` + ``torch.optim.Adam``: one norm over every gradient (per-tensor norms
+    combined on the device), every gradient scaled by the one clip coefficient (NaN when the
+    norm is not finite, so every tensor's update skips), then one ``fused_adam_bf16`` pass per
+    tensor on the scaled copy (one gradient-sized temporary per tensor). One tensor (as
+    ``for_network``) runs the fused op alone: no temporary, no extra pass.
     """
 
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -47,9 +54,9 @@ class FusedAdamBF16(torch.optim.Optimizer):
                         decoupled_weight_decay=decoupled_weight_decay, capturable=True)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"FusedAdamBF16: max_grad_norm must be None or > 0, got {max_grad_norm}")
         flat = [p for g in self.param_groups for p in g["params"]]
-        if max_grad_norm is not None and len(flat) != 1:
-            raise ValueError(f"FusedAdamBF16: max_grad_norm needs all parameters in one tensor, got {len(flat)}")
         if mirrors is not None and len(mirrors) != len(flat):
             raise ValueError(f"FusedAdamBF16: got {len(mirrors)} mirrors for {len(flat)} parameters")
         self._mirrors = {}
@@ -65,8 +72,13 @@ class FusedAdamBF16(torch.optim.Optimizer):
                                  f"{p.device}, got {mirror.dtype} {tuple(mirror.shape)} on {mirror.device}")
             self._mirrors[p] = mirror
         device = flat[0].device
+        if any(p.device != device for p in flat):
+            raise ValueError(f"FusedAdamBF16: all parameters must be on one device (one global gradient norm and "
+                             f"skip decision), got {sorted({str(p.device) for p in flat})}")
         self.grad_norm = torch.zeros(1, device=device)
         self.found_inf = torch.zeros(1, device=device)
+        # each tensor's own norm / flag of a step over several tensors (the global ones go above)
+        self._scratch = (torch.zeros(1, device=device), torch.zeros(1, device=device))
         self._lr_tensors = {}
 
     @classmethod
@@ -96,18 +108,38 @@ class FusedAdamBF16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros(1, dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                fused_adam_bf16(p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                                self._mirrors[p].view(-1), state["step"].view(-1), self._lr_tensor(group, p.device),
-                                beta1, beta2, group["eps"], group["weight_decay"], group["decoupled_weight_decay"],
-                                self.max_grad_norm, self.grad_norm, self.found_inf)
+        work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not work:
+            return loss
+        if len(work) == 1:  # the op's own norm is the global one
+            group, p = work[0]
+            self._adam(group, p, p.grad, self.max_grad_norm, self.grad_norm, self.found_inf)
+            return loss
+        # Several tensors: one global norm, one clip coefficient, one skip decision, all on the
+        # device (no sync; capturable). A non-finite norm makes the coefficient NaN: every
+        # scaled gradient is then non-finite, and every tensor's update skips.
+        grads = [p.grad for _, p in work]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).to(torch.float32))
+        finite = torch.isfinite(norm)
+        coef = torch.ones_like(norm)
+        if self.max_grad_norm is not None:  # clip_grad_norm_'s coefficient
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        coef = torch.where(finite, coef, torch.full_like(coef, float("nan")))
+        scaled = torch._foreach_mul(grads, coef)
+        for (group, p), g in zip(work, scaled):
+            self._adam(group, p, g, None, *self._scratch)
+        self.grad_norm.copy_(norm.reshape(1))
+        self.found_inf.copy_((~finite).to(self.found_inf.dtype).reshape(1))
         return loss
+
+    def _adam(self, group, p, grad, max_grad_norm, grad_norm, found_inf):
+        beta1, beta2 = group["betas"]
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros(1, dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        fused_adam_bf16(p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                        self._mirrors[p].view(-1), state["step"].view(-1), self._lr_tensor(group, p.device),
+                        beta1, beta2, group["eps"], group["weight_decay"], group["decoupled_weight_decay"],
+                        max_grad_norm, grad_norm, found_inf)

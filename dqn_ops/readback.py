@@ -9,11 +9,22 @@ next step), tells the host that a step was non-finite a step or two after the GP
 host may have enqueued more steps by then: graph replays are one launch each, so a host ahead
 of the GPU is up to the CUDA launch queue ahead, and those steps are skipped by the optimizer
 too); the caller then forces an immediate, synchronising readback.
+
+Memory is bounded: the rows read back feed running aggregates over all steps (O(1) per row)
+and a window of the most recent rows (``rows``: at least the last ``window`` of them, at most
+twice that; ``summary(last=N)`` for N up to ``window``). Rows that are non-finite or flagged
+(``bad_field``) are kept apart with their step numbers (``take_bad_rows``) until the owner
+takes them. Step numbers: row k of the readback is step ``k + offset``, where the owner moves
+the offset with ``set_next_step`` (e.g. after a checkpoint restored its step count).
+
+On CUDA every copy and event goes on the current stream of the readback's device (the
+caller's stream, a side stream included), whichever device is current.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -21,12 +32,20 @@ from torch import Tensor
 from .ops import record_step
 
 
+DEFAULT_WINDOW = 10_000  # recent rows kept for summary(last=N) (a few MB at most)
+
+
 class DeferredReadback:
-    def __init__(self, fields: Sequence[str], interval: int, device):
+    def __init__(self, fields: Sequence[str], interval: int, device, window: int = DEFAULT_WINDOW,
+                 bad_field: Optional[str] = None):
         if int(interval) < 1:
             raise ValueError(f"readback_interval must be >= 1, got {interval}")
+        if int(window) < 1:
+            raise ValueError(f"DeferredReadback: window must be >= 1, got {window}")
         self.fields = tuple(fields)
         self.interval = int(interval)
+        self.window = int(window)
+        self.bad_field = bad_field
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
         self.ring = torch.zeros(self.interval, len(self.fields), device=self.device)
@@ -37,11 +56,19 @@ class DeferredReadback:
         self._flag_stream = torch.cuda.Stream(self.device) if self._pin else None
         self._step_done = torch.cuda.Event() if self._pin else None
         self._extra: Dict[str, Tensor] = {}  # small device tensors copied with each readback
-        self._pending = deque()  # (event, first_step, count, host_ring, host_extra), in stream order
+        # (event, first row, count, step number of the first row, host_ring, host_extra), in stream order
+        self._pending = deque()
         self._free = []          # host buffers to reuse
         self.steps_recorded = 0  # steps the host has enqueued
         self.steps_copied = 0    # steps covered by copies enqueued so far
-        self.rows: List[Dict[str, float]] = []  # one dict per step read back, in step order
+        self._step_offset = 0    # step number of row k: k + offset
+        self._steps_read = 0
+        # the most recent rows read back, in step order (at least `window` of them, at most 2 x window)
+        self.rows: List[Dict[str, float]] = []
+        self.last_step_read: Optional[int] = None  # step number of rows[-1]
+        self._sum = {f: 0.0 for f in self.fields}
+        self._max = {f: None for f in self.fields}
+        self._bad: List[Tuple[int, Dict[str, float]]] = []  # (step number, row) not taken yet
         self.extra: Dict[str, list] = {}         # latest read-back value of each watched tensor
 
     def watch(self, name: str, t: Tensor):
@@ -50,7 +77,20 @@ class DeferredReadback:
 
     @property
     def steps_read(self) -> int:
-        return len(self.rows)
+        return self._steps_read
+
+    def set_next_step(self, step: int):
+        """The next recorded step is step number `step` (what was recorded before keeps its
+        numbers: its copy is enqueued now, no sync)."""
+        if self.steps_recorded > self.steps_copied:
+            self._enqueue_copy()
+        self._step_offset = int(step) - self.steps_recorded
+
+    def take_bad_rows(self) -> List[Tuple[int, Dict[str, float]]]:
+        """(step number, row) of every row read back since the last call that was non-finite or
+        had ``bad_field`` > 0."""
+        bad, self._bad = self._bad, []
+        return bad
 
     # -- inside the step, on the device (capturable, no sync) ---------------------------
     def record(self, values: Sequence[Tensor], non_finite: Tensor):
@@ -90,14 +130,21 @@ class DeferredReadback:
     def summary(self, last=None) -> Dict[str, float]:
         """Aggregates of the rows read back so far (no sync), over the last `last` or all:
         steps, loss (mean), loss_last, grad_norm_mean, grad_norm_max, mean_q, skipped."""
-        rows = self.rows[-last:] if last else self.rows
         out: Dict[str, float] = dict(steps=float(self.steps_read))
-        if rows:
+        if not self._steps_read:
+            return out
+        if last and last < self._steps_read:
+            if last > self.window:
+                raise ValueError(f"DeferredReadback.summary: last={last} is more than the {self.window} recent rows "
+                                 f"kept (the window); leave last=None for aggregates over all steps")
+            rows = self.rows[-last:]
             n = len(rows)
-            out.update(loss=sum(r["loss"] for r in rows) / n, loss_last=rows[-1]["loss"],
-                       grad_norm_mean=sum(r["grad_norm"] for r in rows) / n,
-                       grad_norm_max=max(r["grad_norm"] for r in rows),
-                       mean_q=sum(r["mean_q"] for r in rows) / n, skipped=sum(r["skipped"] for r in rows))
+            total = {f: sum(r[f] for r in rows) for f in ("loss", "grad_norm", "mean_q", "skipped")}
+            gmax = max(r["grad_norm"] for r in rows)
+        else:  # all steps: the running aggregates
+            n, total, gmax = self._steps_read, self._sum, self._max["grad_norm"]
+        out.update(loss=total["loss"] / n, loss_last=self.rows[-1]["loss"], grad_norm_mean=total["grad_norm"] / n,
+                   grad_norm_max=gmax, mean_q=total["mean_q"] / n, skipped=total["skipped"])
         return out
 
     def reset_flag(self):
@@ -116,23 +163,38 @@ class DeferredReadback:
                 host_extra[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin)
             host_extra[name].copy_(t, non_blocking=True)
         event = None
-        if self._pin:
+        if self._pin:  # on the stream the copies went on: the device's current one (not the current device's)
             event = torch.cuda.Event()
-            event.record()
-        self._pending.append((event, first, count, host_ring, host_extra))
+            event.record(torch.cuda.current_stream(self.device))
+        self._pending.append((event, first, count, first + self._step_offset, host_ring, host_extra))
         self.steps_copied = self.steps_recorded
 
     def _collect(self, block: bool):
         while self._pending:
-            event, first, count, host_ring, host_extra = self._pending[0]
+            event, first, count, first_step, host_ring, host_extra = self._pending[0]
             if event is not None and not event.query():
                 if not block:
                     return
                 event.synchronize()
             self._pending.popleft()
             ring = host_ring.tolist()
-            for step in range(first, first + count):
-                self.rows.append(dict(zip(self.fields, ring[step % self.interval])))
+            for k in range(count):
+                self._add_row(dict(zip(self.fields, ring[(first + k) % self.interval])), first_step + k)
+            if len(self.rows) > 2 * self.window:  # amortised O(1) per row
+                del self.rows[:len(self.rows) - self.window]
             for name, t in host_extra.items():
                 self.extra[name] = t.tolist()
             self._free.append((host_ring, host_extra))
+
+    def _add_row(self, row: Dict[str, float], step: int):
+        self.rows.append(row)
+        self.last_step_read = step
+        self._steps_read += 1
+        for f, v in row.items():
+            self._sum[f] += v
+            m = self._max[f]
+            if m is None or v > m:  # as max() over the sequence
+                self._max[f] = v
+        if (self.bad_field is not None and row.get(self.bad_field, 0) > 0) or \
+                not all(math.isfinite(v) for v in row.values()):
+            self._bad.append((step, row))

@@ -15,6 +15,7 @@ enough atoms and branches, the loss is one fused kernel (``uses_fused_path``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -193,12 +194,11 @@ class Trainer:
         self.gradient_step = InternalOpsStep(self.online, self.target, loss_type=self.loss_type, v_min=cfg.v_min,
                                              v_max=cfg.v_max, gamma=cfg.gamma, precision=cfg.backward_precision,
                                              batch_networks=default_batch_networks(B))
-        self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
+        self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev, bad_field="skipped")
         if self.spectral is not None:
             self.stats.watch("sigma", self.spectral.sigma)
         self.steps = 0  # steps enqueued
         self.non_finite_steps: List[int] = []
-        self._rows_checked = 0
         self.process_group, self.world_size = _data_parallel_group(process_group)
         if self.world_size > 1:
             self._broadcast_state()
@@ -227,14 +227,21 @@ class Trainer:
         """New learning rate from the next step on (a device write: no sync, graph-safe)."""
         self.lr.fill_(float(lr))
 
+    def _on_device(self):
+        """The trainer's device made current (CUDA): its current stream (the caller's, a side
+        stream included) is where the step, the graph's replay and the readback's copies and
+        events go, whichever device was current."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def step(self, batch: Optional[Mapping[str, Tensor]] = None):
         """One training step. With `batch`, copies it into ``inputs`` first."""
-        if batch is not None:
-            load_batch(self.inputs, batch, self._ones, exact_dtypes=True)
-        self._runner()
-        self.steps += 1
-        if self.stats.after_step():
-            self._handle_non_finite()
+        with self._on_device():
+            if batch is not None:
+                load_batch(self.inputs, batch, self._ones, exact_dtypes=True)
+            self._runner()
+            self.steps += 1
+            if self.stats.after_step():
+                self._handle_non_finite()
 
     @torch.no_grad()
     def _step_body(self):
@@ -267,14 +274,16 @@ class Trainer:
     # -- host-visible numbers -----------------------------------------------------------
     def readback(self) -> Dict[str, float]:
         """Reads every step's scalars up to now (synchronises) and returns metrics()."""
-        self.stats.readback()
+        with self._on_device():
+            self.stats.readback()
         self._check_rows()
         return self.metrics()
 
     def metrics(self, last: Optional[int] = None) -> Dict[str, float]:
         """Aggregates of the steps read back so far (no sync): over the last `last` of them, or
-        all since the start. Keys: steps, loss (mean), loss_last, grad_norm_mean, grad_norm_max,
-        mean_q, skipped, and sigma_max_seen (largest spectral-norm estimate of the last readback)."""
+        all since the start (running aggregates; ``last`` up to ``self.stats.window``, the recent
+        rows kept). Keys: steps, loss (mean), loss_last, grad_norm_mean, grad_norm_max, mean_q,
+        skipped, and sigma_max_seen (largest spectral-norm estimate of the last readback)."""
         out = self.stats.summary(last)
         if "sigma" in self.stats.extra:
             out["sigma_max_seen"] = max(self.stats.extra["sigma"])
@@ -286,20 +295,18 @@ class Trainer:
         self._check_rows()
 
     def _check_rows(self):
-        rows = self.stats.rows
-        new = [i for i in range(self._rows_checked, len(rows)) if rows[i]["skipped"] > 0 or
-               not all(v == v and abs(v) != float("inf") for v in rows[i].values())]
-        self._rows_checked = len(rows)
-        if not new:
+        # the readback sets apart the non-finite / skipped rows with their step numbers
+        bad = self.stats.take_bad_rows()
+        if not bad:
             return
+        new = [step for step, _ in bad]
         self.non_finite_steps.extend(new)
         if self.config.on_non_finite == "raise":
-            raise NonFiniteError(self._non_finite_message(new[0], len(new)))
+            raise NonFiniteError(self._non_finite_message(new[0], bad[0][1], len(new)))
 
-    def _non_finite_message(self, step: int, count: int) -> str:
+    def _non_finite_message(self, step: int, r: Dict[str, float], count: int) -> str:
         """What the non-finite step `step` changed, exactly (``_step_body``'s order: the
-        optimizer, then spectral norm, then the target EMA and the TD errors)."""
-        r = self.stats.rows[step]
+        optimizer, then spectral norm, then the target EMA and the TD errors); `r`: its read-back row."""
         head = (f"dqn_ops.Trainer: step {step} was non-finite (loss={r['loss']}, grad_norm={r['grad_norm']}, "
                 f"mean_q={r['mean_q']}). ")
         if r["skipped"] > 0:
@@ -321,8 +328,10 @@ class Trainer:
     # -- acting -----------------------------------------------------------------------
     @torch.no_grad()
     def act(self, states: Tensor) -> Tensor:
-        """Greedy actions [B, D] of the online network (expected Q over the support for C51)."""
-        return greedy_actions(self.online, states, self.config.v_min, self.config.v_max)
+        """Greedy actions [B, D] of the online network (expected Q over the support for C51);
+        [0, D] for an empty batch."""
+        with self._on_device():
+            return greedy_actions(self.online, states, self.config.v_min, self.config.v_max)
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -333,7 +342,9 @@ class Trainer:
                     config=dataclasses.asdict(self.config))
 
     def load_state_dict(self, state: dict):
-        """Restores a checkpoint; the next steps warm up and re-capture the graph."""
+        """Restores a checkpoint (the step count too: the next step, and the step numbers in
+        ``non_finite_steps`` / ``NonFiniteError``, continue from it); the next steps warm up and
+        re-capture the graph."""
         if DQNConfig(**state["net_config"]) != self.net_config:
             raise ValueError(f"Trainer.load_state_dict: the checkpoint's network {state['net_config']} is not "
                              f"this trainer's {dataclasses.asdict(self.net_config)}")
@@ -346,6 +357,7 @@ class Trainer:
         if self.spectral is not None and state["spectral"] is not None:
             self.spectral.load_state_dict(state["spectral"])
         self.steps = int(state["steps"])
+        self.stats.set_next_step(self.steps)  # the rows recorded from now on are numbered from there
         self._runner.reset()  # the optimizer's state tensors are new: capture again after warm-up
 
 
@@ -416,13 +428,19 @@ def _data_parallel_group(process_group):
 
 @torch.no_grad()
 def greedy_actions(net: DuelingBranchQNet, states: Tensor, v_min: float = -10.0, v_max: float = 10.0) -> Tensor:
-    """argmax per branch of the expected Q (C51: softmax over atoms times the support)."""
+    """argmax per branch of the expected Q (C51: softmax over atoms times the support); an empty
+    batch [0, state_dim] gives an empty [0, D] int64 tensor."""
+    c = net.config
+    if states.dim() == 2 and states.shape[0] == 0 and states.shape[1] == c.state_dim:
+        return torch.empty(0, c.num_branches, dtype=torch.long, device=states.device)
     return greedy_from_logits(net(states), net.config.branches, v_min, v_max)
 
 
 def greedy_from_logits(q: Tensor, branches: Sequence[int], v_min: float, v_max: float) -> Tensor:
     """[B, sum n_d, atoms] dueling logits -> [B, D] greedy actions (first of equal maxima)."""
     atoms = q.shape[-1]
+    if q.shape[0] == 0:
+        return torch.empty(0, len(branches), dtype=torch.long, device=q.device)
     if atoms > 1:
         support = torch.linspace(v_min, v_max, atoms, device=q.device, dtype=q.dtype)
         q = (q.softmax(-1) * support).sum(-1)
