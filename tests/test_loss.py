@@ -289,7 +289,7 @@ def test_mse_overflowing_in_f32_gives_an_inf_loss_not_an_error(device):
     out = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3), gamma=0.9, loss_type="mse")
     assert out.loss.isinf() and out.loss > 0
     assert torch.isfinite(out.grad_q).all() and torch.isfinite(out.mean_q)
-    assert out.td_error[3] == pytest.approx(1e30, rel=1e-6)
+    assert out.td_error[3].item() == pytest.approx(1e30, rel=1e-6)
     taken = out.grad_q[3, :, 0][out.grad_q[3, :, 0] != 0]
     assert torch.allclose(taken, torch.full_like(taken, -2e30 / (16 * 2)), rtol=1e-5)
     keep = torch.arange(16, device=device) != 3
@@ -301,7 +301,7 @@ def test_huber_on_a_huge_reward_stays_finite(device):
     q, qo, qt, actions, rewards, dones = _bdq_args(device, "huber")
     rewards[3] = 1e30
     out = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3), gamma=0.9, loss_type="huber")
-    assert torch.isfinite(out.loss) and out.loss == pytest.approx((1e30 - 0.5) / 16, rel=1e-5)
+    assert torch.isfinite(out.loss) and out.loss.item() == pytest.approx((1e30 - 0.5) / 16, rel=1e-5)
     assert torch.isfinite(out.grad_q).all() and out.grad_q.abs().max() <= 1 / (16 * 2) * (1 + 1e-6)
 
 

@@ -259,7 +259,10 @@ def test_loss_at_the_shared_memory_edge_matches_float64_and_cpu(branches, atoms)
                                                                v_max, gamma, weights)
     assert torch.isfinite(grad_q).all() and torch.isfinite(td).all()  # every element written (poisoned first)
     torch.testing.assert_close(loss, ref_loss, rtol=2e-5, atol=1e-6)
-    torch.testing.assert_close(grad_q, ref_grad, rtol=1e-4, atol=1e-8)
+    # test_loss.py's atol of 1e-8 holds up to 64 atoms; at 127-205 atoms the F32 projection runs on
+    # a 2-4x finer support and a few gradient elements (of ~1e-4) land up to ~3e-8 from float64 (seen
+    # on the H200). A wrong staging of the rows would be off by the gradient's own size.
+    torch.testing.assert_close(grad_q, ref_grad, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(td, ref_td, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(mean_q, ref_mean_q, rtol=1e-5, atol=1e-5)
     cpu = torch.ops.dqn_ops.dqn_loss.default(*batch[:6], batch[6], list(branches), v_min, v_max, gamma, "c51")
