@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 
@@ -23,3 +24,10 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+def loads_strict_json(text: str):
+    """json.loads that rejects NaN / Infinity (not JSON), as strict parsers do."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)

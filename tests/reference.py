@@ -89,3 +89,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if not torch.isfinite(a).all():
         return float("inf")
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def power_iteration_f64(W, u, iterations, eps=1e-12):
+    """The reference: v = normalize(W^T u), u = normalize(W v), sigma = u^T W v, in float64."""
+    W, u = W.double().cpu(), u.double().cpu()
+    for _ in range(iterations):
+        v = W.t() @ u
+        v = v / max(v.norm().item(), eps)
+        u = W @ v
+        u = u / max(u.norm().item(), eps)
+    return (u @ W @ v).item(), u, v

@@ -6,16 +6,11 @@ import os
 import subprocess
 import sys
 
+from conftest import loads_strict_json  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from parity import compare, paired_analysis, reanalyze, t_quantile  # noqa: E402
-
-
-def _strict(text: str):
-    """json.loads that rejects NaN / Infinity (not JSON), as strict parsers do."""
-    def refuse(name):
-        raise ValueError(f"not JSON: {name}")
-    return json.loads(text, parse_constant=refuse)
 
 
 def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
@@ -23,7 +18,7 @@ def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
                     "--tiny", "--device", "cpu", "--seeds", "0", "1", "--jobs", "4", "--out", str(tmp_path / "out"),
                     "--runs", str(tmp_path / "runs")], check=True, cwd=ROOT, capture_output=True)
     [result_file] = [p for p in (tmp_path / "out").iterdir() if p.name.endswith("-parity.json")]
-    result = _strict(result_file.read_text())
+    result = loads_strict_json(result_file.read_text())
     assert isinstance(result["pass"], bool) and result["verdict"] in ("pass", "fail", "inconclusive")
     assert result["pass"] == (result["verdict"] == "pass")
     assert result["meta"]["jobs"] == 4 and result["meta"]["seeds"] == [0, 1] and result["meta"]["tiny_network"]
@@ -31,7 +26,7 @@ def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
     for path, backend in (("f32", "torch"), ("bf16", "dqn_ops")):
         # each run's own summary, keyed by its seed (the jobs finish in any order)
         for seed in (0, 1):
-            summary = _strict((tmp_path / "runs" / f"{path}-seed{seed}" / "summary.json").read_text())
+            summary = loads_strict_json((tmp_path / "runs" / f"{path}-seed{seed}" / "summary.json").read_text())
             assert summary["seed"] == seed and summary["backend"] == backend
             assert result["runs"][path][str(seed)]["mean_q"] == summary["mean_q"]
     figures = result["figures"]
@@ -129,7 +124,7 @@ def test_reanalyze_rewrites_a_result_file_from_its_per_seed_numbers(tmp_path):
     original = json.loads(open(src).read())
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "parity.py"), "--reanalyze", str(path)],
                    check=True, cwd=ROOT, capture_output=True)
-    result = _strict(path.read_text())
+    result = loads_strict_json(path.read_text())
     assert result["runs"] == original["runs"]  # the runs' raw per-seed numbers kept
     for k in ("device", "torch", "date", "gpu", "seeds", "epochs"):
         assert result["meta"][k] == original["meta"][k]
@@ -142,4 +137,4 @@ def test_reanalyze_rewrites_a_result_file_from_its_per_seed_numbers(tmp_path):
     assert f"verdict: {result['verdict']}" in md and "seeds needed" in md
     # reanalysing again gives the same figures (idempotent)
     reanalyze(str(path))
-    assert _strict(path.read_text())["figures"] == result["figures"]
+    assert loads_strict_json(path.read_text())["figures"] == result["figures"]

@@ -18,6 +18,7 @@ import dqn_ops  # noqa: F401 (loads the ops)
 import dqn_ops._C as _C
 from conftest import requires_cuda
 from poison import poison_cuda_cache
+from reference import power_iteration_f64
 
 pytestmark = requires_cuda
 
@@ -63,16 +64,6 @@ def _buffers(shapes, scale=0.5, gap=8, seed=0):
             torch.full((len(shapes),), float("nan"), device="cuda")], matrices
 
 
-def _power_iteration_f64(W, u, iterations, eps=1e-12):
-    W, u = W.double().cpu(), u.double().cpu()
-    for _ in range(iterations):
-        v = W.t() @ u
-        v = v / max(v.norm().item(), eps)
-        u = W @ v
-        u = u / max(u.norm().item(), eps)
-    return (u @ W @ v).item(), u, v
-
-
 def _views(flat, matrices):
     return [flat[o:o + r * c].view(r, c) for o, r, c in zip(matrices[0::3], matrices[1::3], matrices[2::3])]
 
@@ -102,7 +93,7 @@ def test_spectral_cooperative_equals_default_and_float64(iterations):
         assert torch.equal(mirror, params.to(torch.bfloat16))  # every rescaled row rewritten
     rescaled = 0
     for m, (W, u_start) in enumerate(zip(W0, u0)):
-        s_ref, u_ref, v_ref = _power_iteration_f64(W, u_start, iterations)
+        s_ref, u_ref, v_ref = power_iteration_f64(W, u_start, iterations)
         for sigma, u, v, params in ((sigma_a, u_a, v_a, params_a), (sigma_b, u_b, v_b, params_b)):
             us, vs = torch.split(u, [r for r, _ in SHAPES]), torch.split(v, [c for _, c in SHAPES])
             assert abs(sigma[m].item() - s_ref) <= 1e-5 * s_ref, (SHAPES[m], sigma[m].item(), s_ref)

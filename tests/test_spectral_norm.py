@@ -6,6 +6,7 @@ import torch
 from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, SpectralNorm, batched_spectral_norm, spectral_norm_
 from poison import poison_cuda_cache
+from reference import power_iteration_f64
 
 HUGE = 1e30  # a sigma_max no matrix reaches: the clamp is a no-op
 
@@ -29,17 +30,6 @@ def _views(flat, matrices):
     return [flat[o:o + r * c].view(r, c) for o, r, c in zip(matrices[0::3], matrices[1::3], matrices[2::3])]
 
 
-def _power_iteration_f64(W, u, iterations, eps=1e-12):
-    """The reference: v = normalize(W^T u), u = normalize(W v), sigma = u^T W v, in float64."""
-    W, u = W.double().cpu(), u.double().cpu()
-    for _ in range(iterations):
-        v = W.t() @ u
-        v = v / max(v.norm().item(), eps)
-        u = W @ v
-        u = u / max(u.norm().item(), eps)
-    return (u @ W @ v).item(), u, v
-
-
 SHAPES = [(1024, 4096), (3, 5), (256, 96), (51, 128), (1, 7), (300, 1)]
 
 
@@ -52,7 +42,7 @@ def test_matches_float64_power_iteration(device, iterations):
     batched_spectral_norm(params, mirror, u, v, sigma, matrices, [HUGE] * len(SHAPES), iterations)
     us, vs = torch.split(u, [r for r, _ in SHAPES]), torch.split(v, [c for _, c in SHAPES])
     for m, (W, u_start) in enumerate(zip(W0, u0)):
-        s_ref, u_ref, v_ref = _power_iteration_f64(W, u_start, iterations)
+        s_ref, u_ref, v_ref = power_iteration_f64(W, u_start, iterations)
         assert abs(sigma[m].item() - s_ref) <= 1e-5 * s_ref, (SHAPES[m], sigma[m].item(), s_ref)
         torch.testing.assert_close(us[m].double().cpu(), u_ref, rtol=1e-4, atol=2e-6)
         torch.testing.assert_close(vs[m].double().cpu(), v_ref, rtol=1e-4, atol=2e-6)

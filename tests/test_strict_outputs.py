@@ -7,16 +7,12 @@ import sys
 
 import pytest
 
+from conftest import loads_strict_json  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from dqn_ops.rl.results import dump_json, dumps_json, strict_json  # noqa: E402
-
-
-def _strict(text: str):
-    def refuse(name):
-        raise ValueError(f"not JSON: {name}")
-    return json.loads(text, parse_constant=refuse)
 
 
 def test_strict_json_maps_every_non_finite_float_to_null():
@@ -24,7 +20,7 @@ def test_strict_json_maps_every_non_finite_float_to_null():
     assert strict_json(obj) == dict(a=None, b=[1.0, None, [None, 2]], c=dict(d=None, e="NaN"), f=3)
     text = dumps_json(obj)
     assert "NaN" not in text.replace('"NaN"', "") and "Infinity" not in text
-    assert _strict(text)["b"] == [1.0, None, [None, 2]]
+    assert loads_strict_json(text)["b"] == [1.0, None, [None, 2]]
     with pytest.raises(ValueError):  # plain json would have written NaN: allow_nan=False is the net
         json.dumps(float("nan"), allow_nan=False)
 
@@ -45,7 +41,7 @@ def test_train_writes_strict_json_and_prints_wall_clock_on_the_cpu(tmp_path, mon
     summary = train.train(args)
     printed = capsys.readouterr().out
     text = (tmp_path / "summary.json").read_text()
-    s = _strict(text)  # no NaN / Infinity tokens
+    s = loads_strict_json(text)  # no NaN / Infinity tokens
     assert s["final_sharpe"] is None and s["final_sharpe_mean_last5"] is None
     assert s["baseline_sharpe"] == {"random": None, "flat": None}
     assert s["train_step_timing"] == "wall clock" and s["train_step_ms_per_epoch_median"] > 0
