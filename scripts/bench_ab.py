@@ -70,6 +70,7 @@ def main():
     import torch
 
     from bench_common import run_meta
+    from dqn_ops.rl.results import dump_json
 
     trees = dict(base=args.base, new=ROOT)
     rows = []
@@ -88,7 +89,7 @@ def main():
                     rounds=args.rounds, iters=args.iters)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step-ab.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        dump_json(dict(meta=meta, rows=rows), f)
     lines = [f"# Graphed step, base vs new tree — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
              f"Median of {args.rounds} alternating rounds (each the median of 3 x {args.iters} steps).", "",
              "| B | base µs | new µs | new / base |", "|---|---|---|---|"]

@@ -79,11 +79,11 @@ def write_results(out_dir, kind, meta, rows, markdown_lines):
     """Writes <out_dir>/<kind>.json (meta + rows) and <out_dir>/<kind>.md, overwriting the
     previous run's; returns the path stem. The date and device are in `meta` (and in the
     markdown's title, which the caller writes)."""
-    import json
+    from dqn_ops.rl.results import dump_json  # strict JSON: a non-finite number as null
 
     stem = result_path(out_dir, meta, kind)
     with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        dump_json(dict(meta=meta, rows=rows), f)
     with open(stem + ".md", "w") as f:
         f.write("\n".join(markdown_lines) + "\n")
     print(f"wrote {stem}.json and {stem}.md")

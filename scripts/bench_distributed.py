@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
+from dqn_ops.rl.results import dump_json  # noqa: E402
 
 from bench import random_batch  # noqa: E402
 from bench_common import run_meta, time_us, write_results  # noqa: E402
@@ -70,7 +71,7 @@ def run(args):
             nccl = dict(nccl=list(torch.cuda.nccl.version())) if cuda else {}
             meta = run_meta(device, world=world, **nccl)
             with open(os.path.join(args.out, f"distributed-world{world}.json"), "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                dump_json(dict(meta=meta, rows=rows), f)
     finally:
         dist.destroy_process_group()
 

@@ -16,7 +16,6 @@ Writes <out>/soak.json (top-level "pass") and prints a summary.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
+from dqn_ops.rl.results import dump_json, dumps_json  # noqa: E402
 
 from bench import random_batch  # noqa: E402
 from bench_common import result_path, run_meta  # noqa: E402
@@ -105,12 +105,12 @@ def main():
     for mode, steps in (("graph", args.graph_steps), ("eager", args.eager_steps)):
         r = soak(mode, steps, min(args.sample_every, max(1, steps // 10)), args.readback_interval, device)
         results.append(r)
-        print(json.dumps(r, indent=1), flush=True)
+        print(dumps_json(r), flush=True)
     meta = run_meta(batch=256, config="reference")
     out = {"pass": all(r["passed"] for r in results), "meta": meta, "runs": results}
     path = result_path(args.out, meta, "soak.json")
     with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+        dump_json(out, f)
     print(f"soak pass: {out['pass']}; wrote {path}")
 
 
