@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 
 import dqn_ops
 from dqn_ops import DQNConfig, DuelingBranchQNet, Trainer, TrainerConfig
-from reference import reference_net_like
+from reference import power_iteration_f64, reference_net_like
 from test_loss import _check, reference_bdq, reference_c51, sample_batch
-from test_spectral_norm import _buffers, _power_iteration_f64
+from test_spectral_norm import _buffers
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -72,7 +72,7 @@ def test_spectral_norm_equals_float64_power_iteration(shapes, iterations, seed):
     u0 = torch.split(u.clone(), [r for r, _ in shapes])
     dqn_ops.batched_spectral_norm(params, mirror, u, v, sigma, matrices, [1e30] * len(shapes), iterations)
     for m, (W, u_start) in enumerate(zip(W0, u0)):
-        s_ref, _, _ = _power_iteration_f64(W, u_start, iterations)
+        s_ref, _, _ = power_iteration_f64(W, u_start, iterations)
         assert abs(sigma[m].item() - s_ref) <= 1e-5 * s_ref + 1e-7
 
 
