@@ -66,9 +66,9 @@ def reference_bdq(q, q_next_online, q_next_target, actions, rewards, dones, bran
     return loss.detach(), q.grad, delta.abs().mean(1).detach(), qa.detach().mean()
 
 
-def sample_batch(B, branches, atoms, device, v_max=10.0, terminal_fraction=0.2):
+def sample_batch(B, branches, atoms, device, v_max=10.0, terminal_fraction=0.2, seed=None):
     A = sum(branches)
-    g = torch.Generator().manual_seed(B * 7 + atoms)
+    g = torch.Generator().manual_seed(B * 7 + atoms if seed is None else seed)
     q, qo, qt = (torch.randn(B, A, atoms, generator=g) * 2 for _ in range(3))
     actions = torch.stack([torch.randint(0, n, (B,), generator=g) for n in branches], 1)
     # rewards up to 1.5x the support: r + gamma z clips at v_min / v_max for many atoms

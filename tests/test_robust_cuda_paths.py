@@ -19,6 +19,7 @@ import dqn_ops._C as _C
 from conftest import requires_cuda
 from poison import poison_cuda_cache
 from reference import power_iteration_f64
+from test_loss import reference_c51, sample_batch
 
 pytestmark = requires_cuda
 
@@ -175,51 +176,6 @@ def test_spectral_graph_capture_under_forced_cooperative():
 # dqn_loss at the shared-memory budget's edge
 
 
-def reference_c51_f64(q, q_next_online, q_next_target, actions, rewards, dones, branches, v_min, v_max, gamma,
-                      weights):
-    """C51 double-DQN loss in float64, mean over branches then weighted mean over samples; the
-    gradient by autograd; td_error the per-sample loss; mean_q the expected Q of the taken actions."""
-    B, _, NA = q.shape
-    q = q.detach().double().cpu().requires_grad_()
-    qo, qt = q_next_online.double().cpu(), q_next_target.double().cpu()
-    a, r, d, w = actions.cpu(), rewards.double().cpu(), dones.double().cpu(), weights.double().cpu()
-    z = torch.linspace(v_min, v_max, NA, dtype=torch.float64)
-    dz = (v_max - v_min) / (NA - 1)
-    rows = torch.arange(B)
-    per_branch, q_taken, off = [], [], 0
-    for i, n in enumerate(branches):
-        with torch.no_grad():
-            a_next = (qo[:, off:off + n].softmax(-1) * z).sum(-1).argmax(1)
-            p_next = qt[:, off:off + n].softmax(-1)[rows, a_next]
-            tz = (r[:, None] + gamma * (1 - d[:, None]) * z).clamp(v_min, v_max)
-            b = ((tz - v_min) / dz).clamp(0, NA - 1)
-            target = torch.zeros(B, NA, dtype=torch.float64)
-            lo = b.floor().long().clamp(0, NA - 1)
-            hi = (lo + 1).clamp(max=NA - 1)
-            frac = b - lo.double()  # 0 where b lands on an atom (all the mass to lo)
-            target.scatter_add_(1, lo, p_next * (1 - frac))
-            target.scatter_add_(1, hi, p_next * frac)
-        logits = q[:, off:off + n][rows, a[:, i]]
-        per_branch.append(-(target * logits.log_softmax(-1)).sum(-1))
-        q_taken.append((logits.softmax(-1) * z).sum(-1).detach())
-        off += n
-    per_sample = torch.stack(per_branch, 1).mean(1)
-    loss = (w * per_sample).mean()
-    loss.backward()
-    return loss.detach(), q.grad, per_sample.detach(), torch.stack(q_taken, 1).mean()
-
-
-def _loss_batch(B, branches, atoms, v_max):
-    g = torch.Generator().manual_seed(B + 13 * atoms + len(branches))
-    A = sum(branches)
-    q, qo, qt = (torch.randn(B, A, atoms, generator=g) * 2 for _ in range(3))
-    actions = torch.stack([torch.randint(0, n, (B,), generator=g) for n in branches], 1)
-    rewards = (torch.rand(B, generator=g) * 2 - 1) * 1.5 * v_max  # past the support: clipping
-    dones = (torch.rand(B, generator=g) < 0.2).float()
-    weights = torch.rand(B, generator=g) + 0.5
-    return q, qo, qt, actions, rewards, dones, weights
-
-
 # (branches, atoms): the general (staged) version's staging area per block is
 # warps * 4 * (2 * max_actions + 4) * atoms bytes; the comment gives it for each case. The kernel
 # has a few hundred bytes of static shared memory, so 48,881-49,152 bytes of staging did not fit
@@ -241,12 +197,12 @@ LOSS_EDGE_CASES = [
 def test_loss_at_the_shared_memory_edge_matches_float64_and_cpu(branches, atoms):
     poison_cuda_cache()
     v_min, v_max, gamma = -10.0, 10.0, 0.97
-    batch = _loss_batch(300, branches, atoms, v_max)
+    batch = sample_batch(300, branches, atoms, "cpu", v_max, seed=300 + 13 * atoms + len(branches))
     q, qo, qt, actions, rewards, dones, weights = (t.cuda() for t in batch)
     out = torch.ops.dqn_ops.dqn_loss.default(q, qo, qt, actions, rewards, dones, weights, list(branches), v_min,
                                              v_max, gamma, "c51")
     loss, grad_q, td, mean_q = (t.double().cpu() for t in out)
-    ref_loss, ref_grad, ref_td, ref_mean_q = reference_c51_f64(q, qo, qt, actions, rewards, dones, branches, v_min,
+    ref_loss, ref_grad, ref_td, ref_mean_q = reference_c51(q, qo, qt, actions, rewards, dones, branches, v_min,
                                                                v_max, gamma, weights)
     assert torch.isfinite(grad_q).all() and torch.isfinite(td).all()  # every element written (poisoned first)
     torch.testing.assert_close(loss, ref_loss, rtol=2e-5, atol=1e-6)
