@@ -100,3 +100,40 @@ def power_iteration_f64(W, u, iterations, eps=1e-12):
         u = W @ v
         u = u / max(u.norm().item(), eps)
     return (u @ W @ v).item(), u, v
+
+
+# ---------------------------------------------------------------------------------------
+# Philox4x32-10 and the stream layout of csrc/philox.h, written again in Python from the
+# paper (Salmon et al., SC 2011) as the independent reference for the ops' random draws.
+
+_M32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key):
+    """counter: 4 uint32, key: 2 uint32 -> 4 uint32."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & _M32, p1 & _M32, ((p0 >> 32) ^ c3 ^ k1) & _M32, p0 & _M32
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return c0, c1, c2, c3
+
+
+def philox_draw(seed: int, call: int, row: int, slot: int) -> int:
+    """philox::draw of csrc/philox.h: word slot % 4 of the block (row, slot // 4, call) under key seed."""
+    seed, call = seed & 0xFFFFFFFFFFFFFFFF, call & 0xFFFFFFFFFFFFFFFF
+    out = philox4x32_10((row & _M32, slot // 4, call & _M32, call >> 32), (seed & _M32, seed >> 32))
+    return out[slot % 4]
+
+
+def philox_uniform(bits: int) -> float:
+    """philox::uniform: the top 24 bits as a float in [0, 1) (exact in float32)."""
+    return (bits >> 8) / 16777216.0
+
+
+def philox_below(bits: int, n: int) -> int:
+    """philox::below: an integer in [0, n), computed in float32 as the kernels do."""
+    import numpy as np
+    i = int(np.float32(philox_uniform(bits)) * np.float32(n))
+    return min(i, n - 1)

@@ -1,0 +1,67 @@
+// Counter-based random numbers shared by the CPU and CUDA kernels: Philox4x32-10 (Salmon et
+// al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011; the generator of Random123,
+// curand and torch). A draw is a pure function of (key, counter), so a kernel thread makes its
+// own numbers without state, both backends make the same bits, and a graph replay draws new
+// numbers when the counter lives in a device tensor that the op advances.
+//
+// The stream layout every dqn_ops op uses (tests/reference.py has the same in Python):
+//   key     = the 64-bit seed (low word, high word)
+//   counter = (row, slot / 4, call low word, call high word); the draw is word slot % 4
+// where `call` is the op's device-side call counter, `row` the sample / environment and
+// `slot` which number of that row (e.g. 0 = explore?, 1 + d = branch d's random action).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define DQN_OPS_HD __host__ __device__ __forceinline__
+#else
+#define DQN_OPS_HD inline
+#endif
+
+namespace dqn_ops {
+namespace philox {
+
+struct Words {
+  uint32_t w[4];
+};
+
+DQN_OPS_HD uint32_t mulhilo(uint32_t a, uint32_t b, uint32_t* hi) {
+  const uint64_t p = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
+  *hi = static_cast<uint32_t>(p >> 32);
+  return static_cast<uint32_t>(p);
+}
+
+// Philox4x32 with 10 rounds.
+DQN_OPS_HD Words philox4x32_10(Words ctr, uint32_t k0, uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi0, hi1;
+    const uint32_t lo0 = mulhilo(kM0, ctr.w[0], &hi0);
+    const uint32_t lo1 = mulhilo(kM1, ctr.w[2], &hi1);
+    ctr = Words{{hi1 ^ ctr.w[1] ^ k0, lo1, hi0 ^ ctr.w[3] ^ k1, lo0}};
+    k0 += kW0;
+    k1 += kW1;
+  }
+  return ctr;
+}
+
+// Word `slot % 4` of the block for (seed, call, row, slot / 4).
+DQN_OPS_HD uint32_t draw(uint64_t seed, uint64_t call, uint32_t row, uint32_t slot) {
+  const Words out = philox4x32_10(
+      Words{{row, slot / 4u, static_cast<uint32_t>(call), static_cast<uint32_t>(call >> 32)}},
+      static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  return out.w[slot % 4u];
+}
+
+// A uniform float in [0, 1): the top 24 bits, exact in F32.
+DQN_OPS_HD float uniform(uint32_t bits) { return static_cast<float>(bits >> 8) * (1.0f / 16777216.0f); }
+
+// An integer in [0, n) from a uniform draw (n >= 1); min() guards the rounding at the top.
+DQN_OPS_HD int64_t below(uint32_t bits, int64_t n) {
+  const int64_t i = static_cast<int64_t>(uniform(bits) * static_cast<float>(n));
+  return i < n - 1 ? i : n - 1;
+}
+
+}  // namespace philox
+}  // namespace dqn_ops
