@@ -19,13 +19,24 @@ from .spectral import SpectralNorm, spectral_norm_
 from .trainer import NonFiniteError, Trainer, TrainerConfig, greedy_actions
 
 
+def build_info() -> dict:
+    """How this build was made, as setup.py decided it: ``cuda`` (CUDA kernels built?),
+    ``reason`` (the toolkit, or why CPU-only) and ``cuda_arch_list`` (the TORCH_CUDA_ARCH_LIST
+    compiled for: the GPU architectures with machine code, "+PTX" where PTX was embedded too)."""
+    try:
+        from ._build_info import BUILD_INFO
+    except ImportError:  # built by other means than setup.py
+        return dict(cuda=cuda_kernels_built(), reason="unknown (no dqn_ops/_build_info.py)", cuda_arch_list=None)
+    return dict(BUILD_INFO)
+
+
 def cuda_kernels_built() -> bool:
     """True when this build of the extension has its CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("dqn_ops::bf16_dueling_forward", "CUDA")
 
 
 __all__ = ["DQNConfig", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward", "ops", "step",
-           "cuda_kernels_built",
+           "cuda_kernels_built", "build_info",
            "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_",
            "SpectralNorm", "batched_spectral_norm", "spectral_norm_", "dqn_loss", "LossOutput",
            "Trainer", "TrainerConfig", "NonFiniteError", "greedy_actions"]

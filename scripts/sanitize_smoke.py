@@ -35,11 +35,32 @@ def main():
             for _ in range(3):
                 t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=r, dones=d))
             t.readback()
-    # the loss kernel's general version (more atoms than the fused loss takes)
-    B, branches, atoms = 9, (3, 2), dqn_ops.ops.FUSED_LOSS_MAX_ATOMS + 6
-    q = [torch.randn(B, sum(branches), atoms, device=dev) for _ in range(3)]
-    a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in branches], 1)
-    dqn_ops.dqn_loss(*q, a, torch.randn(B, device=dev) * 20, (torch.rand(B, device=dev) < 0.3).float(), branches)
+    # the loss kernel's general version (more atoms than the fused loss takes), at the edges of
+    # its shared-memory budget (staged rows just below 48 KiB, global rows at and above it)
+    for B, branches, atoms in ((9, (3, 2), dqn_ops.ops.FUSED_LOSS_MAX_ATOMS + 6), (9, (4,), 127), (9, (4,), 128),
+                               (9, (3, 3, 3), 204), (9, (2, 2), 192)):
+        q = [torch.randn(B, sum(branches), atoms, device=dev) for _ in range(3)]
+        a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in branches], 1)
+        dqn_ops.dqn_loss(*q, a, torch.randn(B, device=dev) * 20, (torch.rand(B, device=dev) < 0.3).float(), branches)
+    # the trainer's loss composed from the public kernels on CUDA (outside the fused kernel's
+    # limits: more atoms, more branches)
+    for c in (DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8,
+                        atoms=dqn_ops.ops.FUSED_LOSS_MAX_ATOMS + 1, branches=(3, 2)),
+              DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=5,
+                        branches=(2,) * (dqn_ops.ops.FUSED_LOSS_MAX_BRANCHES + 1))):
+        t = Trainer(c, TrainerConfig(batch_size=7, use_cuda_graph=False), device=dev)
+        assert not t.uses_fused_path
+        s = torch.randn(7, c.state_dim, device=dev)
+        a = torch.stack([torch.randint(0, n, (7,), device=dev) for n in c.branches], 1)
+        t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=torch.randn(7, device=dev),
+                    dones=torch.zeros(7, device=dev)))
+    # FusedAdamBF16 over several tensors: one global norm (per-tensor norms combined), one skip
+    ps = [torch.randn(n, device=dev, requires_grad=True) for n in (5, 300, 33)]
+    opt = dqn_ops.FusedAdamBF16(ps, lr=1e-3, max_grad_norm=1.0)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
     # spectral norm: small matrices (a thread-block cluster each on sm_90), one too large for a
     # cluster (split over blocks with grid barriers), and the per-matrix path
     shapes = [(3, 5), (64, 48), (300, 257), (700, 600)]
@@ -55,6 +76,13 @@ def main():
     sigma = torch.empty(len(shapes), device=dev)
     for per_matrix in (False, True):
         dqn_ops.batched_spectral_norm(params, mirror, u, v, sigma, mats, [0.5, 1.0, 2.0, 4.0], 2, 1e-12, per_matrix)
+    # the cooperative strategy forced on every matrix (the path of GPUs without thread-block
+    # clusters, or where a cluster does not fit)
+    previous = dqn_ops._C._set_spectral_strategy("cooperative")
+    try:
+        dqn_ops.batched_spectral_norm(params, mirror, u, v, sigma, mats, [0.5, 1.0, 2.0, 4.0], 2, 1e-12, False)
+    finally:
+        dqn_ops._C._set_spectral_strategy(previous)
     torch.cuda.synchronize()
     print("sanitize_smoke: every kernel ran")
 
