@@ -101,10 +101,24 @@ class DeferredReadback:
                     non_finite.reshape(1).to(self.flag.dtype))
 
     # -- on the host, after each step -------------------------------------------------
-    def after_step(self) -> bool:
-        """Bookkeeping after a step was enqueued. Returns True once the non-finite flag has
-        been seen (then call readback() to get the values)."""
-        self.steps_recorded += 1
+    def make_room(self, count: int):
+        """Before enqueueing `count` steps at once (a CUDA graph that records several steps per
+        replay): enqueues the copy of the rows not yet copied if those steps would overwrite
+        them. ``count`` must fit the ring (``count <= interval``)."""
+        if not 1 <= count <= self.interval:
+            raise ValueError(f"DeferredReadback: {count} steps at once do not fit the ring of {self.interval} rows "
+                             f"(readback_interval): the earliest rows would be overwritten before their copy")
+        if self.steps_recorded - self.steps_copied + count > self.interval:
+            self._enqueue_copy()
+
+    def after_step(self, count: int = 1) -> bool:
+        """Bookkeeping after `count` steps were enqueued (more than one: call ``make_room(count)``
+        before enqueueing them). Returns True once the non-finite flag has been seen (then call
+        readback() to get the values)."""
+        if self.steps_recorded - self.steps_copied + count > self.interval:
+            raise RuntimeError(f"DeferredReadback: {count} steps were enqueued over rows not yet copied (call "
+                               f"make_room({count}) before enqueueing several steps at once)")
+        self.steps_recorded += count
         if self.steps_recorded - self.steps_copied >= self.interval:
             self._enqueue_copy()
         self._collect(block=False)

@@ -239,8 +239,29 @@ class Trainer:
             if batch is not None:
                 load_batch(self.inputs, batch, self._ones, exact_dtypes=True)
             self._runner()
-            self.steps += 1
-            if self.stats.after_step():
+            self.after_steps(1)
+
+    # -- for a loop that captures the step in its own CUDA graph (dqn_ops.rl.loop) --------
+    def device_step(self):
+        """The step's device work on ``inputs`` (forward, loss, backward, optimizer, spectral
+        norm, EMA, td_error, the readback row) with no host bookkeeping and no graph of its
+        own: for a caller that runs it inside its own CUDA graph, with the trainer's device
+        current. Around enqueueing n of them (a replay), call ``before_steps(n)`` and
+        ``after_steps(n)``; n must fit the readback ring (``readback_interval``)."""
+        self._step_body()
+
+    def before_steps(self, count: int):
+        """Before `count` device steps are enqueued at once: the readback copies what they
+        would overwrite."""
+        with self._on_device():
+            self.stats.make_room(count)
+
+    def after_steps(self, count: int):
+        """After `count` steps were enqueued: the step count and the readback's bookkeeping
+        (a non-finite step seen by then raises or is flagged, as ``step`` does)."""
+        self.steps += count
+        with self._on_device():
+            if self.stats.after_step(count):
                 self._handle_non_finite()
 
     @torch.no_grad()

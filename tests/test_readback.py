@@ -98,3 +98,29 @@ def test_deferred_readback_reads_every_step_in_order(device):
     rb.readback()
     assert [r["a"] for r in rb.rows] == [float(s) for s in range(11)]
     assert [r["b"] for r in rb.rows] == [-float(s) for s in range(11)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_steps_per_enqueue_lose_no_row(device):
+    # A loop's CUDA graph records `count` steps per replay: make_room before, after_step(count) after.
+    rb = DeferredReadback(["a", "b"], interval=7, device=device)
+    expected, step = [], 0
+    for count in (3, 5, 7, 1, 6, 4, 7, 2):
+        rb.make_room(count)
+        for _ in range(count):
+            v = [torch.tensor(float(step), device=device), torch.tensor(-float(step), device=device)]
+            rb.record(v, torch.zeros(1, device=device))
+            expected.append(dict(a=float(step), b=-float(step)))
+            step += 1
+        rb.after_step(count)
+    rb.readback()
+    assert rb.rows == expected and rb.steps_read == step
+
+
+def test_several_steps_misuse_is_a_clear_error():
+    rb = DeferredReadback(["a"], interval=4, device="cpu")
+    with pytest.raises(ValueError, match="do not fit the ring of 4 rows"):
+        rb.make_room(5)
+    rb.after_step(3)
+    with pytest.raises(RuntimeError, match="make_room"):
+        rb.after_step(2)  # 5 rows not copied: two of them were overwritten
