@@ -207,7 +207,7 @@ class ReplayBuffer:
         if n > self.capacity:
             raise ValueError(f"ReplayBuffer.add: {n} transitions do not fit a capacity of {self.capacity}")
         ops._replay_add(self._storage, self.cursor, self._tree, self._counters[0:1],
-                        [states, actions, rewards, next_states, dones])
+                        [t.contiguous() for t in (states, actions, rewards, next_states, dones)])
         self._rows_added += n
 
     def add_steps(self, obs: Tensor, actions: Tensor, rewards: Tensor, next_obs: Tensor, terminated: Tensor,
@@ -226,8 +226,9 @@ class ReplayBuffer:
         if terminated.dtype != truncated.dtype:
             raise ValueError(f"ReplayBuffer.add_steps: terminated and truncated must have one dtype, got "
                              f"{terminated.dtype} and {truncated.dtype}")
-        ops._replay_add_steps(self._storage, self.cursor, self._tree, self._window, self._counters[1:3], obs, actions,
-                              rewards, next_obs, terminated, truncated, self.gamma)
+        ops._replay_add_steps(self._storage, self.cursor, self._tree, self._window, self._counters[1:3],
+                              *(t.contiguous() for t in (obs, actions, rewards, next_obs, terminated, truncated)),
+                              self.gamma)
         self._steps_added += 1
 
     # -- reading --------------------------------------------------------------------------
@@ -254,6 +255,10 @@ class ReplayBuffer:
             missing = [k for k in BATCH_KEYS if k not in out]
             if missing:
                 raise ValueError(f"ReplayBuffer.sample: out is missing {missing}; it needs {list(BATCH_KEYS)}")
+            for k in BATCH_KEYS:  # the op checks shapes and dtypes; a tensor of another device would not reach it
+                if not isinstance(out[k], Tensor) or out[k].device != dev:
+                    got = f"one on {out[k].device}" if isinstance(out[k], Tensor) else type(out[k]).__name__
+                    raise ValueError(f"ReplayBuffer.sample: out[{k!r}]: expected a tensor on {dev}, got {got}")
             if out["states"].dim() != 2 or out["states"].shape[0] != B:
                 raise ValueError(f"ReplayBuffer.sample: out['states']: expected {B} rows (batch_size), got shape "
                                  f"{list(out['states'].shape)}")
@@ -269,5 +274,9 @@ class ReplayBuffer:
         outside the filled rows raises on the CPU; on CUDA (no host sync can report it) it is
         skipped and counted in the same counter."""
         self._need_prioritized("update_priorities")
+        for name, t in (("indices", indices), ("td_error", td_error)):
+            if not isinstance(t, Tensor) or t.device != self.device:
+                got = f"one on {t.device}" if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"ReplayBuffer.update_priorities: {name}: expected a tensor on {self.device}, got {got}")
         ops._replay_update_priorities(self._tree, self.cursor, indices, td_error, self.skipped_priority_updates,
                                       self.alpha, self.priority_eps)
