@@ -161,4 +161,38 @@ TORCH_LIBRARY(dqn_ops, m) {
   m.def(
       "_mixed_backward_from_head(Tensor grad_head, Tensor grad_head_bf16, Tensor states_bf16, Tensor h1, "
       "Tensor h2, Tensor hh, Tensor params, Tensor params_bf16, int[] layout, str precision=\"bf16\") -> Tensor");
+
+  // Replay
+  // The replay buffer on the device (dqn_ops/rl/replay.py), internal (the schemas may change).
+  // Its state is tensors only (csrc/replay_args.h): storage = [states, actions, rewards,
+  // next_states, dones] (capacity C rows), cursor = int64 [2] (next row, size), tree = [] for a
+  // uniform buffer or [leaves, sums, mins, max_priority] (a fan-out-32 sum tree with F64 inner
+  // sums and a min tree), rng = int64 [2] (seed, call), counter: int32 scratch, zero between
+  // calls. No host reads: every op is capturable in a CUDA graph. Deterministic bits for a seed,
+  // the same indices on both backends.
+  //   _replay_add: N rows at the cursor (wrapping), their priority the running max; 1 launch.
+  //   _replay_add_steps: one step of E envs into each env's window of n steps (window = [obs
+  //     [E, n, SD], actions [E, n, D], rewards [E, n], pos int64 [E, 2], emit int64 [E + 1]]),
+  //     then the n-step transitions that complete, in env order (replay_args.h: nstep_done says
+  //     what `done` means for a truncated window); 2 launches.
+  //   _replay_sample: B = out[0].size(0) rows into out = [states, actions, rewards, next_states,
+  //     dones, weights, indices]: uniform over the filled rows (weights 1), or stratified
+  //     proportional draws with weights (p_min / p_i)^beta; advances rng's call; 1 launch.
+  //   _replay_update_priorities: p = (|td| + eps)^alpha at indices (duplicates: the largest),
+  //     the running max raised; a non-finite td_error leaves its row unchanged and adds 1 to
+  //     skipped; an index outside the filled rows raises on the CPU and, on CUDA, is skipped and
+  //     counted the same way; 1 launch.
+  m.def(
+      "_replay_add(Tensor(a!)[] storage, Tensor(b!) cursor, Tensor(c!)[] tree, Tensor(d!) counter, Tensor[] rows) "
+      "-> ()");
+  m.def(
+      "_replay_add_steps(Tensor(a!)[] storage, Tensor(b!) cursor, Tensor(c!)[] tree, Tensor(d!)[] window, "
+      "Tensor(e!) counter, Tensor obs, Tensor actions, Tensor rewards, Tensor next_obs, Tensor terminated, "
+      "Tensor truncated, float gamma) -> ()");
+  m.def(
+      "_replay_sample(Tensor[] storage, Tensor cursor, Tensor[] tree, Tensor beta, Tensor(a!) rng, Tensor(b!) counter, "
+      "Tensor(c!)[] out) -> ()");
+  m.def(
+      "_replay_update_priorities(Tensor(a!)[] tree, Tensor cursor, Tensor indices, Tensor td_error, "
+      "Tensor(b!) skipped, float alpha, float eps) -> ()");
 }

@@ -63,5 +63,13 @@ DQN_OPS_HD int64_t below(uint32_t bits, int64_t n) {
   return i < n - 1 ? i : n - 1;
 }
 
+// An integer in [0, n) for any 1 <= n < 2^32: floor(bits * n / 2^32) by a 32x32 -> 64-bit
+// multiply-shift (Lemire). below() goes through a 24-bit float and reaches at most 2^24
+// distinct values, not every row of a 10M-row buffer; this reaches all of them, each with
+// floor or ceil of 2^32 / n preimages (a relative bias below n / 2^32).
+DQN_OPS_HD int64_t index_below(uint32_t bits, uint32_t n) {
+  return static_cast<int64_t>((static_cast<uint64_t>(bits) * static_cast<uint64_t>(n)) >> 32);
+}
+
 }  // namespace philox
 }  // namespace dqn_ops

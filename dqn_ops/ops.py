@@ -501,3 +501,72 @@ def _(grad_head, grad_head_bf16, states_bf16, h1, h2, hh, params, params_bf16, l
     _check(precision in BACKWARD_PRECISIONS,
            f"{op}: precision: expected one of {BACKWARD_PRECISIONS}, got {precision!r}")
     return params.new_empty(params.shape)
+
+
+# ---------------------------------------------------------------------------------------
+# replay (internal: the device state of dqn_ops/rl/replay.py's ReplayBuffer; the schemas may change)
+
+def _call(op: str, *args) -> None:
+    try:
+        getattr(torch.ops.dqn_ops, op).default(*args)
+    except NotImplementedError as e:
+        _raise_missing_kernel(op, e)
+        raise
+
+
+def _replay_add(storage: Sequence[Tensor], cursor: Tensor, tree: Sequence[Tensor], counter: Tensor,
+                rows: Sequence[Tensor]) -> None:
+    """N rows = [states, actions, rewards, next_states, dones] into the ring at the cursor; their
+    priority (prioritized: ``tree`` non-empty) the running max. One launch on CUDA."""
+    _call("_replay_add", list(storage), cursor, list(tree), counter, list(rows))
+
+
+@torch.library.register_fake("dqn_ops::_replay_add")
+def _(storage, cursor, tree, counter, rows):
+    _check(len(storage) == 5 and len(rows) == 5,
+           f"dqn_ops._replay_add: expected 5 storage and 5 row tensors, got {len(storage)} and {len(rows)}")
+    return None
+
+
+def _replay_add_steps(storage: Sequence[Tensor], cursor: Tensor, tree: Sequence[Tensor], window: Sequence[Tensor],
+                      counter: Tensor, obs: Tensor, actions: Tensor, rewards: Tensor, next_obs: Tensor,
+                      terminated: Tensor, truncated: Tensor, gamma: float) -> None:
+    """One step of E envs into their n-step windows, then the completed n-step transitions into
+    the ring (csrc/replay_args.h: nstep_return, nstep_done). Two launches on CUDA."""
+    _call("_replay_add_steps", list(storage), cursor, list(tree), list(window), counter, obs, actions, rewards,
+          next_obs, terminated, truncated, float(gamma))
+
+
+@torch.library.register_fake("dqn_ops::_replay_add_steps")
+def _(storage, cursor, tree, window, counter, obs, actions, rewards, next_obs, terminated, truncated, gamma):
+    _check(len(window) == 5, f"dqn_ops._replay_add_steps: window: expected 5 tensors, got {len(window)}")
+    _check(obs.shape == next_obs.shape, f"dqn_ops._replay_add_steps: next_obs: expected shape {list(obs.shape)}, "
+                                        f"got {list(next_obs.shape)}")
+    return None
+
+
+def _replay_sample(storage: Sequence[Tensor], cursor: Tensor, tree: Sequence[Tensor], beta: Tensor, rng: Tensor,
+                   counter: Tensor, out: Sequence[Tensor]) -> None:
+    """B = out[0].shape[0] draws into out = [states, actions, rewards, next_states, dones, weights,
+    indices], advancing rng's call counter. One launch on CUDA."""
+    _call("_replay_sample", list(storage), cursor, list(tree), beta, rng, counter, list(out))
+
+
+@torch.library.register_fake("dqn_ops::_replay_sample")
+def _(storage, cursor, tree, beta, rng, counter, out):
+    _check(len(out) == 7, f"dqn_ops._replay_sample: out: expected 7 tensors, got {len(out)}")
+    return None
+
+
+def _replay_update_priorities(tree: Sequence[Tensor], cursor: Tensor, indices: Tensor, td_error: Tensor,
+                              skipped: Tensor, alpha: float, eps: float) -> None:
+    """p = (|td| + eps)^alpha at indices (duplicates: the largest); non-finite td_error (and, on
+    CUDA, out-of-range indices) skipped and counted in ``skipped``. One launch on CUDA."""
+    _call("_replay_update_priorities", list(tree), cursor, indices, td_error, skipped, float(alpha), float(eps))
+
+
+@torch.library.register_fake("dqn_ops::_replay_update_priorities")
+def _(tree, cursor, indices, td_error, skipped, alpha, eps):
+    _check(td_error.shape == indices.shape, f"dqn_ops._replay_update_priorities: td_error: expected shape "
+                                            f"{list(indices.shape)}, got {list(td_error.shape)}")
+    return None

@@ -137,3 +137,9 @@ def philox_below(bits: int, n: int) -> int:
     import numpy as np
     i = int(np.float32(philox_uniform(bits)) * np.float32(n))
     return min(i, n - 1)
+
+
+def philox_index_below(bits: int, n: int) -> int:
+    """philox::index_below: floor(bits * n / 2^32), an integer in [0, n) for 1 <= n < 2^32."""
+    assert 1 <= n < 2**32
+    return (bits * n) >> 32

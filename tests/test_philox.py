@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from reference import philox4x32_10, philox_below, philox_draw, philox_uniform
+from reference import philox4x32_10, philox_below, philox_draw, philox_index_below, philox_uniform
 
 # Random123 kat_vectors: counter (4 words), key (2 words) -> output (4 words).
 KNOWN_ANSWERS = [
@@ -64,3 +64,43 @@ def test_cxx_matches_python(tmp_path):
                     expected.append(f"{bits} {philox_below(bits, 7)}")
     expected.append(" ".join(str(w) for w in KNOWN_ANSWERS[2][2]))
     assert lines[:len(expected)] == expected
+
+
+def test_index_below_reaches_every_index_of_a_large_range():
+    # below() goes through a 24-bit float: for n > 2^24 it skips indices; index_below must not.
+    import random
+    rng = random.Random(5)
+    for n in (1, 3, 2**24 + 3, 10_000_019, 2**32 - 1):
+        assert philox_index_below(0, n) == 0 and philox_index_below(2**32 - 1, n) == n - 1
+        for k in [0, n - 1] + [rng.randrange(n) for _ in range(200)]:
+            bits = -((-k << 32) // n)  # the smallest bits with bits * n >= k * 2^32
+            assert philox_index_below(bits, n) == k
+            if bits > 0:
+                assert philox_index_below(bits - 1, n) == k - 1
+
+
+CXX_INDEX_CHECK = r"""
+#include <cstdio>
+#include "philox.h"
+int main() {
+  using namespace dqn_ops::philox;
+  const unsigned ns[] = {1u, 7u, 16777219u, 10000019u, 4294967295u};
+  for (unsigned n : ns)
+    for (unsigned row = 0; row < 50; ++row) {
+      unsigned bits = draw(11, 3, row, row % 5);
+      std::printf("%lld\n", (long long)index_below(bits, n));
+    }
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to compile csrc/philox.h on its own")
+def test_cxx_index_below_matches_python(tmp_path):
+    src, exe = tmp_path / "check.cpp", tmp_path / "check"
+    src.write_text(CXX_INDEX_CHECK)
+    csrc = os.path.join(os.path.dirname(__file__), "..", "csrc")
+    subprocess.run(["g++", "-std=c++17", "-O1", "-I", csrc, str(src), "-o", str(exe)], check=True)
+    got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    expected = [str(philox_index_below(philox_draw(11, 3, row, row % 5), n))
+                for n in (1, 7, 16777219, 10000019, 4294967295) for row in range(50)]
+    assert got == expected
