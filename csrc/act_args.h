@@ -36,6 +36,8 @@ inline void check_act_args(const at::Tensor& states, const at::Tensor& params, c
   check_dtype(epsilon, op, "epsilon", at::kFloat);
   DQN_CHECK(epsilon.numel() == 1, op, ": epsilon: expected one element, got shape ", shape_str(epsilon.sizes()));
   check_tensor(rng, op, "rng", states.device(), at::kLong, {2});
+  // rng is written after every input is read, but an epsilon inside it would change with it.
+  check_no_overlap(rng, "rng", epsilon, "epsilon", op);
   if (L.atoms > 1) {
     DQN_CHECK(std::isfinite(v_min) && std::isfinite(v_max) && v_min < v_max, op,
               ": v_min must be below v_max, both finite (the C51 support of ", L.atoms, " atoms), got v_min=",

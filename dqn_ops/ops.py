@@ -547,6 +547,8 @@ def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng):
            f"{op}: states: expected shape [*, {c.state_dim}], got {list(states.shape)}")
     _check(params.dim() == 1 and params.shape[0] == layout[-1],
            f"{op}: params: expected shape [{layout[-1]}], got {list(params.shape)}")
+    _check(params_bf16.shape == params.shape,
+           f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
     _check(epsilon.numel() == 1, f"{op}: epsilon: expected one element, got shape {list(epsilon.shape)}")
     _check(rng.shape == (2,) and rng.dtype == torch.int64,
            f"{op}: rng: expected int64 [2] (seed, call), got {rng.dtype} {list(rng.shape)}")

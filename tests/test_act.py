@@ -440,6 +440,7 @@ def _call(a):
     (lambda a: a.update(rng=a["rng"].int()), "rng: expected dtype Long, got Int"),
     (lambda a: a.update(rng=torch.zeros(3, dtype=torch.long, device=a["states"].device)), r"rng: expected shape \[2\], got \[3\]"),
     (lambda a: a.update(rng=torch.zeros(2, 2, dtype=torch.long, device=a["states"].device)[:, 0]), "rng: expected a contiguous"),
+    (lambda a: a.update(epsilon=a["rng"].view(torch.float32)[1:2]), "rng and epsilon must not share memory"),
     (lambda a: a.update(layout=a["layout"][:-1]), "layout: 2 branches need"),
     (lambda a: a.update(layout=[*a["layout"][:-1], 8]), "lies outside the buffer"),
     (lambda a: a.update(v_min=1.0, v_max=1.0), "v_min must be below v_max, both finite .*got v_min=1.0+, v_max=1.0+"),
@@ -560,14 +561,14 @@ def test_cuda_graph_replays_draw_anew_and_read_epsilon(name):
     torch.cuda.current_stream().wait_stream(side)
     rng.copy_(rng_of(seed, 0, "cuda"))
     g = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(g):
+    with torch.cuda.graph(g):  # (entering it synchronises: the check starts inside)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
             static = call_act(net, s, eps, rng)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     assert rng.tolist() == [int64_of(seed), 0]  # capturing ran nothing
-    for call, epsilon in enumerate([1.0, 0.0, 1.0]):
+    for call, epsilon in enumerate([1.0, 1.0, 0.0, 0.5]):
         torch.cuda.set_sync_debug_mode("error")  # a schedule's epsilon change, poison, replay: no sync
         try:
             eps.fill_(epsilon)
@@ -576,7 +577,8 @@ def test_cuda_graph_replays_draw_anew_and_read_epsilon(name):
             g.replay()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        expected = reference_random_actions(c, seed, call, N) if epsilon == 1.0 else greedy.actions.cpu()
+        explore = reference_explores(seed, call, N, epsilon)
+        expected = torch.where(explore[:, None], reference_random_actions(c, seed, call, N), greedy.actions.cpu())
         assert torch.equal(static.actions.cpu(), expected), f"replay {call} (epsilon {epsilon})"
         assert torch.equal(static.greedy_q, greedy.greedy_q)
         assert rng.tolist() == [int64_of(seed), call + 1]
@@ -594,12 +596,12 @@ def test_no_host_sync_eager_and_outputs_in_range():
     torch.cuda.set_sync_debug_mode("error")
     try:
         outs = [call_act(net, s, eps, rng) for _ in range(3)]
-        t_greedy = net.act(s, eps, rng)  # the module path: mirror check + op
+        module_out = net.act(s, eps, rng)  # the module path: mirror check + op
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    assert rng.tolist() == [1, 4]
-    for out in outs + [t_greedy]:
+    assert rng.tolist() == [1, 5]  # the warm-up, three calls, the module's
+    for out in outs + [module_out]:
         assert torch.isfinite(out.greedy_q).all()
         for d, n in enumerate(c.branches):
             assert ((out.actions[:, d] >= 0) & (out.actions[:, d] < n)).all()
