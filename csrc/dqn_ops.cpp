@@ -162,6 +162,20 @@ TORCH_LIBRARY(dqn_ops, m) {
       "_mixed_backward_from_head(Tensor grad_head, Tensor grad_head_bf16, Tensor states_bf16, Tensor h1, "
       "Tensor h2, Tensor hh, Tensor params, Tensor params_bf16, int[] layout, str precision=\"bf16\") -> Tensor");
 
+  // Acting
+  // act: the online network (bf16_dueling_forward's arguments and GEMMs) on states [N, SD],
+  // N >= 0, the expected Q of every action (C51: sum_i softmax(q)_i z_i over the support
+  // [v_min, v_max]; one atom: q), per branch the greedy action (the first of equal maxima, a
+  // NaN wins) and epsilon-greedy on csrc/philox.h's stream layout: row n explores iff
+  // uniform(draw(seed, call, n, 0)) < epsilon, then branch d takes below(draw(seed, call, n,
+  // 1 + d), n_d). epsilon: a one-element F32 device tensor (NaN never explores); rng: int64 [2]
+  // = (seed, call), read on the device and advanced by one call per op with N > 0 (N = 0 leaves
+  // it), so a graph replay draws new numbers. actions [N, D] int64; greedy_q [N, D] the greedy
+  // action's expected Q before exploration (params' dtype: F32, F64 on the CPU's float64 path).
+  m.def(
+      "act(Tensor states, Tensor params, Tensor params_bf16, int[] layout, float v_min, float v_max, "
+      "Tensor epsilon, Tensor(a!) rng) -> (Tensor actions, Tensor greedy_q)");
+
   // Replay
   // The replay buffer on the device (dqn_ops/rl/replay.py), internal (the schemas may change).
   // Its state is tensors only (csrc/replay_args.h): storage = [states, actions, rewards,

@@ -504,6 +504,57 @@ def _(grad_head, grad_head_bf16, states_bf16, h1, h2, hh, params, params_bf16, l
 
 
 # ---------------------------------------------------------------------------------------
+# act
+
+class ActOutput(NamedTuple):
+    actions: Tensor   # [N, D] int64: epsilon-greedy actions
+    greedy_q: Tensor  # [N, D] the greedy action's expected Q per branch, before exploration
+
+
+def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[int], v_min: float, v_max: float,
+        epsilon: Tensor, rng: Tensor) -> ActOutput:
+    """Epsilon-greedy actions of the online network, on the device, without a host sync.
+
+    The network runs as ``bf16_dueling_forward`` runs it (same arguments, same GEMMs: the
+    same Q logits); per branch the greedy action maximises the expected Q (C51: sum_i
+    softmax(q)_i z_i, z_i = v_min + i (v_max - v_min) / (atoms - 1); one atom: q), the first of
+    equal maxima (a NaN wins, as ``torch.argmax``). Row n explores iff
+    ``uniform(draw(seed, call, n, 0)) < epsilon`` (epsilon <= 0: never, >= 1: always, NaN:
+    never), then branch d takes ``below(draw(seed, call, n, 1 + d), n_d)`` (csrc/philox.h).
+
+    Args:
+        states: [N, SD] float32 (float64 on the CPU's float64 path), N >= 0.
+        params, params_bf16, layout: as ``bf16_dueling_forward`` takes them.
+        v_min, v_max: the C51 support (finite, v_min < v_max; ignored for one atom).
+        epsilon: one float32 element on the states' device, read there (``fill_`` it between
+            graph replays).
+        rng: int64 [2] = (seed, call counter) on the states' device; each call with N > 0 draws
+            from ``call`` and advances it by one, on the device (N = 0 leaves it).
+    """
+    try:
+        return ActOutput(*torch.ops.dqn_ops.act.default(states, params, params_bf16, list(layout), float(v_min),
+                                                        float(v_max), epsilon, rng))
+    except NotImplementedError as e:
+        _raise_missing_kernel("act", e)
+        raise
+
+
+@torch.library.register_fake("dqn_ops::act")
+def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng):
+    op = "dqn_ops.act"
+    c = decode_config(layout)
+    _check(states.dim() == 2 and states.shape[1] == c.state_dim,
+           f"{op}: states: expected shape [*, {c.state_dim}], got {list(states.shape)}")
+    _check(params.dim() == 1 and params.shape[0] == layout[-1],
+           f"{op}: params: expected shape [{layout[-1]}], got {list(params.shape)}")
+    _check(params_bf16.shape == params.shape,
+           f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
+    _check(epsilon.numel() == 1, f"{op}: epsilon: expected one element, got shape {list(epsilon.shape)}")
+    _check(rng.shape == (2,) and rng.dtype == torch.int64,
+           f"{op}: rng: expected int64 [2] (seed, call), got {rng.dtype} {list(rng.shape)}")
+    N, D = states.shape[0], c.num_branches
+    return states.new_empty(N, D, dtype=torch.int64), params.new_empty(N, D)
+
 # replay (internal: the device state of dqn_ops/rl/replay.py's ReplayBuffer; the schemas may change)
 
 def _call(op: str, *args) -> None:

@@ -203,6 +203,11 @@ class Trainer:
         if self.world_size > 1:
             self._broadcast_state()
         self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
+        # Acting (dqn_ops.ops.act): act() runs it with epsilon 0 (its counter advances unread);
+        # act_explore() draws from explore_rng = (seed, call), which each call advances on the device.
+        self._act_epsilon0 = torch.zeros(1, device=dev)
+        self._act_greedy_rng = torch.zeros(2, dtype=torch.long, device=dev)
+        self.explore_rng = torch.tensor([_seed_as_int64(seed), 0], dtype=torch.long, device=dev)
 
     # -- the step ---------------------------------------------------------------------
     @property
@@ -349,10 +354,23 @@ class Trainer:
     # -- acting -----------------------------------------------------------------------
     @torch.no_grad()
     def act(self, states: Tensor) -> Tensor:
-        """Greedy actions [B, D] of the online network (expected Q over the support for C51);
+        """Greedy actions [B, D] of the online network (expected Q over the support for C51; the
+        first of equal maxima), from ``dqn_ops.ops.act`` with epsilon 0: no host sync, graph-capturable.
         [0, D] for an empty batch."""
         with self._on_device():
-            return greedy_actions(self.online, states, self.config.v_min, self.config.v_max)
+            return self.online.act(states, self._act_epsilon0, self._act_greedy_rng, self.config.v_min,
+                                   self.config.v_max).actions
+
+    @torch.no_grad()
+    def act_explore(self, states: Tensor, epsilon: Tensor) -> Tuple[Tensor, Tensor]:
+        """Epsilon-greedy actions [B, D] and the greedy actions' expected Q [B, D] (before
+        exploration, for logging), from ``dqn_ops.ops.act``. ``epsilon``: a one-element float32
+        tensor on the trainer's device, read there (a schedule ``fill_``s it: no sync, and a
+        captured graph replays with its current value). The random numbers come from
+        ``explore_rng`` = (the trainer's seed, a call counter), which each call with states
+        advances on the device: the same seed gives the same actions, call after call."""
+        with self._on_device():
+            return tuple(self.online.act(states, epsilon, self.explore_rng, self.config.v_min, self.config.v_max))
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -438,6 +456,12 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
     return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
+def _seed_as_int64(seed: int) -> int:
+    """A seed as the int64 that holds its low 64 bits (what philox's 64-bit key reads back)."""
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
 def _data_parallel_group(process_group):
     """(group, world size): the given group, or the default one when torch.distributed is
     initialised; (None, 1) otherwise."""
@@ -449,12 +473,12 @@ def _data_parallel_group(process_group):
 
 @torch.no_grad()
 def greedy_actions(net: DuelingBranchQNet, states: Tensor, v_min: float = -10.0, v_max: float = 10.0) -> Tensor:
-    """argmax per branch of the expected Q (C51: softmax over atoms times the support); an empty
-    batch [0, state_dim] gives an empty [0, D] int64 tensor."""
-    c = net.config
-    if states.dim() == 2 and states.shape[0] == 0 and states.shape[1] == c.state_dim:
-        return torch.empty(0, c.num_branches, dtype=torch.long, device=states.device)
-    return greedy_from_logits(net(states), net.config.branches, v_min, v_max)
+    """argmax per branch of the expected Q (C51: softmax over atoms times the support; the first
+    of equal maxima), by ``dqn_ops.ops.act`` with epsilon 0; an empty batch [0, state_dim] gives
+    an empty [0, D] int64 tensor."""
+    epsilon = torch.zeros(1, device=states.device)
+    rng = torch.zeros(2, dtype=torch.long, device=states.device)  # no draw is used at epsilon 0
+    return net.act(states, epsilon, rng, v_min, v_max).actions
 
 
 def greedy_from_logits(q: Tensor, branches: Sequence[int], v_min: float, v_max: float) -> Tensor:

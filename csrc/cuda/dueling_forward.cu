@@ -22,6 +22,7 @@
 #include "branch_table.cuh"
 #include "dueling.cuh"
 #include "elementwise.cuh"
+#include "forward.h"
 #include "gemm.cuh"
 #include "network_args.h"
 
@@ -220,11 +221,7 @@ NetParams net_params(const Tensor& params, const Tensor& params_bf16) {
   return {params.data_ptr<float>(), static_cast<const __nv_bfloat16*>(params_bf16.data_ptr())};
 }
 
-// Everything up to the aggregation: the output layer's GEMM results in the padded layout
-// (no bias) and the activations the backward reads.
-struct Logits {
-  Tensor logits, x, h1, h2, hh;
-};
+}  // namespace
 
 Logits forward_to_logits(const char* op, const Tensor& states, const Tensor& params, const Tensor& params_bf16,
                          const NetLayout& L) {
@@ -236,6 +233,8 @@ Logits forward_to_logits(const char* op, const Tensor& states, const Tensor& par
   const HiddenActs a = hidden_layers(op, x, {net}, L, params.options(), stream)[0];
   return {output_logits(op, a.hh, net.w, L, params.options()), x, a.h1, a.h2, a.hh};
 }
+
+namespace {
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
     const Tensor& states, const Tensor& params, const Tensor& params_bf16, c10::IntArrayRef layout,

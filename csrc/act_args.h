@@ -1,0 +1,64 @@
+// Argument validation of act, shared by the CPU and CUDA kernels, and the arithmetic both
+// backends share: the C51 support and the epsilon-greedy draw (csrc/philox.h's stream layout).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "checks.h"
+#include "layout.h"
+#include "network_args.h"
+#include "philox.h"
+
+namespace dqn_ops {
+
+constexpr const char* kActOp = "dqn_ops.act";
+
+// philox::draw's row is a 32-bit word: more rows would repeat another row's numbers.
+constexpr int64_t kActMaxRows = int64_t(1) << 32;
+
+// states [N, SD] (N >= 0) with params / params_bf16 as bf16_dueling_forward takes them (its
+// checks, in its order, but for the batch size: N = 0 is an empty call here);
+// epsilon: one F32 element, rng: int64 [2] = (seed, call counter), both on the states' device;
+// v_min < v_max, both finite, for C51 (atoms > 1; one atom ignores them).
+inline void check_act_args(const at::Tensor& states, const at::Tensor& params, const at::Tensor& params_bf16,
+                           const NetLayout& L, double v_min, double v_max, const at::Tensor& epsilon,
+                           const at::Tensor& rng) {
+  const char* op = kActOp;
+  check_params(params, params_bf16, L, op);
+  check_tensor(states, op, "states", params.device(), params.scalar_type(), {-1, L.state_dim});
+  DQN_CHECK(states.size(0) < kActMaxRows, op, ": states: at most ", kActMaxRows - 1, " rows (philox's row is 32 bits), got ",
+            states.size(0));
+  check_device(epsilon, op, "epsilon", states.device());
+  check_dtype(epsilon, op, "epsilon", at::kFloat);
+  DQN_CHECK(epsilon.numel() == 1, op, ": epsilon: expected one element, got shape ", shape_str(epsilon.sizes()));
+  check_tensor(rng, op, "rng", states.device(), at::kLong, {2});
+  // rng is written after every input is read, but an epsilon inside it would change with it.
+  check_no_overlap(rng, "rng", epsilon, "epsilon", op);
+  if (L.atoms > 1) {
+    DQN_CHECK(std::isfinite(v_min) && std::isfinite(v_max) && v_min < v_max, op,
+              ": v_min must be below v_max, both finite (the C51 support of ", L.atoms, " atoms), got v_min=",
+              std::to_string(v_min), ", v_max=", std::to_string(v_max));
+  }
+}
+
+// The distance between two atoms of the C51 support z_i = v_min + i * dz (0 for one atom).
+inline double support_step(double v_min, double v_max, int64_t atoms) {
+  return atoms > 1 ? (v_max - v_min) / double(atoms - 1) : 0.0;
+}
+
+// Epsilon-greedy on the stream layout of csrc/philox.h: row n explores iff
+// uniform(draw(seed, call, n, 0)) < epsilon (so epsilon <= 0 never explores, >= 1 always, NaN
+// never: every comparison with NaN is false); exploring, branch d takes
+// below(draw(seed, call, n, 1 + d), n_d).
+DQN_OPS_HD bool act_explores(uint64_t seed, uint64_t call, uint32_t row, float epsilon) {
+  return philox::uniform(philox::draw(seed, call, row, 0)) < epsilon;
+}
+DQN_OPS_HD int64_t act_random_action(uint64_t seed, uint64_t call, uint32_t row, int64_t branch, int64_t actions) {
+  return philox::below(philox::draw(seed, call, row, static_cast<uint32_t>(1 + branch)), actions);
+}
+
+}  // namespace dqn_ops

@@ -1,0 +1,103 @@
+// CPU reference kernel of act: bf16_dueling_forward's network pieces (network_cpu.h, so the
+// Q logits are its q_logits bit for bit), the expected Q of every action in double precision
+// (as the CPU loss's double-DQN choice computes it), the per-branch argmax (the first of equal
+// maxima; a NaN wins, as torch.argmax), and epsilon-greedy on csrc/philox.h's stream layout.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "act_args.h"
+#include "network_cpu.h"
+
+namespace dqn_ops {
+namespace cpu {
+namespace {
+
+using at::Tensor;
+
+// Expected Q of one action's atoms x[0..atoms) (stride 1): sum_i softmax(x)_i z_i, max-shifted,
+// in double; the Q value itself for one atom.
+template <typename scalar_t>
+double expected_q(const scalar_t* x, int64_t atoms, double v_min, double dz) {
+  if (atoms == 1) return double(x[0]);
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < atoms; ++j) m = std::max(m, double(x[j]));
+  double s = 0, sz = 0;
+  for (int64_t j = 0; j < atoms; ++j) {
+    const double e = std::exp(double(x[j]) - m);
+    s += e;
+    sz += e * (v_min + double(j) * dz);
+  }
+  return sz / s;
+}
+
+// q [N, total_actions, atoms] (contiguous) -> greedy actions and their expected Q [N, D].
+template <typename scalar_t>
+void greedy(const Tensor& q, const NetLayout& L, double v_min, double dz, int64_t* act, scalar_t* greedy_q) {
+  const int64_t N = q.size(0), A = L.total_actions, NA = L.atoms, D = L.num_branches();
+  const scalar_t* x = q.data_ptr<scalar_t>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t off = L.action_offsets[d], n = L.branch_sizes[d];
+        int64_t arg = 0;
+        double best = -std::numeric_limits<double>::infinity();
+        for (int64_t a = 0; a < n; ++a) {
+          const double qv = expected_q(x + (b * A + off + a) * NA, NA, v_min, dz);
+          if (qv > best || std::isnan(qv)) {  // first of equal maxima; the first NaN wins
+            best = qv;
+            arg = a;
+            if (std::isnan(qv)) break;
+          }
+        }
+        act[b * D + d] = arg;
+        greedy_q[b * D + d] = static_cast<scalar_t>(best);  // F32: rounds (overflow gives inf)
+      }
+  });
+}
+
+std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, const Tensor& params_bf16,
+                                   c10::IntArrayRef layout, double v_min, double v_max, const Tensor& epsilon,
+                                   Tensor& rng) {
+  const NetLayout L = parse_layout(layout, kActOp);
+  check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng);
+  const int64_t N = states.size(0), D = L.num_branches();
+  Tensor actions = at::empty({N, D}, states.options().dtype(at::kLong));
+  Tensor greedy_q = at::empty({N, D}, params.options());
+  if (N == 0) return {actions, greedy_q};  // no draws: rng unchanged
+
+  // bf16_dueling_forward's CPU kernel, stopped at q_logits.
+  const NetViews p(params, params_bf16);
+  const Tensor x = states.to(params_bf16.scalar_type());
+  const HiddenActs h = hidden_layers(x, p, L);
+  const Tensor q = dueling_aggregate(head_from_logits(output_logits(h.hh, p, L), params, L), L).contiguous();
+
+  int64_t* act = actions.data_ptr<int64_t>();
+  const double dz = support_step(v_min, v_max, L.atoms);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dqn_ops.act", [&] {
+    greedy<scalar_t>(q, L, v_min, dz, act, greedy_q.data_ptr<scalar_t>());
+  });
+
+  int64_t* r = rng.data_ptr<int64_t>();
+  const uint64_t seed = static_cast<uint64_t>(r[0]), call = static_cast<uint64_t>(r[1]);
+  const float eps = *epsilon.data_ptr<float>();
+  for (int64_t b = 0; b < N; ++b) {
+    const uint32_t row = static_cast<uint32_t>(b);
+    if (!act_explores(seed, call, row, eps)) continue;
+    for (int64_t d = 0; d < D; ++d) act[b * D + d] = act_random_action(seed, call, row, d, L.branch_sizes[d]);
+  }
+  r[1] = static_cast<int64_t>(call + 1);  // wraps as the unsigned counter it is
+  return {actions, greedy_q};
+}
+
+}  // namespace
+}  // namespace cpu
+
+TORCH_LIBRARY_IMPL(dqn_ops, CPU, m) { m.impl("act", &cpu::act_cpu); }
+
+}  // namespace dqn_ops

@@ -1,0 +1,194 @@
+// act on CUDA: bf16_dueling_forward's launches up to the output layer (forward.h: the same
+// GEMMs, so the same logits), then one epilogue kernel that does the rest of a step of acting
+// (output bias, dueling aggregation, expected Q, per-branch argmax, epsilon-greedy), then a
+// one-thread kernel that advances the call counter.
+//
+// Launches: the forward's (9 for the reference config: cast, 3 x (GEMM + bias/ReLU), 2 output
+// GEMMs) + 2. Why the counter gets a launch of its own: every block of the epilogue reads
+// rng[1] (the call its draws use), so no block may advance it before all have read it. The
+// alternative, the last block to finish (an atomic ticket) advancing it, needs a ticket counter
+// that is zero at launch: a memset, one launch too. Stream order makes the one-thread kernel
+// race-free with nothing else to reason about. (Fewer launches, e.g. the issue's aim of 4 for
+// N <= 1024, would need a fused forward in place of cuBLAS's GEMMs, and with it other logits.)
+//
+// The epilogue: a warp per row (grid-striding). Lane l owns atoms l, l + 32, ...: the value
+// logit v (+ bias) and, branch by branch, the branch's mean advantage at its atoms, both kept
+// in shared memory (read back only by the lane that wrote them: no barrier). q of action k
+// at atom z is dueling.cuh's dueling_q(v, biased_logit(a, bias), mean) with the mean summed
+// in action order from 0.f, exactly as head_bias_dueling_kernel forms bf16_dueling_forward's
+// q_logits: the same bits. The expected Q is then max-shifted softmax weights times the
+// support, reduced over the warp (butterfly sums, loss/kernels.cuh's order of work): it may
+// differ from the CPU reference's (double precision) or torch's softmax in the last bits, so
+// a near-tie of two actions may break differently; the logits do not differ.
+#include <algorithm>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "act_args.h"
+#include "branch_table.cuh"
+#include "dueling.cuh"
+#include "forward.h"
+#include "reductions.cuh"
+
+namespace dqn_ops {
+namespace cuda {
+namespace {
+
+using at::Tensor;
+
+constexpr int kActWarps = 8;                      // warps per block (rows in flight per block)
+constexpr int kActChunk = 4;                      // actions whose expected Q reduce together
+constexpr int64_t kActSharedBytes = 48 * 1024;    // without opting in to more
+constexpr int64_t kActFloatsPerAtom = 2;          // v and the branch mean, per warp
+constexpr int64_t kActMaxAtoms = kActSharedBytes / int64_t(kActFloatsPerAtom * sizeof(float));
+
+struct ActParams {
+  const float* logits;  // [rows, head_ld]: the output GEMMs' results, no bias (padded layout)
+  const float* b_out;   // [head_out]
+  const float* epsilon;
+  const int64_t* rng;   // (seed, call)
+  int64_t* actions;     // [rows, D]
+  float* greedy_q;      // [rows, D]
+  int64_t rows, head_ld;
+  int atoms;
+  float v_min, dz;
+};
+
+__global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActParams P, const BranchTable br) {
+  extern __shared__ float shared[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int NA = P.atoms, D = br.count;
+  float* v = shared + int64_t(warp) * kActFloatsPerAtom * NA;  // this lane's atoms only
+  float* mean = v + NA;
+  const uint64_t seed = static_cast<uint64_t>(P.rng[0]), call = static_cast<uint64_t>(P.rng[1]);
+  const float epsilon = P.epsilon[0];
+
+  for (int64_t b = int64_t(blockIdx.x) * warps + warp; b < P.rows; b += int64_t(gridDim.x) * warps) {
+    const float* in = P.logits + b * P.head_ld;
+    for (int z = lane; z < NA; z += 32) v[z] = biased_logit(in[z], P.b_out[z]);
+    // Lane 0 writes the row's actions: only it needs the draws.
+    const bool explore = lane == 0 && act_explores(seed, call, static_cast<uint32_t>(b), epsilon);
+    for (int d = 0; d < D; ++d) {
+      const int n = br.size[d];
+      const float* adv = in + br.pad_col[d];
+      const float* bias = P.b_out + int64_t(NA) * (1 + br.action_offset[d]);
+      for (int z = lane; z < NA; z += 32) {
+        float sum = 0.f;
+        for (int k = 0; k < n; ++k) sum += biased_logit(adv[int64_t(k) * NA + z], bias[int64_t(k) * NA + z]);
+        mean[z] = branch_mean(sum, n);
+      }
+      auto q_at = [&](int k, int z) {
+        const int64_t i = int64_t(k) * NA + z;
+        return dueling_q(v[z], biased_logit(adv[i], bias[i]), mean[z]);
+      };
+      // The first of equal maxima; the first NaN wins (torch.argmax's rule, and the loss's
+      // double-DQN choice). kActChunk actions at a time: their loads and their reductions'
+      // shuffles are independent, in flight together. qv is the same in every lane.
+      int arg = 0;
+      float best = -INFINITY;
+      bool nan_seen = false;
+      for (int k0 = 0; k0 < n && !nan_seen; k0 += kActChunk) {
+        const int live = min(kActChunk, n - k0);
+        float qv[kActChunk];
+        if (NA == 1) {
+#pragma unroll
+          for (int j = 0; j < kActChunk; ++j)
+            qv[j] = __shfl_sync(0xffffffffu, lane == 0 && j < live ? q_at(k0 + j, 0) : 0.f, 0);
+        } else {
+          float m[kActChunk], s[kActChunk], sz[kActChunk];
+#pragma unroll
+          for (int j = 0; j < kActChunk; ++j) m[j] = -INFINITY;  // fmaxf skips a NaN q: expf(NaN - m) is NaN
+          for (int z = lane; z < NA; z += 32)
+#pragma unroll
+            for (int j = 0; j < kActChunk; ++j)
+              if (j < live) m[j] = fmaxf(m[j], q_at(k0 + j, z));
+#pragma unroll
+          for (int j = 0; j < kActChunk; ++j) {
+            m[j] = warp_max(m[j]);
+            s[j] = sz[j] = 0.f;
+          }
+          for (int z = lane; z < NA; z += 32) {
+            const float support = P.v_min + z * P.dz;
+#pragma unroll
+            for (int j = 0; j < kActChunk; ++j)
+              if (j < live) {
+                const float e = expf(q_at(k0 + j, z) - m[j]);
+                s[j] += e;
+                sz[j] = fmaf(e, support, sz[j]);
+              }
+          }
+#pragma unroll
+          for (int j = 0; j < kActChunk; ++j) qv[j] = warp_sum(sz[j]) / warp_sum(s[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < kActChunk; ++j)
+          if (j < live && !nan_seen && (qv[j] > best || qv[j] != qv[j])) {
+            best = qv[j];
+            arg = k0 + j;
+            nan_seen = qv[j] != qv[j];
+          }
+      }
+      if (lane == 0) {
+        P.actions[b * D + d] = explore ? act_random_action(seed, call, static_cast<uint32_t>(b), d, n) : arg;
+        P.greedy_q[b * D + d] = best;
+      }
+    }
+  }
+}
+
+// The next call: rng[1] + 1 as the unsigned counter it is (wrapping, never signed overflow).
+__global__ void advance_call_kernel(int64_t* rng) {
+  rng[1] = static_cast<int64_t>(static_cast<uint64_t>(rng[1]) + 1u);
+}
+
+std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, const Tensor& params_bf16,
+                                    c10::IntArrayRef layout, double v_min, double v_max, const Tensor& epsilon,
+                                    Tensor& rng) {
+  const char* op = kActOp;
+  const NetLayout L = parse_layout(layout, op);
+  check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng);
+  DQN_CHECK(L.atoms <= kActMaxAtoms, op, ": the CUDA kernel takes at most ", kActMaxAtoms, " atoms, got ", L.atoms);
+  const BranchTable branches = make_branch_table(L, op);
+  const c10::cuda::CUDAGuard guard(states.device());
+  const int64_t N = states.size(0), D = L.num_branches();
+  Tensor actions = at::empty({N, D}, states.options().dtype(at::kLong));
+  Tensor greedy_q = at::empty({N, D}, params.options());
+  if (N == 0) return {actions, greedy_q};  // no launch: rng unchanged
+
+  const Logits f = forward_to_logits(op, states, params, params_bf16, L);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  ActParams P;
+  P.logits = f.logits.data_ptr<float>();
+  P.b_out = params.data_ptr<float>() + L.b_out;
+  P.epsilon = epsilon.data_ptr<float>();
+  P.rng = rng.data_ptr<int64_t>();
+  P.actions = actions.data_ptr<int64_t>();
+  P.greedy_q = greedy_q.data_ptr<float>();
+  P.rows = N;
+  P.head_ld = L.head_ld;
+  P.atoms = static_cast<int>(L.atoms);
+  P.v_min = static_cast<float>(v_min);
+  P.dz = static_cast<float>(support_step(v_min, v_max, L.atoms));
+  const int64_t floats_per_warp = kActFloatsPerAtom * L.atoms;
+  const int warps = static_cast<int>(
+      std::clamp<int64_t>(kActSharedBytes / int64_t(floats_per_warp * sizeof(float)), 1, kActWarps));
+  const size_t shared_bytes = size_t(warps) * floats_per_warp * sizeof(float);
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((N + warps - 1) / warps, int64_t(1) << 16));
+  act_epilogue_kernel<<<blocks, warps * 32, shared_bytes, stream>>>(P, branches);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  advance_call_kernel<<<1, 1, 0, stream>>>(rng.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {actions, greedy_q};
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) { m.impl("act", &cuda::act_cuda); }
+
+}  // namespace dqn_ops
