@@ -555,6 +555,8 @@ def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng):
     N, D = states.shape[0], c.num_branches
     return states.new_empty(N, D, dtype=torch.int64), params.new_empty(N, D)
 
+
+# ---------------------------------------------------------------------------------------
 # replay (internal: the device state of dqn_ops/rl/replay.py's ReplayBuffer; the schemas may change)
 
 def _call(op: str, *args) -> None:

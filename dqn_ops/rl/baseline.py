@@ -3,6 +3,8 @@ docs/design.md builds it): the baseline the benchmarks compare against and the r
 the kernels with. Its state-dict names are DuelingBranchQNet's, so weights move both ways."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -129,6 +131,9 @@ class TorchTrainer:
             dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
+        # act_explore's constants, made before any capture (a host-to-device copy cannot be captured)
+        self._support = torch.linspace(cfg.v_min, cfg.v_max, c.atoms, device=dev)
+        self._branch_sizes = torch.tensor(c.branches, device=dev)
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
         self.steps = 0
         self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
@@ -137,8 +142,39 @@ class TorchTrainer:
         if batch is not None:
             load_batch(self.inputs, batch, self._ones)
         self._runner()
-        self.steps += 1
-        self.stats.after_step()
+        self.after_steps(1)
+
+    # -- what dqn_ops.rl.loop.TrainingLoop drives (as dqn_ops.Trainer has it) ---------------
+    def device_step(self):
+        self._step_body()
+
+    def before_steps(self, count: int):
+        self.stats.make_room(count)
+
+    def after_steps(self, count: int):
+        self.steps += count
+        self.stats.after_step(count)
+
+    def _on_device(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def act_explore(self, states, epsilon):
+        """Epsilon-greedy in plain PyTorch: the greedy action of each branch, or with probability
+        `epsilon` (a one-element device tensor) a uniform random action for every branch; random
+        numbers from torch's generator (graph-safe on CUDA). Returns (actions, greedy expected Q)."""
+        c = self.net_config
+        q = self.online(states)[0].float()
+        if c.atoms > 1:
+            q = (q.softmax(-1) * self._support).sum(-1)
+        else:
+            q = q[..., 0]
+        greedy_q, greedy = zip(*(b.max(1) for b in torch.split(q, list(c.branches), dim=1)))
+        greedy, greedy_q = torch.stack(greedy, 1), torch.stack(greedy_q, 1)
+        n = self._branch_sizes
+        random = torch.minimum((torch.rand(states.shape[0], c.num_branches, device=q.device) * n).long(), n - 1)
+        explore = torch.rand(states.shape[0], 1, device=q.device) < epsilon
+        return torch.where(explore, random, greedy), greedy_q
 
     def _loss_part(self):
         """Forwards (online on s and s', target on s') and the loss."""

@@ -1,0 +1,208 @@
+"""The whole training loop on the device: act -> env.step -> replay.add_steps -> (every
+``train_every`` environment steps) sample -> training step -> priority update, with
+``iterations_per_graph`` iterations captured in one CUDA graph and replayed without host syncs.
+
+Every piece keeps its state in device tensors that the graph reads and advances: the acting
+RNG (``Trainer.act_explore``), the environment's clock and RNG (``FuturesTradingEnv``), the
+replay's write index, size and RNG (``ReplayBuffer``), the exploration rate and the
+importance-sampling exponent (linear schedules evaluated on the device from an iteration
+counter), and the trainer's optimizer state. So one replay of the graph runs the next K
+iterations, and the host only launches it and does the readback's bookkeeping (deferred, as
+``Trainer.step`` does it). The same loop runs eagerly (CPU, or ``use_cuda_graph=False``) with
+the same arithmetic: on CUDA the graphed and the eager loop give the same parameters, bit for bit.
+
+    trainer = Trainer(DQNConfig(state_dim=STATE_DIM, branches=BRANCHES), TrainerConfig(readback_interval=300))
+    env = FuturesTradingEnv(32, device="cuda", seed=1)
+    replay = ReplayBuffer(200_000, STATE_DIM, len(BRANCHES), device="cuda", seed=2, num_envs=32)
+    loop = TrainingLoop(trainer, env, replay, LoopConfig(iterations_per_graph=300))
+    loop.prefill(32)     # random play, no training
+    loop.run(3000)       # ten graph replays
+    trainer.readback()
+
+Environments with host-side state (Gymnasium vector envs on the CPU) cannot be captured: drive
+``Trainer.act_explore``, the replay and ``Trainer.step`` from a Python loop instead (the
+eager path in ``dqn_ops.rl.envs``'s docstring).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..layout import check_bool, check_float, check_int
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    """How the loop runs. Schedules are linear in the loop's iteration count and evaluated on
+    the device: epsilon from ``epsilon_start`` to ``epsilon_end`` over
+    ``epsilon_decay_iterations``; a prioritized replay's beta from its value at construction to
+    ``beta_end`` over ``beta_anneal_iterations`` (0: beta stays)."""
+
+    iterations_per_graph: int = 300   # K: environment steps per CUDA-graph replay
+    train_every: int = 1              # environment steps per training step (K must be a multiple)
+    epsilon_start: float = 1.0
+    epsilon_end: float = 0.05
+    epsilon_decay_iterations: int = 10_000
+    beta_end: float = 1.0
+    beta_anneal_iterations: int = 0
+    use_cuda_graph: bool = True
+    warmup_chunks: int = 1            # eager runs of the K iterations before the capture (cuBLAS, the allocator)
+
+    def __post_init__(self):
+        n = "LoopConfig"
+        self.iterations_per_graph = check_int(n, "iterations_per_graph", self.iterations_per_graph, minimum=1)
+        self.train_every = check_int(n, "train_every", self.train_every, minimum=1)
+        if self.iterations_per_graph % self.train_every:
+            raise ValueError(f"{n}: iterations_per_graph ({self.iterations_per_graph}) must be a multiple of "
+                             f"train_every ({self.train_every}): every replay trains the same number of times")
+        self.epsilon_start = check_float(n, "epsilon_start", self.epsilon_start, low=0.0, high=1.0)
+        self.epsilon_end = check_float(n, "epsilon_end", self.epsilon_end, low=0.0, high=1.0)
+        self.epsilon_decay_iterations = check_int(n, "epsilon_decay_iterations", self.epsilon_decay_iterations,
+                                                  minimum=1)
+        self.beta_end = check_float(n, "beta_end", self.beta_end, low=0.0, high=1.0)
+        self.beta_anneal_iterations = check_int(n, "beta_anneal_iterations", self.beta_anneal_iterations, minimum=0)
+        check_bool(n, "use_cuda_graph", self.use_cuda_graph)
+        self.warmup_chunks = check_int(n, "warmup_chunks", self.warmup_chunks, minimum=1)
+
+
+class TrainingLoop:
+    """Runs a ``Trainer`` on an environment and a replay buffer of its device (see the module
+    docstring). ``prefill(n)`` plays n random steps (epsilon 1, no training) into the replay;
+    ``run(n)`` runs n iterations: whole replays of the captured K iterations on CUDA (after
+    ``warmup_chunks`` eager runs of them the first time), the rest eagerly. The replay must hold a
+    batch before the first training iteration (prefill).
+
+    Device tensors a caller may read (no sync until it does): ``epsilon`` (this iteration's
+    exploration rate), ``greedy_q`` (the expected Q of the greedy actions, per env and branch),
+    ``obs`` (the observations the next iteration acts on)."""
+
+    def __init__(self, trainer, env, replay, config: Optional[LoopConfig] = None):
+        self.trainer, self.env, self.replay = trainer, env, replay
+        self.config = cfg = config or LoopConfig()
+        dev = trainer.device
+        for name, thing in (("env", env), ("replay", replay)):
+            if torch.device(thing.device) != dev:
+                raise ValueError(f"TrainingLoop: the {name} is on {thing.device}, the trainer on {dev}: "
+                                 f"everything the loop drives must live on one device")
+        if getattr(replay, "num_envs", None) != env.num_envs:
+            raise ValueError(f"TrainingLoop: the replay collects for {getattr(replay, 'num_envs', None)} envs "
+                             f"(ReplayBuffer(num_envs=...)), the env has {env.num_envs}")
+        net = trainer.net_config
+        if env.state_dim != net.state_dim or tuple(env.branches) != tuple(net.branches):
+            raise ValueError(f"TrainingLoop: the env's observations ({env.state_dim}) and branches "
+                             f"{tuple(env.branches)} do not fit the network's ({net.state_dim}, {tuple(net.branches)})")
+        self.trains_per_graph = cfg.iterations_per_graph // cfg.train_every
+        if cfg.use_cuda_graph and dev.type == "cuda" and trainer.config.readback_interval < self.trains_per_graph:
+            raise ValueError(f"TrainingLoop: a graph replay runs {self.trains_per_graph} training steps, more than "
+                             f"the trainer's readback ring holds (TrainerConfig.readback_interval="
+                             f"{trainer.config.readback_interval}); make readback_interval >= {self.trains_per_graph}")
+        self.device = dev
+        B = trainer.config.batch_size
+        with trainer._on_device():
+            self.obs = env.reset().clone()
+            self.iteration = torch.zeros((), dtype=torch.float64, device=dev)  # exact up to 2^53 iterations
+            self.epsilon = torch.full((1,), cfg.epsilon_start, device=dev)
+            self.greedy_q = torch.zeros(env.num_envs, net.num_branches, device=dev)
+            self._random = torch.ones(1, device=dev)  # epsilon of prefill
+            self.indices = torch.zeros(B, dtype=torch.long, device=dev)
+        self._sample_out = dict(trainer.inputs, indices=self.indices)
+        self._beta_start = float(replay.beta) if getattr(replay, "prioritized", False) else None
+        self.iterations = 0  # iterations enqueued (host count: the device's counter is self.iteration)
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._eager_chunks = 0
+        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+
+    # -- one iteration, on the device --------------------------------------------------
+    def _schedules(self):
+        cfg = self.config
+        _linear(self.iteration, cfg.epsilon_start, cfg.epsilon_end, cfg.epsilon_decay_iterations, self.epsilon)
+        if self._beta_start is not None and cfg.beta_anneal_iterations:
+            _linear(self.iteration, self._beta_start, cfg.beta_end, cfg.beta_anneal_iterations, self.replay.beta)
+        self.iteration.add_(1)
+
+    def _iteration(self, train: bool, epsilon: Optional[Tensor] = None):
+        if epsilon is None:
+            self._schedules()
+            epsilon = self.epsilon
+        actions, greedy_q = self.trainer.act_explore(self.obs, epsilon)
+        self.greedy_q.copy_(greedy_q)
+        step = self.env.step(actions)
+        self.replay.add_steps(self.obs, actions, step.reward, step.next_obs, step.terminated, step.truncated)
+        self.obs.copy_(step.obs)
+        if train:
+            self.replay.sample(self.trainer.config.batch_size, out=self._sample_out)
+            self.trainer.device_step()
+            if getattr(self.replay, "prioritized", False):
+                self.replay.update_priorities(self.indices, self.trainer.td_error)
+
+    def _chunk(self):
+        every = self.config.train_every
+        for i in range(self.config.iterations_per_graph):
+            self._iteration(train=(i + 1) % every == 0)
+
+    # -- on the host ----------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, iterations: int):
+        """Plays `iterations` environment steps with random actions (epsilon 1) into the replay,
+        without training or advancing the schedules."""
+        iterations = check_int("TrainingLoop.prefill", "iterations", iterations, minimum=0)
+        with self.trainer._on_device():
+            for _ in range(iterations):
+                self._iteration(train=False, epsilon=self._random)
+
+    @torch.no_grad()
+    def run(self, iterations: int):
+        """Runs `iterations` iterations (whole graph replays, then the rest eagerly)."""
+        iterations = check_int("TrainingLoop.run", "iterations", iterations, minimum=0)
+        K, every = self.config.iterations_per_graph, self.config.train_every
+        with self.trainer._on_device():
+            done = 0
+            while iterations - done >= K:
+                self._run_chunk()
+                done += K
+            for i in range(done, iterations):  # the remainder: the chunk's pattern, eagerly
+                train = (i - done + 1) % every == 0
+                if train:
+                    self.trainer.before_steps(1)
+                self._iteration(train)
+                if train:
+                    self.trainer.after_steps(1)
+            self.iterations += iterations - done
+
+    def _run_chunk(self):
+        n = self.trains_per_graph
+        self.trainer.before_steps(n)
+        graphed = self.config.use_cuda_graph and self.device.type == "cuda"
+        if self._graph is not None:
+            self._graph.replay()
+        elif not graphed:
+            self._chunk()
+        else:
+            current = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(current)
+            if self._eager_chunks >= self.config.warmup_chunks:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=self._stream):
+                    self._chunk()
+                self._graph = g
+                g.replay()
+            else:  # warm-up on the capture stream (cuBLAS workspaces, allocator pools)
+                with torch.cuda.stream(self._stream):
+                    self._chunk()
+                current.wait_stream(self._stream)
+                self._eager_chunks += 1
+        self.iterations += self.config.iterations_per_graph
+        self.trainer.after_steps(n)
+
+    @property
+    def graphed(self) -> bool:
+        return self._graph is not None
+
+
+def _linear(counter: Tensor, start: float, end: float, span: int, out: Tensor):
+    """out = start + (end - start) * min(counter / span, 1), on the device (three launches)."""
+    torch.mul(counter.clamp(max=float(span)), (end - start) / span, out=out)
+    out.add_(start)
