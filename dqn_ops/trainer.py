@@ -377,7 +377,8 @@ class Trainer:
         return dict(online=self.online.state_dict(), target=self.target.state_dict(),
                     optimizer=self.optimizer.state_dict(),
                     spectral=self.spectral.state_dict() if self.spectral is not None else None,
-                    lr=self.lr.clone(), steps=self.steps, net_config=dataclasses.asdict(self.net_config),
+                    lr=self.lr.clone(), explore_rng=self.explore_rng.clone(), steps=self.steps,
+                    net_config=dataclasses.asdict(self.net_config),
                     config=dataclasses.asdict(self.config))
 
     def load_state_dict(self, state: dict):
@@ -393,6 +394,8 @@ class Trainer:
         for group in self.optimizer.param_groups:  # keep reading the lr from our device tensor
             group["lr"] = self.lr
         self.lr.copy_(state["lr"])
+        if "explore_rng" in state:  # act_explore continues the checkpoint's random stream
+            self.explore_rng.copy_(state["explore_rng"])
         if self.spectral is not None and state["spectral"] is not None:
             self.spectral.load_state_dict(state["spectral"])
         self.steps = int(state["steps"])

@@ -188,18 +188,23 @@ def test_load_batch_op_copies_checks_and_passes_opcheck(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_checkpoint_round_trip_continues_identically(device):
     batches = [batch_for(TINY_C51, 32, device, seed=i) for i in range(12)]
+    eps = torch.full((1,), 0.5, device=device)
     a = make(device=device, use_cuda_graph=False)
     for b in batches[:6]:
         a.step(b)
+        a.act_explore(b["states"], eps)
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
+    acted_a = []
     for b in batches[6:]:
         a.step(b)
+        acted_a.append(a.act_explore(b["states"], eps)[0])
     c = make(device=device, use_cuda_graph=False)
     c.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
     assert c.steps == 6
-    for b in batches[6:]:
+    for b, acted in zip(batches[6:], acted_a):
         c.step(b)
+        assert torch.equal(c.act_explore(b["states"], eps)[0], acted)  # the exploration stream continues too
     for x, y in [(a.online.flat_params, c.online.flat_params), (a.target.flat_params, c.target.flat_params),
                  (a.online.params_bf16, c.online.params_bf16), (a.spectral.u, c.spectral.u)]:
         assert torch.equal(x, y)
