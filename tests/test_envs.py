@@ -635,12 +635,18 @@ def test_cuda_graph_replays_equal_eager_steps_across_episode_ends():
     torch.cuda.current_stream().wait_stream(side)
     twin.step(first)
     graph = torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()  # torch.cuda.graph's entry sync, done before the check: the capture must not sync
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with torch.cuda.graph(graph):
+        with torch.cuda.stream(capture):
+            graph.capture_begin()
             out = env.step(actions)
+            graph.capture_end()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.current_stream().wait_stream(capture)
     buffers = (env.state, env.counters, env.returns, env.observations, env.info)
     ends = 0
     for k in range(K):
