@@ -32,6 +32,15 @@ constexpr int kNumMa = 4, kNumMom = 4;
 constexpr int kStateDim = kLookback + kNumMa + kNumMom + 4;  // + position, vol, time left, zero
 static_assert(kHistory >= kLookback && kHistory >= kMaxWindow && kHistory >= kVolWindow, "ring too short");
 
+// Unrolled in device code: the loops' trip counts are constants, so the history stays in
+// registers (constant indices), a thread issues its ring loads together instead of one latency
+// at a time, and the window tests fold away.
+#if defined(__CUDA_ARCH__)
+#define DQN_ENV_UNROLL _Pragma("unroll")
+#else
+#define DQN_ENV_UNROLL
+#endif
+
 // Philox slots of one environment's market step (key = seed, call = steps, row = env): one
 // 4-word block.
 constexpr uint32_t kSlotSwitch = 0;  // uniform: the regime switches when below switch_prob
@@ -70,20 +79,28 @@ DQN_OPS_HD float time_left(int64_t clock, int64_t episode_length) {
 // scaled by `scale`. `steps` = the returns written so far (the newest is at (steps - 1) % kHistory).
 DQN_OPS_HD void write_observation(const float* ring, int64_t steps, float scale, float* out_a, float position_a,
                                   float left_a, float* out_b, float position_b, float left_b) {
-  int i = static_cast<int>(steps % kHistory);  // the oldest return
+  // The history, oldest first, at constant indices: registers in device code, every load
+  // issued before the first store.
+  float h[kHistory];
+  const int oldest = static_cast<int>(steps % kHistory);
+  DQN_ENV_UNROLL
+  for (int j = 0; j < kHistory; ++j) {
+    const int at = oldest + j;
+    h[j] = ring[at < kHistory ? at : at - kHistory];
+  }
+  DQN_ENV_UNROLL
   for (int j = 0; j < kLookback; ++j) {
-    const float v = ring[(i + (kHistory - kLookback) + j) % kHistory] * scale;
+    const float v = h[kHistory - kLookback + j] * scale;
     out_a[j] = v;
     if (out_b != nullptr) out_b[j] = v;
   }
   // Newest to oldest: after k returns, s = x_t - x_{t-k} and dev = sum_{m<k} (x_t - x_{t-m}).
   float s = 0.0f, dev = 0.0f, s_vol = 0.0f;
   int next_ma = 0, next_mom = 0;
-  i = static_cast<int>((steps + kHistory - 1) % kHistory);  // the newest return
+  DQN_ENV_UNROLL
   for (int k = 1; k <= kMaxWindow; ++k) {
     dev += s;
-    s += ring[i];
-    i = i == 0 ? kHistory - 1 : i - 1;
+    s += h[kHistory - k];
     if (next_ma < kNumMa && k == ma_window(next_ma)) {
       const float v = dev / static_cast<float>(k) * scale;
       out_a[kLookback + next_ma] = v;
@@ -100,11 +117,10 @@ DQN_OPS_HD void write_observation(const float* ring, int64_t steps, float scale,
   }
   const float mean = s_vol / static_cast<float>(kVolWindow);
   float ss = 0.0f;
-  i = static_cast<int>((steps + kHistory - 1) % kHistory);
-  for (int k = 0; k < kVolWindow; ++k) {
-    const float d = ring[i] - mean;
+  DQN_ENV_UNROLL
+  for (int k = 1; k <= kVolWindow; ++k) {
+    const float d = h[kHistory - k] - mean;
     ss += d * d;
-    i = i == 0 ? kHistory - 1 : i - 1;
   }
   const float vol = sqrtf(ss / static_cast<float>(kVolWindow - 1)) * scale;
   constexpr int tail = kLookback + kNumMa + kNumMom;
