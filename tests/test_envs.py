@@ -337,20 +337,25 @@ class PinnedHostEnv:
         self.dev = EnvStep(*(torch.empty(t.shape, device=self.device) for t in self.host))
         self.arrived = torch.cuda.Event() if pin else None
 
+    def _wait(self):
+        """Until the stream's work so far (the actions' copy, the last uploads) has run."""
+        if self.arrived is not None:
+            self.arrived.record()
+            self.arrived.synchronize()
+
     def _upload(self):
         for d, h in zip(self.dev, self.host):
             d.copy_(h, non_blocking=True)
 
     def reset(self):
+        self._wait()  # the pinned buffers may still be uploading
         self.host.obs.copy_(torch.from_numpy(self.host_env.reset()))
         self.dev.obs.copy_(self.host.obs, non_blocking=True)
         return self.dev.obs
 
     def step(self, actions):
         self.actions_h.copy_(actions, non_blocking=True)
-        if self.arrived is not None:
-            self.arrived.record()
-            self.arrived.synchronize()  # the CPU env reads the actions: the one sync of the eager path
+        self._wait()  # the CPU env reads the actions: the one sync of the eager path
         obs, reward, terminated, truncated, info = self.host_env.step(self.actions_h.numpy())
         done = terminated | truncated
         self.host.next_obs.copy_(torch.from_numpy(np.where(done[:, None], info["final_obs"], obs)))

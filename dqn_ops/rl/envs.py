@@ -40,11 +40,12 @@ the position and the episode clock only. The initial state is drawn on the host 
 and run for 84 steps before the first decision, once, at construction.
 
 CPU environments (e.g. Gymnasium vector envs) stay on the eager path: act on the GPU, copy the
-actions to a pinned host buffer (``non_blocking=True``, then wait on an event: the CPU env needs
-them), step the CPU env, write its results into pinned host buffers and copy those to device
-buffers with ``non_blocking=True`` (an event recorded after the copies says when the pinned
-buffers may be written again); then ``ReplayBuffer.add`` and ``Trainer.step`` as with a device
-env. ``tests/test_envs.py`` (``PinnedHostEnv``) has a small example.
+actions to a pinned host buffer (``non_blocking=True``, then wait on an event recorded after
+the copy: the CPU env needs them, the one sync per step), step the CPU env, write its results
+into pinned host buffers and copy those to device buffers with ``non_blocking=True`` (on the
+same stream, so the next step's wait for its actions also waits for these uploads: only then
+are the pinned buffers written again); then ``ReplayBuffer.add`` and ``Trainer.step`` as with
+a device env. ``tests/test_envs.py`` (``PinnedHostEnv``, ``FakeHostVectorEnv``) has a small example.
 """
 from __future__ import annotations
 
