@@ -209,4 +209,29 @@ TORCH_LIBRARY(dqn_ops, m) {
   m.def(
       "_replay_update_priorities(Tensor(a!)[] tree, Tensor cursor, Tensor indices, Tensor td_error, "
       "Tensor(b!) skipped, float alpha, float eps) -> ()");
+
+  // Environments
+  // FuturesTradingEnv (dqn_ops/rl/envs.py; the step: csrc/env_math.h). Internal: the env class
+  // owns the tensors. N environments; state [3, N] F32 (rows: gap = fair value - log price,
+  // regime, position), counters [2, N] int64 (rows: steps = the market's step count, clock =
+  // steps into the episode), returns [N, 84] F32 (the ring of the last 84 returns, the next at
+  // steps % 84), observations [2, N, 96] F32 (rows: next_obs, obs), info [5, N] F32 (rows:
+  // reward, terminated, truncated, pnl, traded).
+  //   _futures_env_step: actions [N, 3] int64 (direction, size, speed). Each env trades, its
+  //     market moves one step and its episode ends at episode_length (position and clock to 0;
+  //     the market runs on): next_obs is the observation the action led to, obs the one to act
+  //     on next. Random numbers: csrc/philox.h with key = seed, call = the env's steps before
+  //     the step, row = the env's index; slot 0: the regime-switch uniform, 1: the new regime,
+  //     2 and 3: the Box-Muller uniforms of the two normals (return noise = cos, fair-value
+  //     noise = sin). An action outside [0, 3) raises on the CPU; on CUDA it trades nothing and
+  //     makes that env's pnl and reward NaN. One kernel launch on CUDA.
+  //   _futures_env_reset: every env starts an episode (position and clock 0), the market does
+  //     not move; writes obs only.
+  m.def(
+      "_futures_env_step(Tensor actions, Tensor(a!) state, Tensor(b!) counters, Tensor(c!) returns, "
+      "Tensor(d!) observations, Tensor(e!) info, int seed, int episode_length, float kappa, float trend, "
+      "float sigma, float sigma_fair, float switch_prob, float cost) -> ()");
+  m.def(
+      "_futures_env_reset(Tensor(a!) state, Tensor(b!) counters, Tensor returns, Tensor(c!) observations, "
+      "float sigma, int episode_length) -> ()");
 }

@@ -622,4 +622,44 @@ def _replay_update_priorities(tree: Sequence[Tensor], cursor: Tensor, indices: T
 def _(tree, cursor, indices, td_error, skipped, alpha, eps):
     _check(td_error.shape == indices.shape, f"dqn_ops._replay_update_priorities: td_error: expected shape "
                                             f"{list(indices.shape)}, got {list(td_error.shape)}")
+
+
+# ---------------------------------------------------------------------------------------
+# environments (internal: dqn_ops.rl.envs.FuturesTradingEnv owns the tensors; the layout of
+# each is in the schema comment, csrc/dqn_ops.cpp)
+
+def _futures_env_step(actions: Tensor, state: Tensor, counters: Tensor, returns: Tensor, observations: Tensor,
+                      info: Tensor, seed: int, episode_length: int, kappa: float, trend: float, sigma: float,
+                      sigma_fair: float, switch_prob: float, cost: float) -> None:
+    """One step of every environment of a FuturesTradingEnv, in place (one launch on CUDA)."""
+    try:
+        torch.ops.dqn_ops._futures_env_step.default(actions, state, counters, returns, observations, info, seed,
+                                                    episode_length, kappa, trend, sigma, sigma_fair, switch_prob,
+                                                    cost)
+    except NotImplementedError as e:
+        _raise_missing_kernel("_futures_env_step", e)
+        raise
+
+
+@torch.library.register_fake("dqn_ops::_futures_env_step")
+def _(actions, state, counters, returns, observations, info, seed, episode_length, kappa, trend, sigma,
+      sigma_fair, switch_prob, cost):
+    n = state.shape[1]
+    _check(actions.shape == (n, 3),
+           f"dqn_ops._futures_env_step: actions: expected shape [{n}, 3], got {list(actions.shape)}")
+    return None
+
+
+def _futures_env_reset(state: Tensor, counters: Tensor, returns: Tensor, observations: Tensor, sigma: float,
+                       episode_length: int) -> None:
+    """Every environment starts an episode (position and clock 0); writes observations[1]."""
+    try:
+        torch.ops.dqn_ops._futures_env_reset.default(state, counters, returns, observations, sigma, episode_length)
+    except NotImplementedError as e:
+        _raise_missing_kernel("_futures_env_reset", e)
+        raise
+
+
+@torch.library.register_fake("dqn_ops::_futures_env_reset")
+def _(state, counters, returns, observations, sigma, episode_length):
     return None

@@ -79,15 +79,15 @@ optimizer = torch.optim.Adam(q_network.parameters(), lr=args.lr)
 
 envs = FuturesTradingEnv(args.num_envs, device=device, seed=args.seed)
 rb = ReplayBuffer(100_000, STATE_DIM, len(BRANCHES), device=device, seed=args.seed)
-obs, start = envs.observe(), time.time()
+obs, start = envs.reset().clone(), time.time()  # ours: the env rewrites its buffers every step
 for global_step in range(args.total_steps):
     epsilon = max(0.05, 1 - global_step / (0.3 * args.total_steps))
     with torch.no_grad():
         explore = torch.rand(args.num_envs, 1, device=device) < epsilon
         actions = torch.where(explore, envs.random_actions(), greedy(q_network, obs))
-    next_obs, rewards, dones, _ = envs.step(actions)
-    rb.add(obs, actions, rewards, next_obs, dones)
-    obs = envs.observe() if envs.t == 0 else next_obs
+    next_obs, rewards, terminated, _, reset_obs = envs.step(actions)
+    rb.add(obs, actions, rewards, next_obs, terminated)
+    obs.copy_(reset_obs)  # next_obs, or a new episode's first observation where an env ended
     if global_step >= 10:
         data = rb.sample(args.batch_size)
         with torch.no_grad():

@@ -97,12 +97,12 @@ def train(args) -> dict:
     trainer = make_trainer(args)
     env = FuturesTradingEnv(args.num_envs, device=dev, seed=env_seed)
     replay = ReplayBuffer(200_000, STATE_DIM, len(BRANCHES), device=dev, seed=env_seed)
-    obs = env.observe()
+    obs = env.reset().clone()  # ours: the env rewrites its buffers every step
     for _ in range(max(1, 4 * args.batch // args.num_envs)):  # prefill with random play
         a = env.random_actions()
-        nxt, r, d, _ = env.step(a)
-        replay.add(obs, a, r, nxt, d)
-        obs = env.observe() if env.t == 0 else nxt  # all envs end together; the env has reset
+        res = env.step(a)
+        replay.add(obs, a, res.reward, res.next_obs, res.terminated)
+        obs.copy_(res.obs)  # next_obs, or a new episode's first observation where an env ended
 
     total = args.epochs * args.steps
     explore_steps = max(1, int(0.3 * total))
@@ -126,9 +126,9 @@ def train(args) -> dict:
             greedy = trainer.act(obs)
             explore = torch.rand(args.num_envs, 1, generator=gen, device=dev) < eps
             a = torch.where(explore, env.random_actions(), greedy)
-            nxt, r, d, _ = env.step(a)
-            replay.add(obs, a, r, nxt, d)
-            obs = env.observe() if env.t == 0 else nxt  # the env reset (host-known: no sync)
+            res = env.step(a)
+            replay.add(obs, a, res.reward, res.next_obs, res.terminated)
+            obs.copy_(res.obs)  # no host branch on episode ends: the env resets itself
             batch = replay.sample(args.batch)
             if dev.type == "cuda":
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
