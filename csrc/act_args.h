@@ -55,10 +55,11 @@ inline double support_step(double v_min, double v_max, int64_t atoms) {
 // never: every comparison with NaN is false); exploring, branch d takes
 // below(draw(seed, call, n, 1 + d), n_d).
 DQN_OPS_HD bool act_explores(uint64_t seed, uint64_t call, uint32_t row, float epsilon) {
-  return philox::uniform(philox::draw(seed, call, row, 0)) < epsilon;
+  return philox::uniform(philox::draw(philox::Stream::kAct, seed, call, row, 0)) < epsilon;
 }
 DQN_OPS_HD int64_t act_random_action(uint64_t seed, uint64_t call, uint32_t row, int64_t branch, int64_t actions) {
-  return philox::below(philox::draw(seed, call, row, static_cast<uint32_t>(1 + branch)), actions);
+  return philox::below(philox::draw(philox::Stream::kAct, seed, call, row, static_cast<uint32_t>(1 + branch)),
+                       actions);
 }
 
 }  // namespace dqn_ops

@@ -166,8 +166,8 @@ TORCH_LIBRARY(dqn_ops, m) {
   // act: the online network (bf16_dueling_forward's arguments and GEMMs) on states [N, SD],
   // N >= 0, the expected Q of every action (C51: sum_i softmax(q)_i z_i over the support
   // [v_min, v_max]; one atom: q), per branch the greedy action (the first of equal maxima, a
-  // NaN wins) and epsilon-greedy on csrc/philox.h's stream layout: row n explores iff
-  // uniform(draw(seed, call, n, 0)) < epsilon, then branch d takes below(draw(seed, call, n,
+  // NaN wins) and epsilon-greedy on csrc/philox.h's stream layout (stream kAct): row n explores
+  // iff uniform(draw(seed, call, n, 0)) < epsilon, then branch d takes below(draw(seed, call, n,
   // 1 + d), n_d). epsilon: a one-element F32 device tensor (NaN never explores); rng: int64 [2]
   // = (seed, call), read on the device and advanced by one call per op with N > 0 (N = 0 leaves
   // it), so a graph replay draws new numbers. actions [N, D] int64; greedy_q [N, D] the greedy
@@ -220,7 +220,7 @@ TORCH_LIBRARY(dqn_ops, m) {
   //   _futures_env_step: actions [N, 3] int64 (direction, size, speed). Each env trades, its
   //     market moves one step and its episode ends at episode_length (position and clock to 0;
   //     the market runs on): next_obs is the observation the action led to, obs the one to act
-  //     on next. Random numbers: csrc/philox.h with key = seed, call = the env's steps before
+  //     on next. Random numbers: csrc/philox.h (stream kEnv) with key = seed, call = the env's steps before
   //     the step, row = the env's index; slot 0: the regime-switch uniform, 1: the new regime,
   //     2 and 3: the Box-Muller uniforms of the two normals (return noise = cos, fair-value
   //     noise = sin). An action outside [0, 3) raises on the CPU; on CUDA it trades nothing and

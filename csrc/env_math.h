@@ -163,11 +163,12 @@ DQN_OPS_HD void step_one(int64_t env, const int64_t* action, float* gap, float* 
   const int64_t call = *steps;
   const uint32_t row = static_cast<uint32_t>(env);
   float reg = *regime;
-  if (philox::uniform(philox::draw(p.seed, call, row, kSlotSwitch)) < p.switch_prob) {
-    reg = static_cast<float>(philox::below(philox::draw(p.seed, call, row, kSlotRegime), 3) - 1);
+  if (philox::uniform(philox::draw(philox::Stream::kEnv, p.seed, call, row, kSlotSwitch)) < p.switch_prob) {
+    const uint32_t bits = philox::draw(philox::Stream::kEnv, p.seed, call, row, kSlotRegime);
+    reg = static_cast<float>(philox::below(bits, 3) - 1);
   }
-  const float u1 = 1.0f - philox::uniform(philox::draw(p.seed, call, row, kSlotRadius));
-  const float u2 = philox::uniform(philox::draw(p.seed, call, row, kSlotAngle));
+  const float u1 = 1.0f - philox::uniform(philox::draw(philox::Stream::kEnv, p.seed, call, row, kSlotRadius));
+  const float u2 = philox::uniform(philox::draw(philox::Stream::kEnv, p.seed, call, row, kSlotAngle));
   const float radius = sqrtf(-2.0f * logf(u1));
   const float angle = 6.28318530717958647692f * u2;
   const float eps = radius * cosf(angle), eta = radius * sinf(angle);

@@ -6,9 +6,12 @@
 //
 // The stream layout every dqn_ops op uses (tests/reference.py has the same in Python):
 //   key     = the 64-bit seed (low word, high word)
-//   counter = (row, slot / 4, call low word, call high word); the draw is word slot % 4
-// where `call` is the op's device-side call counter, `row` the sample / environment and
-// `slot` which number of that row (e.g. 0 = explore?, 1 + d = branch d's random action).
+//   counter = (row, stream << 16 | slot / 4, call low word, call high word); the draw is word slot % 4
+// where `stream` says which op draws (Stream below), `call` is the op's device-side call
+// counter, `row` the sample / environment and `slot` which number of that row (e.g. 0 =
+// explore?, 1 + d = branch d's random action; below 2^18). The streams make the draws of
+// different ops disjoint by construction: an env and an actor given the same seed (the easy
+// thing to do) would otherwise draw the same numbers at the same step and row.
 #pragma once
 
 #include <cstdint>
@@ -46,10 +49,14 @@ DQN_OPS_HD Words philox4x32_10(Words ctr, uint32_t k0, uint32_t k1) {
   return ctr;
 }
 
-// Word `slot % 4` of the block for (seed, call, row, slot / 4).
-DQN_OPS_HD uint32_t draw(uint64_t seed, uint64_t call, uint32_t row, uint32_t slot) {
+// Which op draws: the high half of the counter's second word.
+enum class Stream : uint32_t { kAct = 1, kReplay = 2, kEnv = 3 };
+
+// Word `slot % 4` of the block for (seed, call, row, stream, slot / 4).
+DQN_OPS_HD uint32_t draw(Stream stream, uint64_t seed, uint64_t call, uint32_t row, uint32_t slot) {
   const Words out = philox4x32_10(
-      Words{{row, slot / 4u, static_cast<uint32_t>(call), static_cast<uint32_t>(call >> 32)}},
+      Words{{row, (static_cast<uint32_t>(stream) << 16) | (slot / 4u), static_cast<uint32_t>(call),
+             static_cast<uint32_t>(call >> 32)}},
       static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
   return out.w[slot % 4u];
 }

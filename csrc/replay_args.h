@@ -7,7 +7,7 @@
 //              dones [C] F32]: the ring, rows [0, size) filled;
 //   cursor  = int64 [2]: (the next row written, size);
 //   tree    = [] (uniform) or [leaves, sums, mins, max_priority] (prioritized; TreeLayout below);
-//   rng     = int64 [2]: (seed, call): sample i of call c draws philox::draw(seed, c, i, 0);
+//   rng     = int64 [2]: (seed, call): sample i of call c draws philox::draw(Stream::kReplay, seed, c, i, 0);
 //   counter = int32 per launch that ends in a "last block done" step (zero between calls).
 //
 // The prioritized structure: a sum tree of fan-out 32 over the F32 leaf priorities (p_i of row

@@ -159,7 +159,7 @@ void replay_sample_cpu(at::TensorList storage, const Tensor& cursor, at::TensorL
   const double total = prioritized ? tree_total(t) : 0.0;
   const float p_min = prioritized ? tree_min(t) : 0.f, b = beta.data_ptr<float>()[0];
   for (int64_t i = 0; i < B; ++i) {
-    const uint32_t bits = philox::draw(seed, call, static_cast<uint32_t>(i), 0);
+    const uint32_t bits = philox::draw(philox::Stream::kReplay, seed, call, static_cast<uint32_t>(i), 0);
     int64_t idx;
     float weight;
     if (prioritized) {

@@ -120,10 +120,16 @@ def philox4x32_10(counter, key):
     return c0, c1, c2, c3
 
 
-def philox_draw(seed: int, call: int, row: int, slot: int) -> int:
-    """philox::draw of csrc/philox.h: word slot % 4 of the block (row, slot // 4, call) under key seed."""
+# philox::Stream: which op draws
+STREAM_ACT, STREAM_REPLAY, STREAM_ENV = 1, 2, 3
+
+
+def philox_draw(stream: int, seed: int, call: int, row: int, slot: int) -> int:
+    """philox::draw of csrc/philox.h: word slot % 4 of the block (row, stream << 16 | slot // 4,
+    call) under key seed."""
     seed, call = seed & 0xFFFFFFFFFFFFFFFF, call & 0xFFFFFFFFFFFFFFFF
-    out = philox4x32_10((row & _M32, slot // 4, call & _M32, call >> 32), (seed & _M32, seed >> 32))
+    out = philox4x32_10((row & _M32, (stream << 16) | (slot // 4), call & _M32, call >> 32),
+                        (seed & _M32, seed >> 32))
     return out[slot % 4]
 
 

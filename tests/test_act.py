@@ -13,7 +13,7 @@ from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, Trainer, TrainerConfig
 from dqn_ops.trainer import greedy_actions, greedy_from_logits
 from poison import poison_cuda_cache
-from reference import CONFIGS, TINY, philox_below, philox_draw, philox_uniform, reference_net_like
+from reference import STREAM_ACT, CONFIGS, TINY, philox_below, philox_draw, philox_uniform, reference_net_like
 
 act_op = torch.ops.dqn_ops.act.default
 V_MIN, V_MAX = -10.0, 10.0
@@ -67,9 +67,9 @@ def branch_slices(c):
 
 
 def reference_random_actions(c, seed, call, rows):
-    """[len(rows), D] of philox_below(philox_draw(seed, call, n, 1 + d), n_d), n in rows (an int: range(rows))."""
+    """[len(rows), D] of philox_below(philox_draw(STREAM_ACT, seed, call, n, 1 + d), n_d), n in rows (an int: range(rows))."""
     rows = range(rows) if isinstance(rows, int) else list(rows)
-    return torch.tensor([[philox_below(philox_draw(seed, call, n, 1 + d), nd) for d, nd in enumerate(c.branches)]
+    return torch.tensor([[philox_below(philox_draw(STREAM_ACT, seed, call, n, 1 + d), nd) for d, nd in enumerate(c.branches)]
                          for n in rows], dtype=torch.int64).reshape(len(rows), c.num_branches)
 
 
@@ -81,7 +81,7 @@ def chosen_q(c, E, actions):
 
 def reference_explores(seed, call, rows, epsilon):
     eps32 = np.float32(epsilon)
-    return torch.tensor([np.float32(philox_uniform(philox_draw(seed, call, n, 0))) < eps32 for n in range(rows)],
+    return torch.tensor([np.float32(philox_uniform(philox_draw(STREAM_ACT, seed, call, n, 0))) < eps32 for n in range(rows)],
                         dtype=torch.bool)
 
 

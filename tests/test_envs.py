@@ -17,7 +17,7 @@ from dqn_ops.rl.envs import (BRANCHES, DIRECTIONS, HISTORY, LOOKBACK, MA_WINDOWS
                              STATE_DIM, VOL_WINDOW, EnvStep, FuturesTradingEnv, VectorEnv, annualised_sharpe,
                              evaluate, flat_policy, random_policy)
 from dqn_ops.rl.replay import ReplayBuffer
-from reference import philox_below, philox_draw, philox_uniform
+from reference import STREAM_ENV, philox_below, philox_draw, philox_uniform
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -68,7 +68,7 @@ def reference_step(env, actions):
         traded = abs(nxt - pos)
         pos = nxt
         call = int(steps[e])
-        w = [philox_draw(p["seed"], call, e, slot) for slot in range(4)]
+        w = [philox_draw(STREAM_ENV, p["seed"], call, e, slot) for slot in range(4)]
         if philox_uniform(w[0]) < float(np.float32(p["switch_prob"])):
             regime[e] = philox_below(w[1], 3) - 1
         u1, u2 = 1.0 - philox_uniform(w[2]), philox_uniform(w[3])

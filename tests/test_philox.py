@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from reference import philox4x32_10, philox_below, philox_draw, philox_index_below, philox_uniform
+from reference import STREAM_ACT, STREAM_ENV, STREAM_REPLAY, philox4x32_10, philox_below, philox_draw, philox_index_below, philox_uniform
 
 # Random123 kat_vectors: counter (4 words), key (2 words) -> output (4 words).
 KNOWN_ANSWERS = [
@@ -25,7 +25,14 @@ def test_known_answers(counter, key, expected):
 def test_uniform_and_below_ranges():
     assert philox_uniform(0) == 0.0 and philox_uniform(0xFFFFFFFF) < 1.0
     assert philox_below(0xFFFFFFFF, 3) == 2 and philox_below(0, 3) == 0
-    assert all(0 <= philox_below(philox_draw(7, 0, r, 1), 5) < 5 for r in range(100))
+    assert all(0 <= philox_below(philox_draw(STREAM_ACT, 7, 0, r, 1), 5) < 5 for r in range(100))
+
+
+def test_streams_draw_different_numbers_for_the_same_seed_call_row_and_slot():
+    draws = {stream: [philox_draw(stream, 3, 0, row, slot) for row in range(20) for slot in range(4)]
+             for stream in (STREAM_ACT, STREAM_REPLAY, STREAM_ENV)}
+    assert len({tuple(d) for d in draws.values()}) == 3
+    assert not set(draws[STREAM_ACT]) & set(draws[STREAM_ENV])
 
 
 CXX_CHECK = r"""
@@ -39,7 +46,7 @@ int main() {
     for (unsigned long long c : calls)
       for (unsigned row = 0; row < 3; ++row)
         for (unsigned slot = 0; slot < 9; ++slot) {
-          unsigned bits = draw(s, c, row * 977u, slot);
+          unsigned bits = draw(static_cast<Stream>(1 + (row + slot) % 3), s, c, row * 977u, slot);
           std::printf("%u %lld\n", bits, (long long)below(bits, 7));
         }
   Words w = philox4x32_10(Words{{0x243F6A88u, 0x85A308D3u, 0x13198A2Eu, 0x03707344u}}, 0xA4093822u, 0x299F31D0u);
@@ -60,7 +67,7 @@ def test_cxx_matches_python(tmp_path):
         for c in (0, 5, 0x100000003):
             for row in range(3):
                 for slot in range(9):
-                    bits = philox_draw(s, c, row * 977, slot)
+                    bits = philox_draw(1 + (row + slot) % 3, s, c, row * 977, slot)
                     expected.append(f"{bits} {philox_below(bits, 7)}")
     expected.append(" ".join(str(w) for w in KNOWN_ANSWERS[2][2]))
     assert lines[:len(expected)] == expected
@@ -87,7 +94,7 @@ int main() {
   const unsigned ns[] = {1u, 7u, 16777219u, 10000019u, 4294967295u};
   for (unsigned n : ns)
     for (unsigned row = 0; row < 50; ++row) {
-      unsigned bits = draw(11, 3, row, row % 5);
+      unsigned bits = draw(Stream::kReplay, 11, 3, row, row % 5);
       std::printf("%lld\n", (long long)index_below(bits, n));
     }
 }
@@ -101,6 +108,6 @@ def test_cxx_index_below_matches_python(tmp_path):
     csrc = os.path.join(os.path.dirname(__file__), "..", "csrc")
     subprocess.run(["g++", "-std=c++17", "-O1", "-I", csrc, str(src), "-o", str(exe)], check=True)
     got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
-    expected = [str(philox_index_below(philox_draw(11, 3, row, row % 5), n))
+    expected = [str(philox_index_below(philox_draw(STREAM_REPLAY, 11, 3, row, row % 5), n))
                 for n in (1, 7, 16777219, 10000019, 4294967295) for row in range(50)]
     assert got == expected

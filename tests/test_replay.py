@@ -12,7 +12,7 @@ import torch
 from conftest import DEVICES, requires_cuda
 from dqn_ops import ops
 from dqn_ops.rl.replay import BATCH_KEYS, FAN, ReplayBuffer, tree_layout
-from reference import philox_draw, philox_index_below
+from reference import STREAM_REPLAY, philox_draw, philox_index_below
 
 SD, D = 5, 2
 
@@ -106,7 +106,7 @@ def ref_prioritized_indices(rb, seed, call, B):
     leaves = rb.priorities.cpu().double().tolist()
     levels = ref_levels(leaves, rb.capacity)
     total = levels[-1][0]
-    return [ref_descend(levels, (i + philox_draw(seed, call, i, 0) * 2.0**-32) / B * total) for i in range(B)]
+    return [ref_descend(levels, (i + philox_draw(STREAM_REPLAY, seed, call, i, 0) * 2.0**-32) / B * total) for i in range(B)]
 
 
 def f32(x: float) -> float:
@@ -123,7 +123,7 @@ def test_uniform_indices_are_the_philox_draws_and_rows_are_gathered(device):
     rb.add(*rows(37, device, gen))
     for call in range(3):
         b = rb.sample(64)
-        expected = [philox_index_below(philox_draw(77, call, i, 0), 37) for i in range(64)]
+        expected = [philox_index_below(philox_draw(STREAM_REPLAY, 77, call, i, 0), 37) for i in range(64)]
         assert b["indices"].tolist() == expected
         idx = b["indices"]
         for k in ("states", "actions", "rewards", "next_states", "dones"):

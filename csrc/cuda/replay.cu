@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Storage s, TreeRefs t,
   const double total = prioritized ? tree_total(t) : 0.0;
   const float p_min = prioritized ? tree_min(t) : 0.f;
   for (int64_t i = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; i < out.B; i += int64_t(gridDim.x) * kWarps) {
-    const uint32_t bits = philox::draw(seed, call, static_cast<uint32_t>(i), 0);
+    const uint32_t bits = philox::draw(philox::Stream::kReplay, seed, call, static_cast<uint32_t>(i), 0);
     int64_t idx;
     float weight;
     if (prioritized) {
