@@ -327,7 +327,7 @@ def main():
         first = s["peak_vram_first_epoch_bytes"]
         r.update(vram_growth=None if first is None else (s["peak_vram_bytes"] - first) / first)
         r.update(non_finite=s["non_finite"], epoch_seconds_median=s["epoch_seconds_median"],
-                 train_step_ms_per_epoch_median=s["train_step_ms_per_epoch_median"])
+                 env_steps_per_second_median=s["env_steps_per_second_median"])
         print(f"{path} seed {seed}: " + ", ".join(f"{k}={_fmt(r[k])}" for k in FIGURE_KEYS), flush=True)
         return r
 

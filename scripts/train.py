@@ -5,14 +5,17 @@
     python scripts/train.py --device cpu --epochs 1 --steps 20 --batch 32   # a smoke run
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 scripts/train.py --distributed   # data-parallel
 
-Each epoch: `steps` environment steps over `num_envs` markets, each followed by one training
-step on a batch sampled from the replay buffer; then a forced readback and an evaluation of the
-greedy policy on held-out markets (annualised Sharpe). Writes to --out: metrics.csv (one row per
-epoch), checkpoint.pt, learning_curve.png and summary.json (with the random and flat policies'
-Sharpe on the same held-out markets). summary.json is strict JSON: a non-finite figure is `null`
-(and an empty cell in metrics.csv). The training steps' time (`train_step_ms_total`, printed as
-"train steps ... ms") is measured with CUDA events on the GPU and with the host's wall clock on
-the CPU, where the step is synchronous; summary.json's `train_step_timing` says which.
+Each epoch: `steps` iterations of the training loop (dqn_ops.rl.loop.TrainingLoop): act
+(epsilon-greedy, epsilon from 1 to 0.05 over the first 30% of the run) on `num_envs` markets,
+step them, store the transitions (n-step with --n-step; prioritized with --prioritized), sample
+a batch and run one training step (and update the priorities). On CUDA the epoch's iterations
+are one CUDA graph, captured in the first epoch and replayed without host syncs (--no-graph:
+every launch from the host); the plain-PyTorch backends run the same loop with their own step
+and acting. After each epoch: a forced readback and an evaluation of the greedy policy on
+held-out markets (annualised Sharpe). Writes to --out: metrics.csv (one row per epoch),
+checkpoint.pt, learning_curve.png and summary.json (with the random and flat policies' Sharpe
+on the same held-out markets). summary.json is strict JSON: a non-finite figure is `null` (and
+an empty cell in metrics.csv). Timing: each epoch's wall time and environment steps/s.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
 from dqn_ops.rl.baseline import TorchTrainer  # noqa: E402
 from dqn_ops.rl.envs import BRANCHES, STATE_DIM, FuturesTradingEnv, evaluate, flat_policy, random_policy  # noqa: E402
+from dqn_ops.rl.loop import LoopConfig, TrainingLoop  # noqa: E402
 from dqn_ops.rl.replay import ReplayBuffer  # noqa: E402
 from dqn_ops.rl.results import dump_json, dumps_json, strict_json  # noqa: E402
 
@@ -47,7 +51,11 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--gamma", type=float, default=0.9)
+    ap.add_argument("--gamma", type=float, default=0.9, help="discount per environment step")
+    ap.add_argument("--n-step", type=int, default=1, help="n-step returns (the loss discounts by gamma ** n)")
+    ap.add_argument("--prioritized", action="store_true", help="proportional prioritized replay (alpha 0.6, "
+                    "beta 0.4 -> 1 over the run)")
+    ap.add_argument("--replay-capacity", type=int, default=200_000)
     ap.add_argument("--eval-envs", type=int, default=128)
     ap.add_argument("--no-graph", action="store_true", help="run the step eagerly")
     ap.add_argument("--out", default=None, help="output folder (default runs/<backend>-seed<seed>)")
@@ -64,9 +72,9 @@ def make_trainer(args):
     if args.tiny:
         net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=16, adv_hidden=16, atoms=11,
                         branches=BRANCHES)
-    cfg = TrainerConfig(batch_size=args.batch, lr=args.lr, gamma=args.gamma, v_min=-10.0, v_max=10.0, tau=0.005,
+    cfg = TrainerConfig(batch_size=args.batch, lr=args.lr, gamma=args.gamma ** args.n_step, v_min=-10.0, v_max=10.0, tau=0.005,
                         max_grad_norm=10.0, sigma_max=1.0, use_cuda_graph=not args.no_graph,
-                        readback_interval=100, on_non_finite="flag")
+                        readback_interval=args.steps, on_non_finite="flag")
     if args.backend == "dqn_ops":
         return Trainer(net, cfg, device=args.device, seed=args.seed)
     if args.distributed:
@@ -96,55 +104,27 @@ def train(args) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
     trainer = make_trainer(args)
     env = FuturesTradingEnv(args.num_envs, device=dev, seed=env_seed)
-    replay = ReplayBuffer(200_000, STATE_DIM, len(BRANCHES), device=dev, seed=env_seed)
-    obs = env.reset().clone()  # ours: the env rewrites its buffers every step
-    for _ in range(max(1, 4 * args.batch // args.num_envs)):  # prefill with random play
-        a = env.random_actions()
-        res = env.step(a)
-        replay.add(obs, a, res.reward, res.next_obs, res.terminated)
-        obs.copy_(res.obs)  # next_obs, or a new episode's first observation where an env ended
-
+    replay = ReplayBuffer(args.replay_capacity, STATE_DIM, len(BRANCHES), device=dev, seed=env_seed,
+                          num_envs=args.num_envs, prioritized=args.prioritized, n_step=args.n_step, gamma=args.gamma)
     total = args.epochs * args.steps
-    explore_steps = max(1, int(0.3 * total))
-    gen = torch.Generator(device=dev).manual_seed(env_seed + 1)
+    loop = TrainingLoop(trainer, env, replay, LoopConfig(
+        iterations_per_graph=args.steps, use_cuda_graph=not args.no_graph, epsilon_start=1.0, epsilon_end=0.05,
+        epsilon_decay_iterations=max(1, int(0.3 * total)),
+        beta_anneal_iterations=total if args.prioritized else 0))
+    loop.prefill(max(1, 4 * args.batch // args.num_envs))  # random play: a few batches' worth before training
+
     baselines = dict(random=evaluate(random_policy(), args.eval_envs, device=dev)["sharpe"],
                      flat=evaluate(flat_policy, args.eval_envs, device=dev)["sharpe"])
     rows, step = [], 0
-    timing = "GPU events" if dev.type == "cuda" else "wall clock"
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the bar is a nicety
-        tqdm = None
     for epoch in range(args.epochs):
         t0 = time.perf_counter()
-        events, step_wall_s = [], 0.0
-        it = range(args.steps)
-        if tqdm is not None and not args.quiet:
-            it = tqdm(it, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, unit="step")
-        for _ in it:
-            eps = max(0.05, 1.0 - step / explore_steps)
-            greedy = trainer.act(obs)
-            explore = torch.rand(args.num_envs, 1, generator=gen, device=dev) < eps
-            a = torch.where(explore, env.random_actions(), greedy)
-            res = env.step(a)
-            replay.add(obs, a, res.reward, res.next_obs, res.terminated)
-            obs.copy_(res.obs)  # no host branch on episode ends: the env resets itself
-            batch = replay.sample(args.batch)
-            if dev.type == "cuda":
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                trainer.step(batch)
-                e1.record()
-                events.append((e0, e1))
-            else:  # the CPU step is synchronous: its wall-clock time is its time
-                s0 = time.perf_counter()
-                trainer.step(batch)
-                step_wall_s += time.perf_counter() - s0
-            step += 1
+        # One epoch: `steps` iterations of act -> env.step -> replay -> training step, replayed
+        # from one CUDA graph on CUDA (captured in the first epoch, after one eager warm-up).
+        loop.run(args.steps)
+        step += args.steps
         trainer.readback()  # epoch end: forced readback (syncs)
         epoch_s = time.perf_counter() - t0
-        # The training steps' time: CUDA events on the GPU, the host's wall clock on the CPU.
-        step_ms = sum(a.elapsed_time(b) for a, b in events) if events else 1e3 * step_wall_s
+        eps = float(loop.epsilon)  # the exploration rate of the epoch's last iteration
         if rank != 0:
             continue  # rank 0 evaluates and reports
         ev = evaluate(trainer.act, args.eval_envs, device=dev)
@@ -152,14 +132,15 @@ def train(args) -> dict:
         row = dict(epoch=epoch + 1, steps=step, loss=last.get("loss"), mean_q=last.get("mean_q"),
                    grad_norm_mean=last.get("grad_norm_mean"), grad_norm_max=last.get("grad_norm_max"),
                    skipped=last.get("skipped"), eval_sharpe=ev["sharpe"], eval_pnl_pct=ev["mean_pnl_pct"],
-                   eval_turnover=ev["turnover"], epsilon=eps, epoch_seconds=epoch_s, train_step_ms_total=step_ms,
+                   eval_turnover=ev["turnover"], epsilon=eps, epoch_seconds=epoch_s,
+                   env_steps_per_second=args.num_envs * args.steps / epoch_s,
                    # the allocator's peak so far (evaluation included): flat after epoch 1 unless memory leaks
                    peak_vram_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
         rows.append(row)
         if not args.quiet:
             print(f"epoch {epoch + 1:3d}  loss {row['loss']:.4f}  mean Q {row['mean_q']:+.3f}  "
                   f"grad {row['grad_norm_mean']:.3f}/{row['grad_norm_max']:.3f}  eval Sharpe {ev['sharpe']:+.2f}  "
-                  f"({epoch_s:.2f} s, train steps {step_ms:.1f} ms {timing})", flush=True)
+                  f"({epoch_s:.2f} s, {row['env_steps_per_second']:,.0f} env steps/s)", flush=True)
     if args.distributed:
         torch.distributed.destroy_process_group()
         if rank != 0:
@@ -187,8 +168,8 @@ def train(args) -> dict:
                    peak_vram_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
                    peak_vram_first_epoch_bytes=rows[0]["peak_vram_bytes"],
                    epoch_seconds_median=sorted(r["epoch_seconds"] for r in rows)[len(rows) // 2],
-                   train_step_ms_per_epoch_median=sorted(r["train_step_ms_total"] for r in rows)[len(rows) // 2],
-                   train_step_timing=timing,
+                   env_steps_per_second_median=sorted(r["env_steps_per_second"] for r in rows)[len(rows) // 2],
+                   loop="graphed" if loop.graphed else "eager", prioritized=args.prioritized, n_step=args.n_step,
                    baseline_sharpe=baselines)
     with open(os.path.join(out, "summary.json"), "w") as f:
         dump_json(summary, f)  # strict JSON: a non-finite figure is null

@@ -103,7 +103,7 @@ class TrainingLoop:
         B = trainer.config.batch_size
         with trainer._on_device():
             self.obs = env.reset().clone()
-            self.iteration = torch.zeros((), dtype=torch.float64, device=dev)  # exact up to 2^53 iterations
+            self.iteration = torch.zeros(1, dtype=torch.float64, device=dev)  # exact up to 2^53 iterations
             self.epsilon = torch.full((1,), cfg.epsilon_start, device=dev)
             self.greedy_q = torch.zeros(env.num_envs, net.num_branches, device=dev)
             self._random = torch.ones(1, device=dev)  # epsilon of prefill
@@ -124,19 +124,22 @@ class TrainingLoop:
         self.iteration.add_(1)
 
     def _iteration(self, train: bool, epsilon: Optional[Tensor] = None):
-        if epsilon is None:
-            self._schedules()
-            epsilon = self.epsilon
-        actions, greedy_q = self.trainer.act_explore(self.obs, epsilon)
-        self.greedy_q.copy_(greedy_q)
-        step = self.env.step(actions)
-        self.replay.add_steps(self.obs, actions, step.reward, step.next_obs, step.terminated, step.truncated)
-        self.obs.copy_(step.obs)
+        with torch.no_grad():
+            if epsilon is None:
+                self._schedules()
+                epsilon = self.epsilon
+            actions, greedy_q = self.trainer.act_explore(self.obs, epsilon)
+            self.greedy_q.copy_(greedy_q)
+            step = self.env.step(actions)
+            self.replay.add_steps(self.obs, actions, step.reward, step.next_obs, step.terminated, step.truncated)
+            self.obs.copy_(step.obs)
+            if train:
+                self.replay.sample(self.trainer.config.batch_size, out=self._sample_out)
         if train:
-            self.replay.sample(self.trainer.config.batch_size, out=self._sample_out)
-            self.trainer.device_step()
+            self.trainer.device_step()  # a plain-PyTorch learner's step runs autograd
             if getattr(self.replay, "prioritized", False):
-                self.replay.update_priorities(self.indices, self.trainer.td_error)
+                with torch.no_grad():
+                    self.replay.update_priorities(self.indices, self.trainer.td_error)
 
     def _chunk(self):
         every = self.config.train_every
@@ -144,7 +147,6 @@ class TrainingLoop:
             self._iteration(train=(i + 1) % every == 0)
 
     # -- on the host ----------------------------------------------------------------------
-    @torch.no_grad()
     def prefill(self, iterations: int):
         """Plays `iterations` environment steps with random actions (epsilon 1) into the replay,
         without training or advancing the schedules."""
@@ -153,7 +155,6 @@ class TrainingLoop:
             for _ in range(iterations):
                 self._iteration(train=False, epsilon=self._random)
 
-    @torch.no_grad()
     def run(self, iterations: int):
         """Runs `iterations` iterations (whole graph replays, then the rest eagerly)."""
         iterations = check_int("TrainingLoop.run", "iterations", iterations, minimum=0)
