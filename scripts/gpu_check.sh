@@ -10,6 +10,7 @@
 #   PARITY_EPOCHS=50 PARITY_ARGS="--seeds 0 1 2 3 4 5 --jobs 6" bash scripts/gpu_check.sh   # more seeds, runs at once
 #   BENCHES=step STEP_BENCH_ARGS="--batches 256 4096" bash scripts/gpu_check.sh   # the whole-step benchmark
 #   BENCHES=batch_networks bash scripts/gpu_check.sh   # the trainer's batched online + target layers vs two passes
+#   BENCHES=loop LOOP_BENCH_ARGS="--prioritized --n-step 3" bash scripts/gpu_check.sh   # the training loop (bench_loop.py)
 #   SANITIZE=1 bash scripts/gpu_check.sh         # also scripts/verify_gpu.sh (compute-sanitizer, 4 tools)
 #   DIST=1 bash scripts/gpu_check.sh             # on a multi-GPU machine: data-parallel scaling, 1 vs all GPUs
 #   NCU=1 NCU_BATCH=256 bash scripts/gpu_check.sh  # also scripts/ncu_step.sh (Nsight Compute counters per kernel)
@@ -60,6 +61,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   for b in ${BENCHES:-network optim spectral}; do  # "step": the whole-step benchmark, scripts/bench.py
     script="scripts/bench_$b.py" extra=""
     if [ "$b" = step ]; then script=scripts/bench.py extra="${STEP_BENCH_ARGS:-}"; fi
+    if [ "$b" = loop ]; then extra="${LOOP_BENCH_ARGS:-}"; fi
     $PY "$script" --out "$OUT" $extra || echo "BENCHMARK $b FAILED"
   done 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
