@@ -52,6 +52,7 @@ def parse_args(argv=None):
     ap.add_argument("--n-step", type=int, default=1)
     ap.add_argument("--capacity", type=int, default=1_000_000)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a small network and replay (a CPU smoke run)")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
@@ -62,6 +63,9 @@ def make(args, loop_kind, envs, batch, seed=0):
     cfg = TrainerConfig(batch_size=batch, gamma=0.9 ** args.n_step, readback_interval=steps_per_graph,
                         on_non_finite="flag")
     net = DQNConfig(state_dim=STATE_DIM, branches=BRANCHES)
+    if args.tiny:
+        net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=16, adv_hidden=16, atoms=11,
+                        branches=BRANCHES)
     trainer = (TorchTrainer(net, cfg, device=dev, seed=seed) if loop_kind == "pytorch"
                else Trainer(net, cfg, device=dev, seed=seed))
     env = FuturesTradingEnv(envs, device=dev, seed=seed + 1)
@@ -89,16 +93,21 @@ def host_loop_epoch(trainer, env, replay, loop, iterations):
             replay.update_priorities(loop.indices, trainer.td_error)
 
 
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def epoch_times(args, loop_kind, envs, batch):
     trainer, env, replay, loop = make(args, loop_kind, envs, batch)
     run = ((lambda: host_loop_epoch(trainer, env, replay, loop, args.iterations)) if loop_kind == "host + graphed step"
            else (lambda: loop.run(args.iterations)))
     times = []
     for epoch in range(args.epochs + 1):  # the first epoch warms up (and captures)
-        torch.cuda.synchronize()
+        _sync(args.device)
         t0 = time.perf_counter()
         run()
-        torch.cuda.synchronize()
+        _sync(args.device)
         if epoch:
             times.append(time.perf_counter() - t0)
     trainer.readback()
@@ -148,14 +157,15 @@ def main():
             sec, objs = epoch_times(args, kind, envs, batch)
             row = dict(envs=envs, batch=batch, loop=kind, epoch_ms=1e3 * sec,
                        env_steps_per_s=envs * args.iterations / sec)
-            if kind == "graphed":
+            if kind == "graphed" and torch.device(args.device).type == "cuda":
                 split = time_split(args, *objs)
                 row.update({f"{k}_us": v for k, v in split.items()})
                 row["step_share"] = split["step"] * args.iterations / (1e6 * sec)
             rows.append(row)
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
             del objs
-            torch.cuda.empty_cache()
+            if torch.device(args.device).type == "cuda":
+                torch.cuda.empty_cache()
     title = (f"# Training loop, {args.iterations} iterations per epoch ({meta['device']}, torch {meta['torch']}, "
              f"{meta['date']}; {'prioritized' if args.prioritized else 'uniform'} replay, n = {args.n_step})")
     md = [title, "", "| envs | B | loop | epoch (ms) | env steps/s | act / env / replay / step (µs per iteration, "

@@ -190,3 +190,19 @@ def test_cuda_plain_pytorch_learner_graphs_with_the_loop():
     loop.run(150)
     assert loop.graphed and t.steps == 150
     assert all(v == v for v in t.readback().values())
+
+
+def test_bench_loop_script_runs_on_the_cpu(tmp_path, monkeypatch):
+    import json
+    import os
+    import sys
+    scripts = os.path.join(os.path.dirname(__file__), "..", "scripts")
+    monkeypatch.syspath_prepend(scripts)
+    import bench_loop
+    monkeypatch.setattr(sys, "argv", ["bench_loop.py", "--device", "cpu", "--tiny", "--cases", "8x16", "--iterations",
+                                      "6", "--epochs", "1", "--capacity", "500", "--prioritized", "--n-step", "2",
+                                      "--out", str(tmp_path)])
+    bench_loop.main()
+    rows = json.loads((tmp_path / "loop-prioritized-n2.json").read_text())["rows"]
+    assert [r["loop"] for r in rows] == list(bench_loop.LOOPS)
+    assert all(r["epoch_ms"] > 0 and r["env_steps_per_s"] > 0 for r in rows)
