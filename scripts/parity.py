@@ -41,8 +41,11 @@ is bound by its own host work). Every compared figure is per process (peak VRAM 
 process's own allocator peak), so concurrency changes none of them; the wall-clock timings in
 the result file are then not comparable with a run alone, and the file records `jobs`.
 
-Writes <out>/<date>-parity.json (top-level "verdict" and "pass"; strict JSON: a non-finite
-number is null) and <date>-parity.md.
+`--train-args "--prioritized --n-step 3"` passes options to every training run (both paths),
+and `--name` names the result (default "parity"; e.g. "parity-prioritized-n3").
+
+Writes <out>/<name>.json (top-level "verdict" and "pass"; strict JSON: a non-finite number is
+null; the date is inside) and <name>.md, overwriting the previous run's.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ import datetime
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -301,6 +305,9 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="train.py's small network (a smoke test of this script)")
     ap.add_argument("--confidence", type=float, default=CONFIDENCE,
                     help=f"confidence of the t-interval of the mean paired difference (default {CONFIDENCE})")
+    ap.add_argument("--train-args", default="", help="options for every scripts/train.py run, e.g. "
+                    "\"--prioritized --n-step 3\"")
+    ap.add_argument("--name", default="parity", help="result file name (without .json)")
     ap.add_argument("--reanalyze", metavar="FILE",
                     help="re-analyse an existing result file from its per-seed figures (no training) and rewrite "
                          "it and its .md")
@@ -319,7 +326,7 @@ def main():
         out = os.path.join(args.runs, f"{path}-seed{seed}")
         subprocess.run([sys.executable, TRAIN, "--backend", backend, "--epochs", str(args.epochs), "--seed",
                         str(seed), "--steps", str(args.steps), "--device", args.device, "--quiet", "--out", out]
-                       + (["--tiny"] if args.tiny else []), check=True,
+                       + (["--tiny"] if args.tiny else []) + shlex.split(args.train_args), check=True,
                        stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "summary.json")) as f:
             s = json.load(f)
@@ -341,7 +348,7 @@ def main():
     seeds = args.seeds
     today = datetime.date.today().isoformat()
     meta = dict(epochs=args.epochs, steps_per_epoch=args.steps, batch=256, seeds=seeds,
-                device=args.device, jobs=args.jobs, tiny_network=args.tiny,
+                device=args.device, jobs=args.jobs, tiny_network=args.tiny, train_args=args.train_args,
                 gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                 torch=torch.__version__, date=today,
                 final_sharpe_definition="mean of the last 5 epochs' held-out evaluations",
@@ -356,7 +363,7 @@ def main():
                                      "inconclusive"))
     result = analyse(runs, seeds, meta, args.confidence)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{today}-parity")
+    stem = os.path.join(args.out, args.name)
     lines = write_result(result, stem)
     print("\n".join(lines))
     print(f"wrote {stem}.json and {stem}.md")

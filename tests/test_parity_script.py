@@ -16,18 +16,22 @@ from parity import compare, paired_analysis, reanalyze, t_quantile  # noqa: E402
 def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "parity.py"), "--epochs", "1", "--steps", "4",
                     "--tiny", "--device", "cpu", "--seeds", "0", "1", "--jobs", "4", "--out", str(tmp_path / "out"),
-                    "--runs", str(tmp_path / "runs")], check=True, cwd=ROOT, capture_output=True)
-    [result_file] = [p for p in (tmp_path / "out").iterdir() if p.name.endswith("-parity.json")]
+                    "--runs", str(tmp_path / "runs"), "--train-args", "--prioritized --n-step 2", "--name",
+                    "parity-prioritized"], check=True, cwd=ROOT, capture_output=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["parity-prioritized.json", "parity-prioritized.md"]
+    result_file = tmp_path / "out" / "parity-prioritized.json"
     result = loads_strict_json(result_file.read_text())
     assert isinstance(result["pass"], bool) and result["verdict"] in ("pass", "fail", "inconclusive")
     assert result["pass"] == (result["verdict"] == "pass")
     assert result["meta"]["jobs"] == 4 and result["meta"]["seeds"] == [0, 1] and result["meta"]["tiny_network"]
+    assert result["meta"]["train_args"] == "--prioritized --n-step 2"
     assert set(result["runs"]) == {"f32", "bf16"}
     for path, backend in (("f32", "torch"), ("bf16", "dqn_ops")):
         # each run's own summary, keyed by its seed (the jobs finish in any order)
         for seed in (0, 1):
             summary = loads_strict_json((tmp_path / "runs" / f"{path}-seed{seed}" / "summary.json").read_text())
             assert summary["seed"] == seed and summary["backend"] == backend
+            assert summary["prioritized"] and summary["n_step"] == 2  # --train-args reached every run
             assert result["runs"][path][str(seed)]["mean_q"] == summary["mean_q"]
     figures = result["figures"]
     assert figures["peak_vram_bytes"]["passed"] is None  # no VRAM on the CPU: not compared
