@@ -182,8 +182,11 @@ TORCH_LIBRARY(dqn_ops, m) {
   // next_states, dones] (capacity C rows), cursor = int64 [2] (next row, size), tree = [] for a
   // uniform buffer or [leaves, sums, mins, max_priority] (a fan-out-32 sum tree with F64 inner
   // sums and a min tree), rng = int64 [2] (seed, call), counter: int32 scratch, zero between
-  // calls. No host reads: every op is capturable in a CUDA graph. Deterministic bits for a seed,
-  // the same indices on both backends.
+  // calls. No host reads: every op is capturable in a CUDA graph. Deterministic bits for a seed;
+  // the same indices on both backends, except that priorities and weights go through each
+  // backend's pow (CUDA's may differ from glibc's in the last bit, rarely), and a draw that
+  // falls exactly there could then pick a neighbouring row. Single-stream: the ops of one
+  // buffer must run in order (the tree is rebuilt in place).
   //   _replay_add: N rows at the cursor (wrapping), their priority the running max; 1 launch.
   //   _replay_add_steps: one step of E envs into each env's window of n steps (window = [obs
   //     [E, n, SD], actions [E, n, D], rewards [E, n], pos int64 [E, 2], emit int64 [E + 1]]),

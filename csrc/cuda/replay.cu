@@ -247,6 +247,7 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(Storage s, TreeRefs t, b
         if (prioritized) t.leaves[row] = *t.max_priority;
       }
     }
+    __syncwarp();  // every lane has read this env's pos before lane 0 rewrites it (the copies diverge)
     if (lane == 0) {
       if (ended) {
         win.pos[2 * e] = 0;
