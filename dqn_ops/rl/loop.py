@@ -82,9 +82,9 @@ class TrainingLoop:
     def __init__(self, trainer, env, replay, config: Optional[LoopConfig] = None):
         self.trainer, self.env, self.replay = trainer, env, replay
         self.config = cfg = config or LoopConfig()
-        dev = trainer.device
+        dev = _as_tensors_report(trainer.device)  # "cuda" -> "cuda:0"
         for name, thing in (("env", env), ("replay", replay)):
-            if torch.device(thing.device) != dev:
+            if _as_tensors_report(thing.device) != dev:
                 raise ValueError(f"TrainingLoop: the {name} is on {thing.device}, the trainer on {dev}: "
                                  f"everything the loop drives must live on one device")
         if getattr(replay, "num_envs", None) != env.num_envs:
@@ -201,6 +201,14 @@ class TrainingLoop:
     @property
     def graphed(self) -> bool:
         return self._graph is not None
+
+
+def _as_tensors_report(device) -> torch.device:
+    """The device as its tensors report it (an index on CUDA: "cuda" means the current one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _linear(counter: Tensor, start: float, end: float, span: int, out: Tensor):
