@@ -93,14 +93,14 @@ def main():
     for prioritized, n_step in ((False, 1), (True, 3)):
         t = Trainer(c, TrainerConfig(batch_size=16, gamma=0.9 ** n_step, readback_interval=8), device=dev)
         env = FuturesTradingEnv(37, episode_length=5, device=dev, seed=1)
-        rb = ReplayBuffer(100, STATE_DIM, len(BRANCHES), device=dev, seed=2, num_envs=37, prioritized=prioritized,
+        rb = ReplayBuffer(150, STATE_DIM, len(BRANCHES), device=dev, seed=2, num_envs=37, prioritized=prioritized,
                           n_step=n_step, gamma=0.9)
         loop = TrainingLoop(t, env, rb, LoopConfig(iterations_per_graph=8, use_cuda_graph=False))
         loop.prefill(3)
         loop.run(12)
         t.act_explore(torch.randn(1000, STATE_DIM, device=dev), torch.full((1,), 0.5, device=dev))
         if prioritized:
-            rb.update_priorities(torch.tensor([0, 5, 5, 99], device=dev), torch.tensor([1.0, float("nan"), 2.0, 3.0],
+            rb.update_priorities(torch.tensor([0, 5, 5, 149], device=dev), torch.tensor([1.0, float("nan"), 2.0, 3.0],
                                                                                       device=dev))
         t.readback()
     torch.cuda.synchronize()
