@@ -40,6 +40,22 @@ constexpr const char* kReplayAddStepsOp = "dqn_ops._replay_add_steps";
 constexpr const char* kReplaySampleOp = "dqn_ops._replay_sample";
 constexpr const char* kReplayUpdateOp = "dqn_ops._replay_update_priorities";
 
+// The ring's storage as both backends' kernels address it: [states, actions, rewards,
+// next_states, dones], C rows of SD floats and D actions.
+struct Storage {
+  float* states;
+  int64_t* actions;
+  float* rewards;
+  float* next_states;
+  float* dones;
+  int64_t C, SD, D;
+};
+
+inline Storage storage_refs(at::TensorList s) {
+  return Storage{s[0].data_ptr<float>(), s[1].data_ptr<int64_t>(), s[2].data_ptr<float>(), s[3].data_ptr<float>(),
+                 s[4].data_ptr<float>(), s[0].size(0), s[0].size(1), s[1].size(1)};
+}
+
 constexpr int kTreeFanLog = 5;
 constexpr int kTreeFan = 1 << kTreeFanLog;
 constexpr int kMaxTreeLevels = 7;  // 32^7 > 2^31 > the largest capacity

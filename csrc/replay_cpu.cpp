@@ -14,20 +14,6 @@ namespace {
 
 using at::Tensor;
 
-struct Storage {
-  float* states;
-  int64_t* actions;
-  float* rewards;
-  float* next_states;
-  float* dones;
-  int64_t C, SD, D;
-};
-
-Storage storage_refs(at::TensorList s) {
-  return Storage{s[0].data_ptr<float>(), s[1].data_ptr<int64_t>(), s[2].data_ptr<float>(), s[3].data_ptr<float>(),
-                 s[4].data_ptr<float>(), s[0].size(0), s[0].size(1), s[1].size(1)};
-}
-
 // Every node above the leaves [a, a + n) of the ring (wrapping at C), level by level.
 void rebuild_range(const TreeRefs& t, int64_t a, int64_t n) {
   const int64_t C = t.layout.count[0];

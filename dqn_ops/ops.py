@@ -65,6 +65,16 @@ def _raise_missing_kernel(op: str, err: NotImplementedError) -> None:
     raise MissingKernelError(f"dqn_ops.{op} {what}.") from err
 
 
+def _check_network_inputs(op: str, c, states: Tensor, params: Tensor, params_bf16: Tensor, layout) -> None:
+    """What the shapes of a forward pass depend on (the fakes of bf16_dueling_forward and act)."""
+    _check(states.dim() == 2 and states.shape[1] == c.state_dim,
+           f"{op}: states: expected shape [*, {c.state_dim}], got {list(states.shape)}")
+    _check(params.dim() == 1 and params.shape[0] == layout[-1],
+           f"{op}: params: expected shape [{layout[-1]}], got {list(params.shape)}")
+    _check(params_bf16.shape == params.shape,
+           f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
+
+
 # ---------------------------------------------------------------------------------------
 # bf16_dueling_forward
 
@@ -103,12 +113,7 @@ def _(states, params, params_bf16, layout, backward_precision="tf32"):
     c = decode_config(layout)
     _check(backward_precision in BACKWARD_PRECISIONS,
            f"{op}: backward_precision: expected one of {BACKWARD_PRECISIONS}, got {backward_precision!r}")
-    _check(states.dim() == 2 and states.shape[1] == c.state_dim,
-           f"{op}: states: expected shape [*, {c.state_dim}], got {list(states.shape)}")
-    _check(params.dim() == 1 and params.shape[0] == layout[-1],
-           f"{op}: params: expected shape [{layout[-1]}], got {list(params.shape)}")
-    _check(params_bf16.shape == params.shape,
-           f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
+    _check_network_inputs(op, c, states, params, params_bf16, layout)
     B = states.shape[0]
     lp = params_bf16.dtype
     return (params.new_empty(B, c.total_actions, c.atoms), params.new_empty(B, c.head_out),
@@ -543,12 +548,7 @@ def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[in
 def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng):
     op = "dqn_ops.act"
     c = decode_config(layout)
-    _check(states.dim() == 2 and states.shape[1] == c.state_dim,
-           f"{op}: states: expected shape [*, {c.state_dim}], got {list(states.shape)}")
-    _check(params.dim() == 1 and params.shape[0] == layout[-1],
-           f"{op}: params: expected shape [{layout[-1]}], got {list(params.shape)}")
-    _check(params_bf16.shape == params.shape,
-           f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
+    _check_network_inputs(op, c, states, params, params_bf16, layout)
     _check(epsilon.numel() == 1, f"{op}: epsilon: expected one element, got shape {list(epsilon.shape)}")
     _check(rng.shape == (2,) and rng.dtype == torch.int64,
            f"{op}: rng: expected int64 [2] (seed, call), got {rng.dtype} {list(rng.shape)}")

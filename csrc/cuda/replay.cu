@@ -36,20 +36,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kUpdateThreads = 1024;
 constexpr int kDedupBits = 32768;  // levels of at most this many nodes recompute each touched node once
 
-struct Storage {
-  float* states;
-  int64_t* actions;
-  float* rewards;
-  float* next_states;
-  float* dones;
-  int64_t C, SD, D;
-};
-
-Storage storage_refs(at::TensorList s) {
-  return Storage{s[0].data_ptr<float>(), s[1].data_ptr<int64_t>(), s[2].data_ptr<float>(), s[3].data_ptr<float>(),
-                 s[4].data_ptr<float>(), s[0].size(0), s[0].size(1), s[1].size(1)};
-}
-
 // One row of the ring <- one source row, by the lanes of a warp.
 __device__ __forceinline__ void copy_floats(float* __restrict__ dst, const float* __restrict__ src, int64_t n,
                                             int lane) {
