@@ -30,6 +30,13 @@ FUSED_LOSS_MAX_ATOMS: int = _C.FUSED_LOSS_MAX_ATOMS
 FUSED_LOSS_MAX_BRANCHES: int = _C.FUSED_LOSS_MAX_BRANCHES
 
 
+def philox_seed(seed: int) -> int:
+    """A seed as the int64 that holds its low 64 bits: how an rng tensor (int64 [2] = seed,
+    call) carries csrc/philox.h's 64-bit key (act, the replay's sampling)."""
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
 def _check(cond, msg: str):
     torch._check(cond, lambda: msg)
 

@@ -207,7 +207,7 @@ class Trainer:
         # act_explore() draws from explore_rng = (seed, call), which each call advances on the device.
         self._act_epsilon0 = torch.zeros(1, device=dev)
         self._act_greedy_rng = torch.zeros(2, dtype=torch.long, device=dev)
-        self.explore_rng = torch.tensor([_seed_as_int64(seed), 0], dtype=torch.long, device=dev)
+        self.explore_rng = torch.tensor([ops.philox_seed(seed), 0], dtype=torch.long, device=dev)
 
     # -- the step ---------------------------------------------------------------------
     @property
@@ -457,12 +457,6 @@ def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Opt
 def _overlap(a: Tensor, b: Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
-
-
-def _seed_as_int64(seed: int) -> int:
-    """A seed as the int64 that holds its low 64 bits (what philox's 64-bit key reads back)."""
-    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
 def _data_parallel_group(process_group):
