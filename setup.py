@@ -291,8 +291,8 @@ setup(
     packages=find_packages(include=["dqn_ops", "dqn_ops.*"]),
     ext_modules=[_extension()],
     install_requires=["torch>=2.4", "numpy"],
-    extras_require={"test": ["pytest", "hypothesis", "expecttest", "tqdm", "matplotlib"],
-                    "train": ["tqdm", "matplotlib"]},
+    extras_require={"test": ["pytest", "hypothesis", "expecttest", "matplotlib"],
+                    "train": ["matplotlib"]},
     cmdclass={"build_ext": BuildExtension},
     # torch's py_limited_api=True compiles against Python 3.10's stable ABI (Py_LIMITED_API=0x030A0000)
     options={"bdist_wheel": {"py_limited_api": "cp310"}},

@@ -57,9 +57,9 @@ def parse_args(argv=None):
                     "beta 0.4 -> 1 over the run)")
     ap.add_argument("--replay-capacity", type=int, default=200_000)
     ap.add_argument("--eval-envs", type=int, default=128)
-    ap.add_argument("--no-graph", action="store_true", help="run the step eagerly")
+    ap.add_argument("--no-graph", action="store_true", help="run the loop eagerly (every launch from the host)")
     ap.add_argument("--out", default=None, help="output folder (default runs/<backend>-seed<seed>)")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--quiet", action="store_true", help="no per-epoch lines")
     ap.add_argument("--tiny", action="store_true", help="a small network (for smoke tests)")
     ap.add_argument("--distributed", action="store_true",
                     help="data-parallel over the processes torchrun starts (NCCL on GPUs, gloo on the CPU); "
@@ -72,8 +72,10 @@ def make_trainer(args):
     if args.tiny:
         net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=16, adv_hidden=16, atoms=11,
                         branches=BRANCHES)
-    cfg = TrainerConfig(batch_size=args.batch, lr=args.lr, gamma=args.gamma ** args.n_step, v_min=-10.0, v_max=10.0, tau=0.005,
-                        max_grad_norm=10.0, sigma_max=1.0, use_cuda_graph=not args.no_graph,
+    # gamma ** n: the loss discounts an n-step return's bootstrap; the readback ring holds an epoch
+    # (one graph replay of the loop)
+    cfg = TrainerConfig(batch_size=args.batch, lr=args.lr, gamma=args.gamma ** args.n_step, v_min=-10.0, v_max=10.0,
+                        tau=0.005, max_grad_norm=10.0, sigma_max=1.0, use_cuda_graph=not args.no_graph,
                         readback_interval=args.steps, on_non_finite="flag")
     if args.backend == "dqn_ops":
         return Trainer(net, cfg, device=args.device, seed=args.seed)
