@@ -20,14 +20,20 @@ from .trainer import NonFiniteError, Trainer, TrainerConfig, greedy_actions
 
 
 def build_info() -> dict:
-    """How this build was made, as setup.py decided it: ``cuda`` (CUDA kernels built?),
+    """How this build was made: ``cuda`` (whether the loaded library has CUDA kernels),
     ``reason`` (the toolkit, or why CPU-only) and ``cuda_arch_list`` (the TORCH_CUDA_ARCH_LIST
-    compiled for: the GPU architectures with machine code, "+PTX" where PTX was embedded too)."""
+    compiled for: the GPU architectures with machine code, "+PTX" where PTX was embedded too),
+    as setup.py recorded them when it planned the build."""
+    cuda = cuda_kernels_built()
     try:
         from ._build_info import BUILD_INFO
     except ImportError:  # built by other means than setup.py
-        return dict(cuda=cuda_kernels_built(), reason="unknown (no dqn_ops/_build_info.py)", cuda_arch_list=None)
-    return dict(BUILD_INFO)
+        return dict(cuda=cuda, reason="unknown (no dqn_ops/_build_info.py)", cuda_arch_list=None)
+    info = dict(BUILD_INFO)
+    if info["cuda"] != cuda:  # setup.py ran again with other settings, or its build failed
+        return dict(cuda=cuda, reason=f"unknown: setup.py's last plan ({info['reason']}) is not the library loaded",
+                    cuda_arch_list=None)
+    return info
 
 
 def cuda_kernels_built() -> bool:

@@ -1,11 +1,13 @@
 """Deferred readback of per-step scalars.
 
 The training step writes its scalars into a ring of ``interval`` rows on the device. Every
-``interval`` steps the host enqueues an asynchronous copy of the ring into pinned memory,
-in stream order, so the copy sees exactly the steps before it whatever the host has queued
-since; the host reads a copy once its event says it has landed (an event query, not a sync).
-A sticky device flag, copied to pinned memory after every step (on a side stream, beside the
-next step), tells the host that a step was non-finite a step or two after the GPU ran it (the
+``interval`` steps (or before a graph that records several steps at once would overwrite rows
+not yet copied: ``make_room``) the host enqueues an asynchronous copy of the ring into pinned
+memory, in stream order, so the copy sees exactly the steps before it whatever the host has
+queued since; the host reads a copy once its event says it has landed (an event query, not a
+sync). A sticky device flag, copied to pinned memory after every enqueue (a step, or a replay
+of a graph of several steps; on a side stream, beside the next one), tells the host that a
+step was non-finite an enqueue or two after the GPU ran it (the
 host may have enqueued more steps by then: graph replays are one launch each, so a host ahead
 of the GPU is up to the CUDA launch queue ahead, and those steps are skipped by the optimizer
 too); the caller then forces an immediate, synchronising readback.

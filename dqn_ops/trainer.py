@@ -208,6 +208,9 @@ class Trainer:
         self._act_epsilon0 = torch.zeros(1, device=dev)
         self._act_greedy_rng = torch.zeros(2, dtype=torch.long, device=dev)
         self.explore_rng = torch.tensor([ops.philox_seed(seed), 0], dtype=torch.long, device=dev)
+        # Counts load_state_dict calls: a loop that captured device_step in its own graph
+        # (dqn_ops.rl.loop) captures again when it changes (the optimizer's tensors are new).
+        self.state_generation = 0
 
     # -- the step ---------------------------------------------------------------------
     @property
@@ -368,7 +371,7 @@ class Trainer:
         tensor on the trainer's device, read there (a schedule ``fill_``s it: no sync, and a
         captured graph replays with its current value). The random numbers come from
         ``explore_rng`` = (the trainer's seed, a call counter), which each call with states
-        advances on the device: the same seed gives the same actions, call after call."""
+        advances on the device: two trainers of one seed draw the same sequence of actions."""
         with self._on_device():
             return tuple(self.online.act(states, epsilon, self.explore_rng, self.config.v_min, self.config.v_max))
 
@@ -401,6 +404,7 @@ class Trainer:
         self.steps = int(state["steps"])
         self.stats.set_next_step(self.steps)  # the rows recorded from now on are numbered from there
         self._runner.reset()  # the optimizer's state tensors are new: capture again after warm-up
+        self.state_generation += 1
 
 
 def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Optional[Tensor] = None,

@@ -12,8 +12,8 @@ Loops, in one run, on the same environment and replay code:
                    the structure scripts/train.py had before the loop moved onto the device
   pytorch          TrainingLoop driving dqn_ops.rl.baseline.TorchTrainer (plain PyTorch F32 step
                    and acting, graphed with the loop): the same loop with the learner in plain PyTorch
-Each row: the median epoch wall time over --epochs epochs (after one warm-up epoch; the host
-waits for the GPU at the end of each), env steps/s = envs x iterations / epoch time, and
+Each row: the median epoch wall time over --epochs epochs (after the warm-up epochs: one, and
+for the graphed loops the capture's too; the host waits for the GPU at the end of each), env steps/s = envs x iterations / epoch time, and
 for the graphed loop the time split: the same K iterations of each part alone in a graph of its
 own (act, env, replay = add_steps + sample [+ update_priorities], step), timed with CUDA events.
 Writes <out>/loop.json and loop.md.
@@ -102,14 +102,19 @@ def epoch_times(args, loop_kind, envs, batch):
     trainer, env, replay, loop = make(args, loop_kind, envs, batch)
     run = ((lambda: host_loop_epoch(trainer, env, replay, loop, args.iterations)) if loop_kind == "host + graphed step"
            else (lambda: loop.run(args.iterations)))
+    # untimed: the warm-up epochs (the graphed loop runs its first epoch eagerly and captures in
+    # the second; the others' first epoch warms cuBLAS and the trainer's own graph)
+    for _ in range(1 + (loop.config.warmup_chunks if loop_kind in ("graphed", "pytorch") else 0)):
+        run()
+    if loop_kind in ("graphed", "pytorch") and torch.device(args.device).type == "cuda":
+        assert loop.graphed, "the loop should be captured after its warm-up"
     times = []
-    for epoch in range(args.epochs + 1):  # the first epoch warms up (and captures)
+    for _ in range(args.epochs):
         _sync(args.device)
         t0 = time.perf_counter()
         run()
         _sync(args.device)
-        if epoch:
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
     trainer.readback()
     times.sort()
     return times[len(times) // 2], (trainer, env, replay, loop)

@@ -9,7 +9,8 @@ Each epoch: `steps` iterations of the training loop (dqn_ops.rl.loop.TrainingLoo
 (epsilon-greedy, epsilon from 1 to 0.05 over the first 30% of the run) on `num_envs` markets,
 step them, store the transitions (n-step with --n-step; prioritized with --prioritized), sample
 a batch and run one training step (and update the priorities). On CUDA the epoch's iterations
-are one CUDA graph, captured in the first epoch and replayed without host syncs (--no-graph:
+are one CUDA graph (the first epoch runs eagerly as the warm-up, the second captures the graph,
+every later one replays it without host syncs; --no-graph:
 every launch from the host); the plain-PyTorch backends run the same loop with their own step
 and acting. After each epoch: a forced readback and an evaluation of the greedy policy on
 held-out markets (annualised Sharpe). Writes to --out: metrics.csv (one row per epoch),
@@ -45,7 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--backend", choices=BACKENDS, default="dqn_ops",
                     help="dqn_ops (BF16 ops) | torch (plain PyTorch F32) | torch-bf16 (autocast)")
     ap.add_argument("--epochs", type=int, default=20)
-    ap.add_argument("--steps", type=int, default=300, help="training steps per epoch")
+    ap.add_argument("--steps", type=int, default=300, help="loop iterations per epoch (one environment step and one training step each)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--num-envs", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -113,15 +114,16 @@ def train(args) -> dict:
         iterations_per_graph=args.steps, use_cuda_graph=not args.no_graph, epsilon_start=1.0, epsilon_end=0.05,
         epsilon_decay_iterations=max(1, int(0.3 * total)),
         beta_anneal_iterations=total if args.prioritized else 0))
-    loop.prefill(max(1, 4 * args.batch // args.num_envs))  # random play: a few batches' worth before training
+    # random play before training: a few batches' worth (n-step windows fill after n steps)
+    loop.prefill(max(1, 4 * args.batch // args.num_envs) + args.n_step - 1)
 
     baselines = dict(random=evaluate(random_policy(), args.eval_envs, device=dev)["sharpe"],
                      flat=evaluate(flat_policy, args.eval_envs, device=dev)["sharpe"])
     rows, step = [], 0
     for epoch in range(args.epochs):
         t0 = time.perf_counter()
-        # One epoch: `steps` iterations of act -> env.step -> replay -> training step, replayed
-        # from one CUDA graph on CUDA (captured in the first epoch, after one eager warm-up).
+        # One epoch: `steps` iterations of act -> env.step -> replay -> training step: on CUDA one
+        # graph replay (from the second epoch on; the first is the eager warm-up).
         loop.run(args.steps)
         step += args.steps
         trainer.readback()  # epoch end: forced readback (syncs)

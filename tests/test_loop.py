@@ -1,6 +1,8 @@
 """dqn_ops.rl.loop.TrainingLoop: what an iteration does (against the same calls made by hand),
 its schedules, determinism, bad configurations; on CUDA the graphed loop against the eager one
 (the same parameters, bit for bit) and no host sync in a replay."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -114,6 +116,32 @@ def test_plain_pytorch_learner_runs_the_same_loop(device):
     assert all(v == v for v in t.readback().values())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_train_every_follows_the_loops_count_however_run_is_called(device):
+    runs = []
+    for calls in ([1] * 6 + [14], [20]):
+        t, env, rb, loop = make(device, K=4, train_every=2)
+        loop.prefill(3)
+        for n in calls:
+            loop.run(n)
+        assert loop.iterations == 20 and t.steps == 10
+        runs.append(state_of(t, rb))
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+
+
+def test_eager_loop_needs_no_ring_for_a_whole_chunk():
+    # Eagerly every training step has its own bookkeeping: K may exceed the readback ring.
+    cfg = TrainerConfig(batch_size=16, readback_interval=3, use_cuda_graph=False)
+    t = Trainer(NET, cfg, device="cpu")
+    env = FuturesTradingEnv(8, device="cpu", seed=1)
+    rb = ReplayBuffer(500, STATE_DIM, len(BRANCHES), seed=2, num_envs=8)
+    loop = TrainingLoop(t, env, rb, LoopConfig(iterations_per_graph=10))
+    loop.prefill(3)
+    loop.run(25)
+    assert t.readback()["steps"] == 25
+
+
 def test_bad_configurations_are_clear_errors():
     with pytest.raises(ValueError, match="multiple of train_every"):
         LoopConfig(iterations_per_graph=10, train_every=3)
@@ -131,6 +159,12 @@ def test_bad_configurations_are_clear_errors():
         TrainingLoop(small, env, other)
     with pytest.raises(ValueError, match="iterations"):
         TrainingLoop(t, env, rb).run(-1)
+    with pytest.raises(ValueError, match="beta_anneal_iterations"):
+        TrainingLoop(t, env, rb, LoopConfig(beta_anneal_iterations=10))
+    t3, env3, rb3, _ = make("cpu", n_step=3)
+    t1 = Trainer(NET, TrainerConfig(batch_size=16, gamma=0.9), device="cpu")
+    with pytest.raises(ValueError, match=r"gamma \*\* 3"):
+        TrainingLoop(t1, env3, rb3)
 
 
 @requires_cuda
@@ -159,6 +193,26 @@ def test_cuda_graphed_loop_equals_the_eager_loop_bit_for_bit(prioritized, n_step
         loop.run(300)  # graphed: one eager warm-up chunk, the capture (replayed once), one more replay
         torch.cuda.synchronize()
         assert loop.graphed == graph
+        runs.append(state_of(t, rb) + [t.optimizer.state[t.online.flat_params]["exp_avg"].clone()])
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+
+
+@requires_cuda
+def test_cuda_graphed_runs_of_any_length_equal_one_eager_run():
+    # Eager lead iterations up to the train_every pattern, whole replays, an eager rest: the
+    # same iterations as one eager run; a checkpoint loaded in between is captured anew.
+    runs = []
+    for graph, calls in ((False, [400]), (True, [7, 250, 143])):  # after the load: 2 chunks (re-warm, capture)
+        t, env, rb, loop = make("cuda", envs=32, batch=64, K=50, graph=graph, train_every=2, prioritized=True)
+        loop.prefill(4)
+        for n in calls:
+            loop.run(n)
+            if graph and n == 250:  # after a capture: a load replaces the optimizer's state tensors
+                assert loop.graphed
+                t.load_state_dict(copy.deepcopy(t.state_dict()))
+        torch.cuda.synchronize()
+        assert t.steps == 200 and loop.graphed == graph
         runs.append(state_of(t, rb) + [t.optimizer.state[t.online.flat_params]["exp_avg"].clone()])
     for x, y in zip(*runs):
         assert torch.equal(x, y)

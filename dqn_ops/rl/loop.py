@@ -11,12 +11,16 @@ iterations, and the host only launches it and does the readback's bookkeeping (d
 ``Trainer.step`` does it). The same loop runs eagerly (CPU, or ``use_cuda_graph=False``) with
 the same arithmetic: on CUDA the graphed and the eager loop give the same parameters, bit for bit.
 
+What a checkpoint holds: ``Trainer.state_dict`` (the networks, the optimizer, the acting RNG);
+the loop's schedules, the replay's contents and the env's markets are not saved, so a resumed
+run starts them afresh. Loading a trainer checkpoint is noticed (the graph is captured again).
+
     trainer = Trainer(DQNConfig(state_dim=STATE_DIM, branches=BRANCHES), TrainerConfig(readback_interval=300))
     env = FuturesTradingEnv(32, device="cuda", seed=1)
     replay = ReplayBuffer(200_000, STATE_DIM, len(BRANCHES), device="cuda", seed=2, num_envs=32)
     loop = TrainingLoop(trainer, env, replay, LoopConfig(iterations_per_graph=300))
     loop.prefill(32)     # random play, no training
-    loop.run(3000)       # ten graph replays
+    loop.run(3000)       # one eager warm-up of the 300 iterations, the capture (replayed), 8 more replays
     trainer.readback()
 
 Environments with host-side state (Gymnasium vector envs on the CPU) cannot be captured: drive
@@ -26,11 +30,13 @@ eager path in ``dqn_ops.rl.envs``'s docstring).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..graphed import CapturedStep
 from ..layout import check_bool, check_float, check_int
 
 
@@ -77,7 +83,10 @@ class TrainingLoop:
 
     Device tensors a caller may read (no sync until it does): ``epsilon`` (this iteration's
     exploration rate), ``greedy_q`` (the expected Q of the greedy actions, per env and branch),
-    ``obs`` (the observations the next iteration acts on)."""
+    ``obs`` (the observations the next iteration acts on). The constructor resets the env.
+
+    The trainer's gamma must discount what the replay stores: ``gamma ** n_step`` of the
+    replay's per-step gamma (``replay.gamma_loss``), checked for n_step > 1."""
 
     def __init__(self, trainer, env, replay, config: Optional[LoopConfig] = None):
         self.trainer, self.env, self.replay = trainer, env, replay
@@ -94,6 +103,14 @@ class TrainingLoop:
         if env.state_dim != net.state_dim or tuple(env.branches) != tuple(net.branches):
             raise ValueError(f"TrainingLoop: the env's observations ({env.state_dim}) and branches "
                              f"{tuple(env.branches)} do not fit the network's ({net.state_dim}, {tuple(net.branches)})")
+        n_step = getattr(replay, "n_step", 1)
+        if n_step > 1 and not math.isclose(trainer.config.gamma, replay.gamma_loss, rel_tol=1e-9):
+            raise ValueError(f"TrainingLoop: the replay stores {n_step}-step returns discounted by gamma "
+                             f"{replay.gamma}, so the trainer must bootstrap with gamma ** {n_step} = "
+                             f"{replay.gamma_loss}, got TrainerConfig.gamma={trainer.config.gamma}")
+        if cfg.beta_anneal_iterations and not getattr(replay, "prioritized", False):
+            raise ValueError("TrainingLoop: LoopConfig.beta_anneal_iterations anneals a prioritized replay's beta; "
+                             "this replay is uniform")
         self.trains_per_graph = cfg.iterations_per_graph // cfg.train_every
         if cfg.use_cuda_graph and dev.type == "cuda" and trainer.config.readback_interval < self.trains_per_graph:
             raise ValueError(f"TrainingLoop: a graph replay runs {self.trains_per_graph} training steps, more than "
@@ -103,25 +120,25 @@ class TrainingLoop:
         B = trainer.config.batch_size
         with trainer._on_device():
             self.obs = env.reset().clone()
-            self.iteration = torch.zeros(1, dtype=torch.float64, device=dev)  # exact up to 2^53 iterations
+            self.schedule_step = torch.zeros(1, dtype=torch.float64, device=dev)  # exact up to 2^53 iterations
             self.epsilon = torch.full((1,), cfg.epsilon_start, device=dev)
             self.greedy_q = torch.zeros(env.num_envs, net.num_branches, device=dev)
             self._random = torch.ones(1, device=dev)  # epsilon of prefill
             self.indices = torch.zeros(B, dtype=torch.long, device=dev)
         self._sample_out = dict(trainer.inputs, indices=self.indices)
         self._beta_start = float(replay.beta) if getattr(replay, "prioritized", False) else None
-        self.iterations = 0  # iterations enqueued (host count: the device's counter is self.iteration)
-        self._graph: Optional[torch.cuda.CUDAGraph] = None
-        self._eager_chunks = 0
-        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.iterations = 0  # iterations run (a host count; the schedules read self.schedule_step)
+        # the K iterations, captured after warmup_chunks eager runs on the capture stream
+        self._runner = CapturedStep(self._chunk, dev, cfg.use_cuda_graph, cfg.warmup_chunks)
+        self._captured_generation = getattr(trainer, "state_generation", 0)
 
     # -- one iteration, on the device --------------------------------------------------
     def _schedules(self):
         cfg = self.config
-        _linear(self.iteration, cfg.epsilon_start, cfg.epsilon_end, cfg.epsilon_decay_iterations, self.epsilon)
+        _linear(self.schedule_step, cfg.epsilon_start, cfg.epsilon_end, cfg.epsilon_decay_iterations, self.epsilon)
         if self._beta_start is not None and cfg.beta_anneal_iterations:
-            _linear(self.iteration, self._beta_start, cfg.beta_end, cfg.beta_anneal_iterations, self.replay.beta)
-        self.iteration.add_(1)
+            _linear(self.schedule_step, self._beta_start, cfg.beta_end, cfg.beta_anneal_iterations, self.replay.beta)
+        self.schedule_step.add_(1)
 
     def _iteration(self, train: bool, epsilon: Optional[Tensor] = None):
         with torch.no_grad():
@@ -142,9 +159,23 @@ class TrainingLoop:
                     self.replay.update_priorities(self.indices, self.trainer.td_error)
 
     def _chunk(self):
+        """K iterations from a multiple of train_every: the pattern every replay repeats."""
         every = self.config.train_every
         for i in range(self.config.iterations_per_graph):
             self._iteration(train=(i + 1) % every == 0)
+
+    def _eager(self, iterations: int):
+        """Iterations one by one, each training step with its own readback bookkeeping; whether
+        an iteration trains follows the loop's count, however run() is called."""
+        every = self.config.train_every
+        for _ in range(iterations):
+            train = (self.iterations + 1) % every == 0
+            if train:
+                self.trainer.before_steps(1)
+            self._iteration(train)
+            self.iterations += 1
+            if train:
+                self.trainer.after_steps(1)
 
     # -- on the host ----------------------------------------------------------------------
     def prefill(self, iterations: int):
@@ -156,51 +187,42 @@ class TrainingLoop:
                 self._iteration(train=False, epsilon=self._random)
 
     def run(self, iterations: int):
-        """Runs `iterations` iterations (whole graph replays, then the rest eagerly)."""
+        """Runs `iterations` iterations. Graphed (CUDA, ``use_cuda_graph``): up to the next
+        multiple of train_every eagerly, then whole replays of the K captured iterations, then
+        the rest eagerly. Otherwise all eagerly. The same iterations either way."""
         iterations = check_int("TrainingLoop.run", "iterations", iterations, minimum=0)
         K, every = self.config.iterations_per_graph, self.config.train_every
         with self.trainer._on_device():
-            done = 0
-            while iterations - done >= K:
+            if not self._runner.use_graph:
+                self._eager(iterations)
+                return
+            lead = min(iterations, -self.iterations % every)  # a replay starts in the train_every pattern
+            self._eager(lead)
+            left = iterations - lead
+            while left >= K:
                 self._run_chunk()
-                done += K
-            for i in range(done, iterations):  # the remainder: the chunk's pattern, eagerly
-                train = (i - done + 1) % every == 0
-                if train:
-                    self.trainer.before_steps(1)
-                self._iteration(train)
-                if train:
-                    self.trainer.after_steps(1)
-            self.iterations += iterations - done
+                left -= K
+            self._eager(left)
 
     def _run_chunk(self):
+        generation = getattr(self.trainer, "state_generation", 0)
+        if generation != self._captured_generation:  # a checkpoint load replaced the optimizer's tensors
+            self._runner.reset()
+            self._captured_generation = generation
         n = self.trains_per_graph
         self.trainer.before_steps(n)
-        graphed = self.config.use_cuda_graph and self.device.type == "cuda"
-        if self._graph is not None:
-            self._graph.replay()
-        elif not graphed:
-            self._chunk()
-        else:
-            current = torch.cuda.current_stream(self.device)
-            self._stream.wait_stream(current)
-            if self._eager_chunks >= self.config.warmup_chunks:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=self._stream):
-                    self._chunk()
-                self._graph = g
-                g.replay()
-            else:  # warm-up on the capture stream (cuBLAS workspaces, allocator pools)
-                with torch.cuda.stream(self._stream):
-                    self._chunk()
-                current.wait_stream(self._stream)
-                self._eager_chunks += 1
+        self._runner()  # eager warm-up on the capture stream, then the capture, then replays
         self.iterations += self.config.iterations_per_graph
         self.trainer.after_steps(n)
 
+    def reset(self):
+        """Forget the captured graph: the next replays warm up and capture again (needed when
+        tensors the graph reads were replaced; a trainer checkpoint load is noticed by itself)."""
+        self._runner.reset()
+
     @property
     def graphed(self) -> bool:
-        return self._graph is not None
+        return self._runner.graphed
 
 
 def _as_tensors_report(device) -> torch.device:
