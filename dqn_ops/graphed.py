@@ -2,9 +2,16 @@
 one CUDA graph and replay that graph on every later call."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
+
+
+def on_device(device: torch.device):
+    """A context with `device` current on CUDA (whose current stream is then the one work goes
+    on, whichever device the caller had current); nothing on other devices."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class CapturedStep:

@@ -15,7 +15,6 @@ enough atoms and branches, the loss is one fused kernel (``uses_fused_path``).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .graphed import CapturedStep
+from .graphed import CapturedStep, on_device
 from .layout import DQNConfig, check_bool, check_choice, check_float, check_int
 from .network import DuelingBranchQNet
 from .optim import FusedAdamBF16
@@ -239,7 +238,7 @@ class Trainer:
         """The trainer's device made current (CUDA): its current stream (the caller's, a side
         stream included) is where the step, the graph's replay and the readback's copies and
         events go, whichever device was current."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        return on_device(self.device)
 
     def step(self, batch: Optional[Mapping[str, Tensor]] = None):
         """One training step. With `batch`, copies it into ``inputs`` first."""

@@ -281,8 +281,8 @@ def _bdq_args(device, loss_type, B=16, branches=(3, 3)):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_mse_overflowing_in_f32_gives_an_inf_loss_not_an_error(device):
-    # y = 1e30 is finite in F32, (y - q)^2 = 1e60 is not: the loss is inf (CUDA's F32 result;
-    # the CPU kernel used to sum in double and then fail to store 1e60 in the F32 loss), the
+    # y = 1e30 is finite in F32, (y - q)^2 = 1e60 is not: the loss is inf (the F32 result of both
+    # backends; a sum in double could not store 1e60 in the F32 loss), the
     # gradient -2 delta / (B D) stays finite, and the trainer's optimizer skips on the inf norm.
     q, qo, qt, actions, rewards, dones = _bdq_args(device, "mse")
     rewards[3] = 1e30

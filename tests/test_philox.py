@@ -55,13 +55,21 @@ int main() {
 """
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to compile csrc/philox.h on its own")
-def test_cxx_matches_python(tmp_path):
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to compile csrc/philox.h on its own")
+
+
+def run_cxx(tmp_path, source: str) -> str:
+    """Compiles `source` (a main() including philox.h) with g++ and returns what it prints."""
     src, exe = tmp_path / "check.cpp", tmp_path / "check"
-    src.write_text(CXX_CHECK)
+    src.write_text(source)
     csrc = os.path.join(os.path.dirname(__file__), "..", "csrc")
     subprocess.run(["g++", "-std=c++17", "-O1", "-I", csrc, str(src), "-o", str(exe)], check=True)
-    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
+@needs_gxx
+def test_cxx_matches_python(tmp_path):
+    lines = run_cxx(tmp_path, CXX_CHECK).split("\n")
     expected = []
     for s in (0, 1, 0x123456789ABCDEF, 2**64 - 1):
         for c in (0, 5, 0x100000003):
@@ -101,13 +109,9 @@ int main() {
 """
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to compile csrc/philox.h on its own")
+@needs_gxx
 def test_cxx_index_below_matches_python(tmp_path):
-    src, exe = tmp_path / "check.cpp", tmp_path / "check"
-    src.write_text(CXX_INDEX_CHECK)
-    csrc = os.path.join(os.path.dirname(__file__), "..", "csrc")
-    subprocess.run(["g++", "-std=c++17", "-O1", "-I", csrc, str(src), "-o", str(exe)], check=True)
-    got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    got = run_cxx(tmp_path, CXX_INDEX_CHECK).split()
     expected = [str(philox_index_below(philox_draw(STREAM_REPLAY, 11, 3, row, row % 5), n))
                 for n in (1, 7, 16777219, 10000019, 4294967295) for row in range(50)]
     assert got == expected

@@ -179,18 +179,18 @@ def test_spectral_graph_capture_under_forced_cooperative():
 
 # (branches, atoms): the general (staged) version's staging area per block is
 # warps * 4 * (2 * max_actions + 4) * atoms bytes; the comment gives it for each case. The kernel
-# has a few hundred bytes of static shared memory, so 48,881-49,152 bytes of staging did not fit
-# in 48 KiB; those now read their rows from global memory, the cases below them still stage.
+# has a few hundred bytes of static shared memory, so 48,881-49,152 bytes of staging do not fit
+# beside it in 48 KiB: those read their rows from global memory, the cases below them stage.
 LOSS_EDGE_CASES = [
     ((4,), 127),      # 8 warps, 48,768 B: staged
-    ((4,), 128),      # 8 warps, 49,152 B: exactly 48 KiB of dynamic memory (used to fail)
+    ((4,), 128),      # 8 warps, 49,152 B: exactly 48 KiB of dynamic memory: global rows
     ((4,), 129),      # 49,536 B: global rows
     ((3, 3, 3), 203),  # 6 warps, 48,720 B: staged
-    ((3, 3, 3), 204),  # 48,960 B (used to fail)
+    ((3, 3, 3), 204),  # 48,960 B: global rows
     ((3, 3, 3), 205),  # 49,200 B
     ((2, 2), 190),    # 8 warps, 48,640 B
-    ((2, 2), 191),    # 48,896 B (used to fail)
-    ((2, 2), 192),    # 49,152 B (used to fail)
+    ((2, 2), 191),    # 48,896 B: global rows
+    ((2, 2), 192),    # 49,152 B: global rows
 ]
 
 

@@ -3,13 +3,11 @@ docs/design.md builds it): the baseline the benchmarks compare against and the r
 the kernels with. Its state-dict names are DuelingBranchQNet's, so weights move both ways."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graphed import CapturedStep
+from ..graphed import CapturedStep, on_device
 from ..layout import DQNConfig
 from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
@@ -156,7 +154,7 @@ class TorchTrainer:
         self.stats.after_step(count)
 
     def _on_device(self):
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        return on_device(self.device)
 
     @torch.no_grad()
     def act_explore(self, states, epsilon):
