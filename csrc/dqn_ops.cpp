@@ -60,19 +60,19 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(dqn_ops, m) {
-  // states [B, SD] -> q_logits [B, sum n_d, NA] (dueling-aggregated), head_logits [B, NA*(1+sum n_d)]
-  // (raw value then advantage logits), and the activations the backward reads: the states
-  // and hidden layers at the mirror's precision (BF16 on CUDA). backward_precision is read
-  // only by autograd (it chooses mixed_backward's precision) and is validated here.
+  // states [B, SD] -> q_logits [B, sum n_d, NA] (dueling-aggregated; without dueling the branch
+  // heads' outputs), head_logits [B, NA*(dueling + sum n_d)] (raw value logits, then each
+  // branch's), and the activations the backward reads: the states and every hidden layer at the
+  // mirror's precision (BF16 on CUDA), L + H + 1 tensors (dqn_ops/layout.py). backward_precision
+  // is read only by autograd (it chooses mixed_backward's precision) and is validated here.
   m.def(
       "bf16_dueling_forward(Tensor states, Tensor params, Tensor params_bf16, int[] layout, "
-      "str backward_precision=\"tf32\") -> (Tensor q_logits, Tensor head_logits, Tensor states_bf16, "
-      "Tensor h1, Tensor h2, Tensor hh)");
+      "str backward_precision=\"tf32\") -> (Tensor q_logits, Tensor head_logits, Tensor[] activations)");
   // d(q_logits) and/or d(head_logits) -> the flat gradient (every dW and db, in the layout of
   // params, padding zero) and, when need_grad_states, d(states) [B, SD] (else an empty tensor).
   m.def(
-      "mixed_backward(Tensor? grad_q, Tensor? grad_head, Tensor states_bf16, Tensor h1, Tensor h2, "
-      "Tensor hh, Tensor params, Tensor params_bf16, int[] layout, str precision=\"tf32\", "
+      "mixed_backward(Tensor? grad_q, Tensor? grad_head, Tensor[] activations, Tensor params, "
+      "Tensor params_bf16, int[] layout, str precision=\"tf32\", "
       "bool need_grad_states=False) -> (Tensor grad_params, Tensor grad_states)");
   // One Adam (AdamW when decoupled_weight_decay) step over a flat F32 buffer that also writes
   // its BF16 mirror. step and lr are one-element device tensors, so a captured graph replays
@@ -152,15 +152,15 @@ TORCH_LIBRARY(dqn_ops, m) {
   m.def(
       "_online_and_target_logits(Tensor state_pairs, Tensor params, Tensor params_bf16, Tensor target_params, "
       "Tensor target_params_bf16, int[] layout, bool batch_networks) -> (Tensor logits, "
-      "Tensor logits_next_target, Tensor states_bf16, Tensor h1, Tensor h2, Tensor hh)");
+      "Tensor logits_next_target, Tensor[] activations)");
   m.def(
       "_dqn_loss_on_logits(Tensor logits, Tensor logits_next_online, Tensor logits_next_target, Tensor params, "
       "Tensor target_params, Tensor actions, Tensor rewards, Tensor dones, Tensor? weights, int[] layout, "
       "float v_min, float v_max, float gamma, str loss_type=\"c51\") -> (Tensor loss, Tensor grad_head, "
       "Tensor grad_head_bf16, Tensor td_error, Tensor mean_q)");
   m.def(
-      "_mixed_backward_from_head(Tensor grad_head, Tensor grad_head_bf16, Tensor states_bf16, Tensor h1, "
-      "Tensor h2, Tensor hh, Tensor params, Tensor params_bf16, int[] layout, str precision=\"bf16\") -> Tensor");
+      "_mixed_backward_from_head(Tensor grad_head, Tensor grad_head_bf16, Tensor[] activations, Tensor params, "
+      "Tensor params_bf16, int[] layout, str precision=\"bf16\") -> Tensor");
 
   // Acting
   // act: the online network (bf16_dueling_forward's arguments and GEMMs) on states [N, SD],

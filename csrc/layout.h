@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <c10/macros/Macros.h>
@@ -23,122 +24,230 @@ C10_HOST_DEVICE inline int64_t round_up_to_align(int64_t n) {
   return (n + kLayoutAlign - 1) / kLayoutAlign * kLayoutAlign;
 }
 
-// One output head of the block-diagonal last layer: the value head (j = 0) or branch j-1.
+// A block of a block-diagonal layer: an output head of the last layer (the value head, then
+// each branch's), or one head's part of a deeper head hidden layer. Hidden-layer blocks and
+// dense layers have no padding: pad_col = out_col, pad_width = out_width.
 struct HeadSlice {
-  int64_t in_col;    // first column of its input in hh [B, head_hidden]
-  int64_t in_width;  // VH or AH
-  int64_t out_col;   // first column of its logits in head_logits [B, head_out]
-  int64_t pad_col;   // first column of its logits in the padded GEMM layout [B, head_ld] (see head_ld)
-  int64_t pad_width; // out_width rounded up to kLayoutAlign: its weight's rows, padding included
-  int64_t out_width; // NA or n_d * NA
-  int64_t w_off;     // offset of its weight [out_width, in_width] in the flat buffer
+  int64_t in_col;    // first column of its input in the layer's input activation
+  int64_t in_width;  // columns it reads
+  int64_t out_col;   // first column of its output (output heads: in head_logits [B, head_out])
+  int64_t pad_col;   // output heads: first column of its logits in the padded GEMM layout [B, head_ld]
+  int64_t pad_width; // output heads: out_width rounded up to kLayoutAlign: its weight's rows, padding included
+  int64_t out_width; // columns it writes (output heads: NA or n_d * NA)
+  int64_t w_off;     // offset of its weight [out_width (pad_width for an output head), in_width] in the flat buffer
+};
+
+// A hidden layer: out = relu(in W^T + b), in [B, in_width], out [B, out_width], both BF16 on
+// CUDA. A trunk layer and the heads' merged first layer are dense (one block: every head's
+// first-layer rows are adjacent in W_h1); a deeper head layer has one block per head, head k
+// reading its own columns of the previous layer.
+struct HiddenLayer {
+  int64_t in_width, out_width;
+  int64_t b_off;                  // bias [out_width]: every block's, side by side
+  std::vector<HeadSlice> blocks;  // the dense layer's one block, or one per head (value first)
+  bool dense() const { return blocks.size() == 1 && blocks[0].in_width == in_width; }
 };
 
 struct NetLayout {
-  int64_t state_dim, trunk1, trunk2, value_hidden, adv_hidden, atoms;
+  int64_t state_dim, atoms;
+  bool dueling;                         // a value head and the dueling aggregation; else q = a branch head's output
   std::vector<int64_t> branch_sizes;    // n_d
   std::vector<int64_t> action_offsets;  // first action index of branch d
   int64_t total_actions;                // sum n_d
-  int64_t head_hidden;                  // VH + D*AH
-  int64_t head_out;                     // NA * (1 + total_actions)
+  int64_t trunk_layers;                 // L >= 1: hidden[0 .. L)
+  int64_t head_layers;                  // H >= 0: hidden[L .. L + H)
+  std::vector<HiddenLayer> hidden;      // every hidden layer in forward order: the activations the backward reads
+  int64_t head_in_width;                // the output layer's input: the last hidden layer's width
+  int64_t head_out;                     // NA * (dueling + total_actions)
   // The CUDA kernels keep the output layer's GEMM results in a padded layout: head j's
   // pad_width columns start at pad_col (multiples of kLayoutAlign) and rows are head_ld apart,
   // so every GEMM operand is 16-byte aligned and every GEMM size a multiple of 8 (with
   // head_out = 510, heads at columns 51, 204, ... and 51 or 153 rows, cuBLAS fell back to
   // align-1 SM75 kernels plus split-K reductions, several times slower).
   int64_t head_ld;
-  int64_t w_s1, w_s2, w_h1;             // weight offsets
-  std::vector<HeadSlice> heads;         // D + 1 output heads, value first
-  int64_t b_s1, b_s2, b_h1, b_out;      // bias offsets
+  // The output heads, value first (with dueling), then branch d at heads[value_heads() + d].
+  // With H = 0 every head reads all of the last trunk layer (in_col 0): their inputs overlap.
+  std::vector<HeadSlice> heads;
+  int64_t b_out;                        // every output head's bias [head_out]
   int64_t numel;                        // length of the flat buffer
 
   int64_t num_branches() const { return static_cast<int64_t>(branch_sizes.size()); }
-
+  int64_t value_heads() const { return dueling ? 1 : 0; }
+  const HeadSlice& branch_head(int64_t d) const { return heads[value_heads() + d]; }
+  // Width of hidden activation i, i = 0 being the states (the saved activations' shapes).
+  int64_t activation_width(size_t i) const { return i == 0 ? state_dim : hidden[i - 1].out_width; }
 };
 
-// Output heads that run as one (strided-batched) GEMM: head i of the group is first + i, its
-// columns and weights `*_stride` elements after head i - 1's.
+// Blocks that run as one (strided-batched) GEMM: block i of the group is first + i, its
+// columns and weights `*_stride` elements after block i - 1's.
 struct HeadGroup {
   HeadSlice first;
   int64_t count;
   int64_t in_col_stride, out_col_stride, pad_col_stride, w_stride;
 };
 
-// The value head alone, then the branch heads: one group when they have one shape and their
-// weights lie an equal distance apart (ParamLayout stores them back to back), else one each.
-inline std::vector<HeadGroup> head_groups(const NetLayout& L) {
-  std::vector<HeadGroup> groups{{L.heads[0], 1, 0, 0, 0, 0}};
-  const int64_t D = L.num_branches();
-  bool uniform = D >= 2 && L.heads[2].w_off > L.heads[1].w_off;
-  for (int64_t j = 2; uniform && j <= D; ++j)
-    uniform = L.heads[j].out_width == L.heads[1].out_width &&
-              L.heads[j].w_off - L.heads[j - 1].w_off == L.heads[2].w_off - L.heads[1].w_off;
-  if (uniform) {
-    const HeadSlice &a = L.heads[1], &b = L.heads[2];
-    groups.push_back({a, D, b.in_col - a.in_col, b.out_col - a.out_col, b.pad_col - a.pad_col, b.w_off - a.w_off});
-  } else {
-    for (int64_t j = 1; j <= D; ++j) groups.push_back({L.heads[j], 1, 0, 0, 0, 0});
+// Consecutive blocks of one shape whose columns and weights lie equal distances apart form a
+// group (ParamLayout stores a layer's per-head weights back to back): the reference network's
+// output layer is two groups, the value head and the branch heads. An in_col_stride of 0 means
+// the group's blocks read the same input (the output heads with H = 0): a backward's dX must
+// add their products up, not run them as one batch.
+inline std::vector<HeadGroup> block_groups(const std::vector<HeadSlice>& blocks) {
+  std::vector<HeadGroup> groups;
+  for (const HeadSlice& b : blocks) {
+    if (!groups.empty()) {
+      HeadGroup& g = groups.back();
+      const HeadSlice& f = g.first;
+      const bool same_shape = b.in_width == f.in_width && b.out_width == f.out_width && b.pad_width == f.pad_width;
+      const int64_t n = g.count;  // b would be block n of the group
+      const int64_t in_s = b.in_col - f.in_col, out_s = b.out_col - f.out_col, pad_s = b.pad_col - f.pad_col,
+                    w_s = b.w_off - f.w_off;
+      const bool fits = n == 1 ? w_s > 0
+                               : in_s == n * g.in_col_stride && out_s == n * g.out_col_stride &&
+                                     pad_s == n * g.pad_col_stride && w_s == n * g.w_stride;
+      if (same_shape && fits) {
+        if (n == 1) {
+          g.in_col_stride = in_s;
+          g.out_col_stride = out_s;
+          g.pad_col_stride = pad_s;
+          g.w_stride = w_s;
+        }
+        ++g.count;
+        continue;
+      }
+    }
+    groups.push_back({b, 1, 0, 0, 0, 0});
   }
   return groups;
 }
 
+inline std::vector<HeadGroup> head_groups(const NetLayout& L) { return block_groups(L.heads); }
+
+// The `int[] layout` format (dqn_ops/layout.py, ParamLayout.encode: LAYOUT_FORMAT and the order).
+constexpr int64_t kLayoutFormat = 2;
+
 inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
-  DQN_CHECK(v.size() >= 8, op, ": layout: expected the int[] from dqn_ops.ParamLayout.encode(), got ",
-              v.size(), " entries");
+  const size_t n = v.size();
+  size_t p = 0;
+  // Reads the next entry; a layout that ends early fails here, never reads past its end.
+  auto next = [&](const char* what) {
+    DQN_CHECK(p < n, op, ": layout: ended after ", n, " entries, before ", what,
+              " (expected the int[] from dqn_ops.ParamLayout.encode())");
+    return v[p++];
+  };
+  DQN_CHECK(n >= 1 && v[0] == kLayoutFormat, op, ": layout: expected the int[] from dqn_ops.ParamLayout.encode() ",
+            "(format ", kLayoutFormat, ", its first entry), got ", n == 0 ? std::string("an empty list")
+                                                                          : "first entry " + std::to_string(v[0]));
+  ++p;
   NetLayout L;
-  L.state_dim = v[0];
-  L.trunk1 = v[1];
-  L.trunk2 = v[2];
-  L.value_hidden = v[3];
-  L.adv_hidden = v[4];
-  L.atoms = v[5];
-  const int64_t D = v[6];
-  DQN_CHECK(D >= 1, op, ": layout: expected at least 1 branch, got ", D);
-  const size_t expected_len = 7 + D + 3 + (D + 1) + 4 + 1;
-  DQN_CHECK(v.size() == expected_len, op, ": layout: ", D, " branches need ", expected_len,
-              " entries, got ", v.size());
-  const char* names[] = {"state_dim", "trunk_hidden[0]", "trunk_hidden[1]", "value_hidden", "adv_hidden", "atoms"};
-  for (int i = 0; i < 6; ++i) DQN_CHECK(v[i] >= 1, op, ": layout: ", names[i], " must be >= 1, got ", v[i]);
-  size_t p = 7;
+  L.state_dim = next("state_dim");
+  L.atoms = next("atoms");
+  const int64_t dueling = next("dueling");
+  const int64_t D = next("the branch count");
+  DQN_CHECK(L.state_dim >= 1, op, ": layout: state_dim must be >= 1, got ", L.state_dim);
+  DQN_CHECK(L.atoms >= 1, op, ": layout: atoms must be >= 1, got ", L.atoms);
+  DQN_CHECK(dueling == 0 || dueling == 1, op, ": layout: dueling must be 0 or 1, got ", dueling);
+  DQN_CHECK(D >= 1 && D <= static_cast<int64_t>(n), op, ": layout: expected at least 1 branch, got ", D);
+  L.dueling = dueling == 1;
   L.total_actions = 0;
-  for (int64_t d = 0; d < D; ++d, ++p) {
-    DQN_CHECK(v[p] >= 1, op, ": layout: branch ", d, " must have >= 1 action, got ", v[p]);
+  for (int64_t d = 0; d < D; ++d) {
+    const int64_t size = next("a branch size");
+    DQN_CHECK(size >= 1, op, ": layout: branch ", d, " must have >= 1 action, got ", size);
     L.action_offsets.push_back(L.total_actions);
-    L.branch_sizes.push_back(v[p]);
-    L.total_actions += v[p];
+    L.branch_sizes.push_back(size);
+    L.total_actions += size;
   }
-  L.head_hidden = L.value_hidden + D * L.adv_hidden;
-  L.head_out = L.atoms * (1 + L.total_actions);
-  L.w_s1 = v[p++];
-  L.w_s2 = v[p++];
-  L.w_h1 = v[p++];
-  L.head_ld = 0;
-  for (int64_t j = 0; j <= D; ++j) {
+  L.trunk_layers = next("the trunk layer count");
+  DQN_CHECK(L.trunk_layers >= 1 && L.trunk_layers <= static_cast<int64_t>(n), op,
+            ": layout: expected at least 1 trunk layer, got ", L.trunk_layers);
+  std::vector<int64_t> trunk;
+  for (int64_t i = 0; i < L.trunk_layers; ++i) trunk.push_back(next("a trunk width"));
+  L.head_layers = next("the head layer count");
+  DQN_CHECK(L.head_layers >= 0 && L.head_layers <= static_cast<int64_t>(n), op,
+            ": layout: expected 0 or more head layers, got ", L.head_layers);
+  const int64_t heads = L.value_heads() + D;
+  // widths[j][k]: head k's width in head layer j (value head first).
+  std::vector<std::vector<int64_t>> widths(L.head_layers, std::vector<int64_t>(heads));
+  for (int64_t k = 0; k < heads; ++k) {
+    // Encoded as the value widths V_1..V_H (dueling), then the branch widths A_1..A_H.
+    if (k > L.value_heads()) {
+      for (int64_t j = 0; j < L.head_layers; ++j) widths[j][k] = widths[j][L.value_heads()];
+      continue;
+    }
+    for (int64_t j = 0; j < L.head_layers; ++j) widths[j][k] = next("a head width");
+  }
+  for (int64_t i = 0; i < L.trunk_layers; ++i)
+    DQN_CHECK(trunk[i] >= 1, op, ": layout: trunk width ", i, " must be >= 1, got ", trunk[i]);
+  for (int64_t j = 0; j < L.head_layers; ++j)
+    for (int64_t k = 0; k < heads; ++k)
+      DQN_CHECK(widths[j][k] >= 1, op, ": layout: head ", k, "'s width in head layer ", j + 1, " must be >= 1, got ",
+                widths[j][k]);
+
+  // Hidden layers: the trunk's, the heads' merged first, the heads' block-diagonal deeper ones.
+  int64_t in_width = L.state_dim;
+  auto dense = [&](int64_t out_width) {
+    HiddenLayer h{in_width, out_width, 0, {}};
+    const int64_t w = next("a weight offset");
+    h.b_off = next("a bias offset");
+    h.blocks.push_back({0, in_width, 0, 0, out_width, out_width, w});
+    in_width = out_width;
+    return h;
+  };
+  for (int64_t i = 0; i < L.trunk_layers; ++i) L.hidden.push_back(dense(trunk[i]));
+  const int64_t trunk_out = in_width;
+  for (int64_t j = 0; j < L.head_layers; ++j) {
+    int64_t out_width = 0;
+    for (int64_t k = 0; k < heads; ++k) out_width += widths[j][k];
+    if (j == 0) {
+      L.hidden.push_back(dense(out_width));
+      continue;
+    }
+    HiddenLayer h{in_width, out_width, 0, {}};
+    int64_t in_col = 0, out_col = 0;
+    for (int64_t k = 0; k < heads; ++k) {
+      const int64_t w = next("a weight offset");
+      h.blocks.push_back({in_col, widths[j - 1][k], out_col, out_col, widths[j][k], widths[j][k], w});
+      in_col += widths[j - 1][k];
+      out_col += widths[j][k];
+    }
+    h.b_off = next("a bias offset");
+    L.hidden.push_back(h);
+    in_width = out_width;
+  }
+  L.head_in_width = in_width;
+
+  // Output heads.
+  L.head_out = L.head_ld = 0;
+  int64_t in_col = 0;
+  for (int64_t k = 0; k < heads; ++k) {
     HeadSlice h;
-    h.in_col = j == 0 ? 0 : L.value_hidden + (j - 1) * L.adv_hidden;
-    h.in_width = j == 0 ? L.value_hidden : L.adv_hidden;
-    h.out_col = j == 0 ? 0 : L.atoms * (1 + L.action_offsets[j - 1]);
-    h.out_width = j == 0 ? L.atoms : L.atoms * L.branch_sizes[j - 1];
-    h.w_off = v[p++];
+    const bool value = k < L.value_heads();
+    const int64_t in = L.head_layers == 0 ? trunk_out : widths[L.head_layers - 1][k];
+    h.in_col = L.head_layers == 0 ? 0 : in_col;
+    h.in_width = in;
+    in_col += in;
+    h.out_col = L.head_out;
+    h.out_width = L.atoms * (value ? 1 : L.branch_sizes[k - L.value_heads()]);
     h.pad_col = L.head_ld;
     h.pad_width = round_up_to_align(h.out_width);
+    h.w_off = next("a weight offset");
+    L.head_out += h.out_width;
     L.head_ld += h.pad_width;
     L.heads.push_back(h);
   }
-  L.b_s1 = v[p++];
-  L.b_s2 = v[p++];
-  L.b_h1 = v[p++];
-  L.b_out = v[p++];
-  L.numel = v[p++];
+  L.b_out = next("the output bias offset");
+  L.numel = next("the buffer length");
+  DQN_CHECK(p == n, op, ": layout: ", n - p, " entries past its end (", n,
+            " entries; expected the int[] from dqn_ops.ParamLayout.encode())");
 
   // Every segment aligned, inside the buffer, and disjoint from the others.
-  std::vector<std::pair<int64_t, int64_t>> seg = {
-      {L.w_s1, L.trunk1 * L.state_dim}, {L.w_s2, L.trunk2 * L.trunk1}, {L.w_h1, L.head_hidden * L.trunk2},
-      {L.b_s1, L.trunk1},               {L.b_s2, L.trunk2},            {L.b_h1, L.head_hidden},
-      {L.b_out, L.head_out}};
+  std::vector<std::pair<int64_t, int64_t>> seg = {{L.b_out, L.head_out}};
+  for (const HiddenLayer& h : L.hidden) {
+    seg.emplace_back(h.b_off, h.out_width);
+    for (const HeadSlice& b : h.blocks) seg.emplace_back(b.w_off, b.out_width * b.in_width);
+  }
   // An output head's weight segment reserves rows up to a multiple of kLayoutAlign (zero
   // padding, see ParamLayout): the CUDA kernels run its GEMMs on the padded row count.
-  for (const auto& h : L.heads) seg.emplace_back(h.w_off, round_up_to_align(h.out_width) * h.in_width);
+  for (const auto& h : L.heads) seg.emplace_back(h.w_off, h.pad_width * h.in_width);
   for (const auto& s : seg) {
     DQN_CHECK(s.first >= 0 && s.first % kLayoutAlign == 0, op, ": layout: segment offset ", s.first,
                 " is not a non-negative multiple of ", kLayoutAlign);

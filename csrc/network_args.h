@@ -72,33 +72,34 @@ inline void check_forward_args(const at::Tensor& states, const at::Tensor& param
   check_contiguous(states, op, states_name);
 }
 
-// The saved activations must be the ones bf16_dueling_forward returned for this layout.
-inline int64_t check_saved_activations(const at::Tensor& states_bf16, const at::Tensor& h1, const at::Tensor& h2,
-                                       const at::Tensor& hh, const at::Tensor& params_bf16, const NetLayout& L,
+// The saved activations must be the ones bf16_dueling_forward returned for this layout: the
+// states at the mirror's precision, then every hidden layer's output ([B, width] each; names in
+// messages: activations[i]). Returns B.
+inline int64_t check_saved_activations(at::TensorList activations, const at::Tensor& params_bf16, const NetLayout& L,
                                        const char* op) {
-  check_shape(states_bf16, op, "states_bf16", {-1, L.state_dim});
-  const int64_t B = states_bf16.size(0);
-  DQN_CHECK(B >= 1, op, ": states_bf16: expected a batch of at least 1 row, got 0");
-  check_shape(h1, op, "h1", {B, L.trunk1});
-  check_shape(h2, op, "h2", {B, L.trunk2});
-  check_shape(hh, op, "hh", {B, L.head_hidden});
-  const std::pair<const at::Tensor*, const char*> acts[] = {{&states_bf16, "states_bf16"}, {&h1, "h1"}, {&h2, "h2"}, {&hh, "hh"}};
-  for (const auto& a : acts) {
-    check_dtype(*a.first, op, a.second, params_bf16.scalar_type());
-    check_device(*a.first, op, a.second, params_bf16.device());
-    check_contiguous(*a.first, op, a.second);
+  const size_t expected = L.hidden.size() + 1;
+  DQN_CHECK(activations.size() == expected, op, ": activations: expected ", expected,
+            " tensors (the states and each hidden layer, as the forward returned them), got ", activations.size());
+  DQN_CHECK(activations[0].dim() == 2 && activations[0].size(0) >= 1, op,
+            ": activations[0]: expected the states [B >= 1, ", L.state_dim, "], got shape ", activations[0].sizes());
+  const int64_t B = activations[0].size(0);
+  for (size_t i = 0; i < expected; ++i) {
+    const std::string name = "activations[" + std::to_string(i) + "]";
+    check_shape(activations[i], op, name.c_str(), {B, L.activation_width(i)});
+    check_dtype(activations[i], op, name.c_str(), params_bf16.scalar_type());
+    check_device(activations[i], op, name.c_str(), params_bf16.device());
+    check_contiguous(activations[i], op, name.c_str());
   }
   return B;
 }
 
 inline void check_backward_args(const c10::optional<at::Tensor>& grad_q, const c10::optional<at::Tensor>& grad_head,
-                                const at::Tensor& states_bf16, const at::Tensor& h1, const at::Tensor& h2,
-                                const at::Tensor& hh, const at::Tensor& params, const at::Tensor& params_bf16,
+                                at::TensorList activations, const at::Tensor& params, const at::Tensor& params_bf16,
                                 const NetLayout& L, const std::string& precision) {
   const char* op = kBackwardOp;
   parse_precision(precision, op);
   check_params(params, params_bf16, L, op);
-  const int64_t B = check_saved_activations(states_bf16, h1, h2, hh, params_bf16, L, op);
+  const int64_t B = check_saved_activations(activations, params_bf16, L, op);
   DQN_CHECK(grad_q.has_value() || grad_head.has_value(), op, ": grad_q and grad_head are both None; give at least one");
   if (grad_q.has_value()) {
     check_shape(*grad_q, op, "grad_q", {B, L.total_actions, L.atoms});
@@ -134,14 +135,13 @@ inline int64_t check_online_and_target_args(const at::Tensor& state_pairs, const
 // _mixed_backward_from_head: grad_head [B, head_out] in params' dtype and its copy in the
 // mirror's dtype in the padded layout [B, head_ld], with the saved activations. Returns B.
 inline int64_t check_backward_from_head_args(const at::Tensor& grad_head, const at::Tensor& grad_head_bf16,
-                                             const at::Tensor& states_bf16, const at::Tensor& h1,
-                                             const at::Tensor& h2, const at::Tensor& hh, const at::Tensor& params,
+                                             at::TensorList activations, const at::Tensor& params,
                                              const at::Tensor& params_bf16, const NetLayout& L,
                                              const std::string& precision) {
   const char* op = kBackwardFromHeadOp;
   parse_precision(precision, op);
   check_params(params, params_bf16, L, op);
-  const int64_t B = check_saved_activations(states_bf16, h1, h2, hh, params_bf16, L, op);
+  const int64_t B = check_saved_activations(activations, params_bf16, L, op);
   check_tensor(grad_head, op, "grad_head", params.device(), params.scalar_type(), {B, L.head_out});
   check_tensor(grad_head_bf16, op, "grad_head_bf16", params.device(), params_bf16.scalar_type(), {B, L.head_ld});
   if (params.is_cuda()) check_aligned(grad_head_bf16, op, "grad_head_bf16", 16);

@@ -1,24 +1,27 @@
 """Network configuration and the flat parameter layout every op of the package shares.
 
-The network (docs/design.md):
+The network (docs/design.md), for L >= 1 trunk layers and H >= 0 hidden layers per head:
 
-    trunk   h1 = relu(s  W_s1^T + b_s1)          [B, SH1]
-            h2 = relu(h1 W_s2^T + b_s2)          [B, SH2]
-    heads   hh = relu(h2 W_h1^T + b_h1)          [B, VH + D*AH]    value and every branch's
-                                                                  first layer as ONE matrix
-    outputs v  = hh[:, value] W_v2^T + b_v2      [B, NA]
-            a_d = hh[:, branch d] W_a2d^T + b_a2d [B, n_d*NA]
+    trunk   h_i = relu(h_{i-1} W_si^T + b_si)     i = 1..L, h_0 = s        [B, T_i]
+    heads   head layer 1: every head's first hidden layer as ONE matrix W_h1 on h_L
+                (the value head's rows first, then each branch's);            [B, HH_1]
+            head layers 2..H: block-diagonal, head k reads its columns of the previous one;
+    outputs v   = (value head's last columns) W_v^T + b_v                      [B, NA]
+            a_d = (branch d's last columns) W_ad^T + b_ad                      [B, n_d*NA]
+            (with H = 0 every output head reads h_L itself)
     dueling q_d[b, k, :] = v[b, :] + a_d[b, k, :] - mean_k a_d[b, k, :]
+    without dueling (no value head) q_d = a_d.
 
 All parameters live in one flat buffer (F32 master, same offsets in the BF16 mirror, the
 gradient and the Adam moments). Each segment starts at a multiple of ``ALIGN`` elements, so
 every weight matrix is 16-byte aligned in the BF16 mirror and 32-byte aligned in F32. The
-value head's and the branches' first-layer weights are adjacent rows of one matrix W_h1, and
-all output biases are one vector b_out, so the CUDA path runs them as one GEMM / one pass.
+heads' first-layer weights are adjacent rows of one matrix W_h1, each deeper head layer keeps
+one bias vector for all heads, and all output biases are one vector b_out, so the CUDA path
+runs them as one GEMM / one pass.
 
-The per-layer names (``s1.weight``, ``v1.bias``, ``a1.0.weight``, ``a2.2.bias`` ...) are
-those of a plain ``nn.Linear`` network (the anchor step of docs/design.md), so state dicts move
-between the two.
+The per-layer names (``s1.weight``, ``v1.bias``, ``a1.0.weight``, ``a2.2.bias`` ...; ``q<j>.<d>``
+for a branch head without dueling) are those of a plain ``nn.Linear`` network
+(``dqn_ops.rl.baseline.TorchQNet``), so state dicts move between the two.
 """
 from __future__ import annotations
 
@@ -107,29 +110,55 @@ def check_choice(config: str, field: str, value, choices: Sequence, allow_none: 
 
 @dataclasses.dataclass(frozen=True)
 class DQNConfig:
-    """Sizes of a dueling, branching, distributional Q-network.
+    """Sizes of a branching, distributional Q-network, dueling or not.
 
     The defaults are the reference configuration of docs/design.md (287,998 parameters).
-    ``atoms=1`` gives plain (non-distributional) Q-values.
+
+    Args:
+        state_dim: width of an observation.
+        trunk_hidden: the shared trunk's layer widths (one or more layers).
+        value_hidden: the value head's hidden widths (zero or more layers; an int is one layer).
+            None: the same widths as ``adv_hidden`` with dueling, none without. The value and
+            branch heads have the same number of layers (the kernels run them side by side).
+        adv_hidden: each branch head's hidden widths (zero or more layers; an int is one layer):
+            the advantage stream with dueling, the Q head without.
+        atoms: support size of the return distribution (C51); 1 gives plain Q-values.
+        branches: the action count of each action branch.
+        dueling: a value head plus per-branch advantages (BDQ's local-mean aggregation), or
+            (False) one Q head per branch and no value head.
     """
 
     state_dim: int = 96
-    trunk_hidden: Tuple[int, int] = (256, 256)
-    value_hidden: int = 128
-    adv_hidden: int = 128
+    trunk_hidden: Tuple[int, ...] = (256, 256)
+    value_hidden: Optional[Tuple[int, ...]] = None
+    adv_hidden: Tuple[int, ...] = (128,)
     atoms: int = 51
     branches: Tuple[int, ...] = (3, 3, 3)
+    dueling: bool = True
 
     def __post_init__(self):
         name = "DQNConfig"
-        for field in ("state_dim", "value_hidden", "adv_hidden", "atoms"):
+        for field in ("state_dim", "atoms"):
             object.__setattr__(self, field, check_int(name, field, getattr(self, field), minimum=1))
-        trunk = check_int_tuple(name, "trunk_hidden", self.trunk_hidden, minimum=1, length=2,
-                                expected="2 widths >= 1 (a tuple of 2 ints)")
+        dueling = check_bool(name, "dueling", self.dueling)
+        trunk = check_int_tuple(name, "trunk_hidden", self.trunk_hidden, minimum=1,
+                                expected="one or more widths >= 1 (a tuple of ints)")
+        adv = _head_widths(name, "adv_hidden", self.adv_hidden)
+        if self.value_hidden is None:
+            value = adv if dueling else ()
+        else:
+            value = _head_widths(name, "value_hidden", self.value_hidden)
+            if not dueling and value:
+                raise ValueError(f"{name}: value_hidden must be None or () with dueling=False (no value head), "
+                                 f"got {value}")
+            if dueling and len(value) != len(adv):
+                raise ValueError(f"{name}: value_hidden and adv_hidden must have the same number of layers "
+                                 f"(the kernels run the heads' layers side by side), got {value} and {adv}")
         branches = check_int_tuple(name, "branches", self.branches, minimum=1,
                                    expected="a non-empty tuple of action counts >= 1 (ints)")
-        object.__setattr__(self, "trunk_hidden", trunk)
-        object.__setattr__(self, "branches", branches)
+        for field, value_ in (("trunk_hidden", trunk), ("value_hidden", value), ("adv_hidden", adv),
+                              ("branches", branches), ("dueling", dueling)):
+            object.__setattr__(self, field, value_)
 
     @property
     def num_branches(self) -> int:
@@ -140,24 +169,58 @@ class DQNConfig:
         return sum(self.branches)
 
     @property
-    def head_hidden(self) -> int:
-        """Width of the merged first head layer: value hidden + every branch's hidden."""
-        return self.value_hidden + self.num_branches * self.adv_hidden
+    def num_heads(self) -> int:
+        """Output heads: the value head (with dueling), then one per branch."""
+        return int(self.dueling) + self.num_branches
+
+    @property
+    def head_depth(self) -> int:
+        """Hidden layers of each head (H)."""
+        return len(self.adv_hidden)
+
+    def head_widths(self, j: int) -> Tuple[int, ...]:
+        """Width of each head's j-th hidden layer (j = 0 .. H-1), value head first."""
+        return ((self.value_hidden[j],) if self.dueling else ()) + (self.adv_hidden[j],) * self.num_branches
+
+    def head_out_widths(self) -> Tuple[int, ...]:
+        """Width of each output head's logits, value head first: NA, then n_d * NA."""
+        return ((self.atoms,) if self.dueling else ()) + tuple(n * self.atoms for n in self.branches)
+
+    @property
+    def hidden_widths(self) -> Tuple[int, ...]:
+        """Width of every hidden activation, in forward order: the trunk layers, then each head
+        layer (all heads side by side). The activations the ops save for the backward are the
+        states and these."""
+        return self.trunk_hidden + tuple(sum(self.head_widths(j)) for j in range(self.head_depth))
 
     @property
     def head_out(self) -> int:
-        """Width of the raw output logits: NA value logits + n_d*NA per branch."""
-        return self.atoms * (1 + self.total_actions)
+        """Width of the raw output logits: NA value logits (with dueling) + n_d*NA per branch."""
+        return sum(self.head_out_widths())
 
     @property
     def head_ld(self) -> int:
         """Row length of the CUDA kernels' padded output logits (csrc/layout.h, NetLayout::head_ld):
         each head's logits start at a multiple of ALIGN columns."""
-        return _align(self.atoms) + sum(_align(self.atoms * n) for n in self.branches)
+        return sum(_align(w) for w in self.head_out_widths())
 
     @property
     def num_parameters(self) -> int:
         return sum(shape_numel(s) for _, s, _ in ParamLayout(self).tensors)
+
+
+def _head_widths(config: str, field: str, value) -> Tuple[int, ...]:
+    """A head's hidden widths: an int (one layer) or a possibly empty sequence of ints >= 1."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = (value,)
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{config}: {field} must be an int >= 1 or a tuple of widths >= 1 (possibly empty), "
+                        f"got {_got(value)}")
+    items = tuple(value)
+    if not items:
+        return ()
+    return check_int_tuple(config, field, items, minimum=1,
+                           expected="an int >= 1 or a tuple of widths >= 1 (possibly empty)")
 
 
 def shape_numel(shape) -> int:
@@ -167,21 +230,46 @@ def shape_numel(shape) -> int:
     return n
 
 
+# The first entry of ParamLayout.encode(): a layout of another format (a stale one, or one
+# written by hand) fails csrc/layout.h's check with a clear error instead of being misread.
+LAYOUT_FORMAT = 2
+
+
 class ParamLayout:
     """Offsets of every segment of the flat parameter buffer.
 
-    ``encode()`` gives the ``int[] layout`` argument of the ops: the sizes, then the segment
-    offsets, then the buffer length. The C++ side validates it (csrc/layout.h) rather than
-    recomputing it, so this class is the one source of truth.
+    Segments, in buffer order: each trunk layer's weight W_s<i>; the heads' first layer W_h1
+    (value rows, then each branch's); for each deeper head layer j, one weight W_h<j>.<k> per head
+    k (value first); one output weight W_out<k> per head; then the biases b_s<i>, b_h<j> (all
+    heads of layer j in one vector) and b_out (every head's output bias).
+
+    ``encode()`` gives the ``int[] layout`` argument of the ops:
+
+        [LAYOUT_FORMAT, state_dim, atoms, dueling, D, n_1..n_D, L, T_1..T_L, H,
+         (value widths V_1..V_H with dueling), branch widths A_1..A_H,
+         per trunk layer: W_s<i>, b_s<i>;  with H >= 1: W_h1, b_h1;
+         per head layer j = 2..H: W_h<j>.<k> for each head k, b_h<j>;
+         W_out<k> for each head k, b_out;  numel]
+
+    The C++ side validates it (csrc/layout.h) rather than recomputing it, so this class is the
+    one source of truth.
     """
 
     def __init__(self, config: DQNConfig):
         self.config = c = config
-        sd, (sh1, sh2), vh, ah, na = c.state_dim, c.trunk_hidden, c.value_hidden, c.adv_hidden, c.atoms
-        segments = [("W_s1", (sh1, sd)), ("W_s2", (sh2, sh1)), ("W_h1", (c.head_hidden, sh2)),
-                    ("W_out0", (na, vh))]
-        segments += [(f"W_out{d + 1}", (n * na, ah)) for d, n in enumerate(c.branches)]
-        segments += [("b_s1", (sh1,)), ("b_s2", (sh2,)), ("b_h1", (c.head_hidden,)), ("b_out", (c.head_out,))]
+        heads, H = c.num_heads, c.head_depth
+        trunk_in = (c.state_dim,) + c.trunk_hidden
+        head_in = c.trunk_hidden[-1]
+        segments = [(f"W_s{i + 1}", (c.trunk_hidden[i], trunk_in[i])) for i in range(len(c.trunk_hidden))]
+        if H >= 1:
+            segments.append(("W_h1", (sum(c.head_widths(0)), head_in)))
+        for j in range(1, H):
+            segments += [(f"W_h{j + 1}.{k}", (c.head_widths(j)[k], c.head_widths(j - 1)[k])) for k in range(heads)]
+        last = c.head_widths(H - 1) if H >= 1 else (head_in,) * heads
+        segments += [(f"W_out{k}", (w, last[k])) for k, w in enumerate(c.head_out_widths())]
+        segments += [(f"b_s{i + 1}", (w,)) for i, w in enumerate(c.trunk_hidden)]
+        segments += [(f"b_h{j + 1}", (sum(c.head_widths(j)),)) for j in range(H)]
+        segments.append(("b_out", (c.head_out,)))
         self.segments: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
         off = 0
         for name, shape in segments:
@@ -193,44 +281,93 @@ class ParamLayout:
             rows = _align(shape[0]) if name.startswith("W_out") else shape[0]
             off = _align(off + rows * shape_numel(shape[1:]))
         self.numel = off
+        self.tensors = self._views()
 
-        # Per-layer views, named as in a plain nn.Linear network: (name, shape, offset).
+    def head_names(self) -> List[str]:
+        """Each head's name prefix, value head first: 'v', then 'a.<d>' (dueling) or 'q.<d>'."""
+        c = self.config
+        stream = "a" if c.dueling else "q"
+        return (["v"] if c.dueling else []) + [f"{stream}.{d}" for d in range(c.num_branches)]
+
+    @staticmethod
+    def head_layer_name(head: str, layer: int) -> str:
+        """The nn.Linear name of a head's layer (1-based; the output layer is H + 1): 'v2', 'a1.0'."""
+        stream, _, index = head.partition(".")
+        return f"{stream}{layer}" + (f".{index}" if index else "")
+
+    def _views(self) -> List[Tuple[str, Tuple[int, ...], int]]:
+        """Per-layer views, named as in a plain nn.Linear network: (name, shape, offset)."""
+        c, seg = self.config, self.segments
         t: List[Tuple[str, Tuple[int, ...], int]] = []
-        w_s1, b_s1 = self.segments["W_s1"][0], self.segments["b_s1"][0]
-        w_s2, b_s2 = self.segments["W_s2"][0], self.segments["b_s2"][0]
-        w_h1, b_h1 = self.segments["W_h1"][0], self.segments["b_h1"][0]
-        b_out = self.segments["b_out"][0]
-        t += [("s1.weight", (sh1, sd), w_s1), ("s1.bias", (sh1,), b_s1)]
-        t += [("s2.weight", (sh2, sh1), w_s2), ("s2.bias", (sh2,), b_s2)]
-        t += [("v1.weight", (vh, sh2), w_h1), ("v1.bias", (vh,), b_h1)]
-        t += [("v2.weight", (na, vh), self.segments["W_out0"][0]), ("v2.bias", (na,), b_out)]
-        action_off = 0
-        for d, n in enumerate(c.branches):
-            row = vh + d * ah
-            t += [(f"a1.{d}.weight", (ah, sh2), w_h1 + row * sh2), (f"a1.{d}.bias", (ah,), b_h1 + row)]
-            t += [(f"a2.{d}.weight", (n * na, ah), self.segments[f"W_out{d + 1}"][0]),
-                  (f"a2.{d}.bias", (n * na,), b_out + na * (1 + action_off))]
-            action_off += n
-        self.tensors = t
+        for i in range(len(c.trunk_hidden)):
+            (w, shape), (b, _) = seg[f"W_s{i + 1}"], seg[f"b_s{i + 1}"]
+            t += [(f"s{i + 1}.weight", shape, w), (f"s{i + 1}.bias", shape[:1], b)]
+        names, H = self.head_names(), c.head_depth
+        # Head k's layer j: its rows of the layer's weight (W_h1's rows after the heads before
+        # it; a segment of its own deeper down) and its columns of the layer's bias.
+        for k, head in enumerate(names):
+            for j in range(H):
+                widths = c.head_widths(j)
+                inputs = c.head_widths(j - 1) if j else (c.trunk_hidden[-1],) * c.num_heads
+                row = sum(widths[:k])
+                w = seg["W_h1"][0] + row * inputs[k] if j == 0 else seg[f"W_h{j + 1}.{k}"][0]
+                name = self.head_layer_name(head, j + 1)
+                t += [(f"{name}.weight", (widths[k], inputs[k]), w),
+                      (f"{name}.bias", (widths[k],), seg[f"b_h{j + 1}"][0] + row)]
+            w, shape = seg[f"W_out{k}"]
+            name = self.head_layer_name(head, H + 1)
+            col = sum(c.head_out_widths()[:k])
+            t += [(f"{name}.weight", shape, w), (f"{name}.bias", shape[:1], seg["b_out"][0] + col)]
+        return t
 
     def weight_matrices(self) -> List[Tuple[str, Tuple[int, int], int]]:
         """The per-layer weight matrices (10 for the reference config): (name, shape, offset)."""
         return [(n, s, o) for n, s, o in self.tensors if n.endswith(".weight")]
 
     def encode(self) -> List[int]:
-        c = self.config
-        sizes = [c.state_dim, *c.trunk_hidden, c.value_hidden, c.adv_hidden, c.atoms, c.num_branches, *c.branches]
-        offsets = [self.segments["W_s1"][0], self.segments["W_s2"][0], self.segments["W_h1"][0]]
-        offsets += [self.segments[f"W_out{j}"][0] for j in range(c.num_branches + 1)]
-        offsets += [self.segments[k][0] for k in ("b_s1", "b_s2", "b_h1", "b_out")]
+        c, seg = self.config, self.segments
+        H = c.head_depth
+        sizes = [LAYOUT_FORMAT, c.state_dim, c.atoms, int(c.dueling), c.num_branches, *c.branches,
+                 len(c.trunk_hidden), *c.trunk_hidden, H, *(c.value_hidden if c.dueling else ()), *c.adv_hidden]
+        offsets: List[int] = []
+        for i in range(len(c.trunk_hidden)):
+            offsets += [seg[f"W_s{i + 1}"][0], seg[f"b_s{i + 1}"][0]]
+        if H >= 1:
+            offsets += [seg["W_h1"][0], seg["b_h1"][0]]
+        for j in range(1, H):
+            offsets += [seg[f"W_h{j + 1}.{k}"][0] for k in range(c.num_heads)] + [seg[f"b_h{j + 1}"][0]]
+        offsets += [seg[f"W_out{k}"][0] for k in range(c.num_heads)] + [seg["b_out"][0]]
         return sizes + offsets + [self.numel]
 
 
-def decode_config(layout: List[int]) -> DQNConfig:
+def decode_config(layout: Sequence[int]) -> DQNConfig:
     """The DQNConfig whose ``ParamLayout(...).encode()`` starts with these sizes."""
-    if len(layout) < 8:
-        raise ValueError(f"layout: expected at least 8 entries, got {len(layout)}")
-    d = int(layout[6])
-    return DQNConfig(state_dim=int(layout[0]), trunk_hidden=(int(layout[1]), int(layout[2])),
-                     value_hidden=int(layout[3]), adv_hidden=int(layout[4]), atoms=int(layout[5]),
-                     branches=tuple(int(x) for x in layout[7:7 + d]))
+    v = [int(x) for x in layout]
+
+    def fail(why: str):
+        raise ValueError(f"layout: expected the int[] from dqn_ops.ParamLayout.encode() (format {LAYOUT_FORMAT}), "
+                         f"{why}")
+
+    if len(v) < 5 or v[0] != LAYOUT_FORMAT:
+        fail(f"got {v[:5]}{'...' if len(v) > 5 else ''}")
+    p = 1
+    state_dim, atoms, dueling, D = v[p:p + 4]
+    p += 4
+    if dueling not in (0, 1) or D < 1 or len(v) < p + D + 1:
+        fail(f"got dueling={dueling}, {D} branches in {len(v)} entries")
+    branches = tuple(v[p:p + D])
+    p += D
+    L = v[p]
+    trunk = tuple(v[p + 1:p + 1 + L])
+    p += 1 + L
+    if L < 1 or len(v) < p + 1:
+        fail(f"got {L} trunk layers in {len(v)} entries")
+    H = v[p]
+    p += 1
+    value = tuple(v[p:p + H]) if dueling else ()
+    p += H if dueling else 0
+    adv = tuple(v[p:p + H])
+    if H < 0 or len(v) < p + H:
+        fail(f"got {H} head layers in {len(v)} entries")
+    return DQNConfig(state_dim=state_dim, trunk_hidden=trunk, value_hidden=value, adv_hidden=adv, atoms=atoms,
+                     branches=branches, dueling=bool(dueling))

@@ -15,9 +15,12 @@ constexpr int kMaxBranches = 256;  // 3 KiB of kernel parameters
 
 struct BranchTable {
   int32_t count;
+  // The network has a value head (at column 0 of the logits) and q is the dueling aggregate;
+  // else q_d = the branch heads' biased logits. 0 in the branch-sizes overload (dqn_loss reads q).
+  int32_t dueling;
   int32_t size[kMaxBranches];
   int32_t action_offset[kMaxBranches];
-  // Branch d's first column in the padded logits layout (NetLayout::heads[d + 1].pad_col);
+  // Branch d's first column in the padded logits layout (NetLayout::branch_head(d).pad_col);
   // filled only by the NetLayout overload (dqn_loss's table, from branch sizes alone, has none).
   int32_t pad_col[kMaxBranches];
 };
@@ -27,10 +30,11 @@ inline BranchTable make_branch_table(const NetLayout& L, const char* op) {
               " branches, got ", L.num_branches());
   BranchTable t{};
   t.count = static_cast<int32_t>(L.num_branches());
+  t.dueling = L.dueling ? 1 : 0;
   for (int64_t d = 0; d < L.num_branches(); ++d) {
     t.size[d] = static_cast<int32_t>(L.branch_sizes[d]);
     t.action_offset[d] = static_cast<int32_t>(L.action_offsets[d]);
-    t.pad_col[d] = static_cast<int32_t>(L.heads[d + 1].pad_col);
+    t.pad_col[d] = static_cast<int32_t>(L.branch_head(d).pad_col);
   }
   return t;
 }
