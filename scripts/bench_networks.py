@@ -1,0 +1,112 @@
+"""The training step on networks of other shapes: dqn_ops against the strongest plain-PyTorch
+recipe, in one run.
+
+    python3 scripts/bench_networks.py                          # every network, B = 256 and 4096
+    python3 scripts/bench_networks.py --networks cleanrl_c51 --batches 256
+    python3 scripts/bench_networks.py --device cpu --batches 32 --modes dqn_ops_eager torch_eager_f32 --iters 3
+
+The networks (NETWORKS below) are the reference config of docs/design.md, CleanRL's c51.py network
+(4 -> 120 -> 84 -> 2 x 101 atoms, no dueling, no head layer) and a 3 x 512 trunk with the reference
+heads. The step is dqn_ops.Trainer's (graphed) against dqn_ops.rl.baseline.TorchTrainer with
+torch.compile of the forward + loss and of the updates, the whole step in one CUDA graph, under
+autocast BF16 (scripts/bench.py's torch_compile_graph_bf16, the fastest PyTorch recipe there).
+Target (issue 20): dqn_ops >= 4x faster for each network at B = 256 and 4096. torch.compile
+recompiles for every network and batch (tens of seconds each). Writes <out>/networks.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import dqn_ops  # noqa: E402
+from dqn_ops import DQNConfig  # noqa: E402
+
+from bench import MODES, make_step  # noqa: E402
+from bench_common import kernels_per_call, run_meta, time_us, write_results  # noqa: E402
+
+NETWORKS = {
+    "reference": DQNConfig(),
+    "cleanrl_c51": DQNConfig(state_dim=4, trunk_hidden=(120, 84), adv_hidden=(), atoms=101, branches=(2,),
+                             dueling=False),
+    "trunk_3x512": DQNConfig(trunk_hidden=(512, 512, 512)),
+}
+DEFAULT_MODES = ("dqn_ops_graph", "torch_compile_graph_bf16")
+TARGET_SPEEDUP = 4.0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
+    ap.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
+    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--iters", type=int, default=300, help="steps per timing")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "bench", "results"))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not (torch.cuda.is_available() and dqn_ops.cuda_kernels_built()):
+        raise SystemExit("bench_networks.py on cuda needs a CUDA device and dqn_ops built with its CUDA kernels")
+    torch.backends.cuda.matmul.allow_tf32 = False  # an F32 baseline is F32
+    rows = []
+    for name in args.networks:
+        c = NETWORKS[name]
+        for B in args.batches:
+            for mode in args.modes:
+                if device.type != "cuda" and ("graph" in mode or "compile" in mode):
+                    continue
+                try:
+                    t0 = time.time()
+                    fn = make_step(mode, c, B, device)
+                    us = time_us(fn, args.iters, 3, device=device)
+                    k = kernels_per_call(fn) if device.type == "cuda" else None
+                    row = dict(network=name, params=c.num_parameters, batch=B, mode=mode, status="ok",
+                               step_us=round(us, 2), kernels=k, setup_s=round(time.time() - t0, 1))
+                except Exception as e:  # reported; the run goes on
+                    row = dict(network=name, params=c.num_parameters, batch=B, mode=mode,
+                               status=f"failed: {type(e).__name__}: {str(e)[:300]}")
+                rows.append(row)
+                print(f"{name:12s} B={B:5d}  {mode:26s}  " +
+                      (f"{row['step_us']:9.1f} us/step  kernels {row['kernels']}" if row["status"] == "ok"
+                       else row["status"]), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def us(name, B, mode):
+        r = next((r for r in rows if r["network"] == name and r["batch"] == B and r["mode"] == mode), None)
+        return r["step_us"] if r is not None and r["status"] == "ok" else None
+
+    ours, theirs = args.modes[0], args.modes[-1]
+    meta = run_meta(device, modes=args.modes, tf32=False, target_speedup=TARGET_SPEEDUP)
+    lines = [f"# Training step by network shape — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
+             f"µs per step (median of 3 timings of {args.iters} back-to-back steps); kernels per step from the "
+             f"torch profiler; speedup = {theirs} / {ours} (target >= {TARGET_SPEEDUP:g}x).", "",
+             "| network | parameters | B | " + " | ".join(args.modes) + " | speedup |",
+             "|---|---|---|" + "---|" * len(args.modes) + "---|"]
+    for name in args.networks:
+        for B in args.batches:
+            cells = []
+            for m in args.modes:
+                r = next((r for r in rows if r["network"] == name and r["batch"] == B and r["mode"] == m), None)
+                cells.append("not run" if r is None else f"{r['step_us']:.1f} ({r['kernels']} k)"
+                             if r["status"] == "ok" else r["status"][:60])
+            a, b = us(name, B, ours), us(name, B, theirs)
+            speedup = f"{b / a:.1f}x" if a and b and ours != theirs else "-"
+            for r in rows:
+                if r["network"] == name and r["batch"] == B and a and b:
+                    r["speedup"] = round(b / a, 2)
+            lines.append(f"| {name} | {NETWORKS[name].num_parameters:,} | {B} | " + " | ".join(cells) +
+                         f" | {speedup} |")
+    lines += ["", "Networks: " + "; ".join(f"`{n}` = `{NETWORKS[n]}`" for n in args.networks)]
+    if device.type == "cuda":
+        write_results(args.out, "networks", meta, rows, lines)
+    else:
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
