@@ -8,8 +8,10 @@ namespace dqn_ops {
 
 // A lane holds atoms `lane` and `lane + 32` of a row in registers.
 constexpr int kFusedLossMaxAtoms = 64;
-// A warp per branch, all of a sample's branches in one block of at most this many warps (the
-// value column's gradient sums the branches' partial sums in that block's shared memory).
+// A warp per branch, all of a sample's branches in one block of at most this many warps (with
+// dueling, the value column's gradient sums the branches' partial sums in that block's shared
+// memory). The same limit holds without dueling, so that whether the fused kernel runs depends
+// on the loss, the atoms and the branch count alone (dqn_ops.step.fused_loss_supported).
 constexpr int kFusedLossMaxBranches = 8;
 
 }  // namespace dqn_ops

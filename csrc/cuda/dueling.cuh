@@ -13,6 +13,12 @@
 //             sum = sum over k, in order from 0.f, of dq_k;  da_k = (dq_k - sum / n) + g_k
 //             (dueling_advantage_grad);  dv = g_v + the branches' sums, in branch order.
 // The parenthesisation is part of the contract: float addition is not associative.
+//
+// Without a value head (NetLayout::dueling false, BranchTable::dueling 0) nothing is
+// aggregated: q_k = a_k (biased_logit alone) and da_k = dq_k + g_k, or dq_k itself where there
+// is no direct gradient (the fused loss writes dq_k unchanged: a -0 stays -0). Branch d's head
+// logits and bias start at column atoms * (dueling + action_offset[d]) of the compact head
+// (NetLayout::branch_head(d).out_col), its padded logits at BranchTable::pad_col[d].
 #pragma once
 
 #include <cstdint>
@@ -45,9 +51,10 @@ __device__ __forceinline__ float dueling_advantage_grad(float dq, float dq_mean,
 void launch_head_bias_dueling(const float* logits, const float* b_out, float* head, float* q, int64_t rows,
                               const NetLayout& L, const BranchTable& branches, cudaStream_t stream);
 
-// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q, compact [rows, head_out] F32, and
-// its BF16 copy in the padded layout [rows, head_ld], padding 0 (d_head_bf16 may be null;
-// grad_q or grad_head may be null, not both). Defined in mixed_backward.cu.
+// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q (without dueling: grad_q + grad_head,
+// no value column), compact [rows, head_out] F32, and its BF16 copy in the padded layout
+// [rows, head_ld], padding 0 (d_head_bf16 may be null; grad_q or grad_head may be null, not
+// both). Defined in mixed_backward.cu.
 void launch_dueling_backward(const float* grad_q, const float* grad_head, float* d_head, __nv_bfloat16* d_head_bf16,
                              int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream);
 

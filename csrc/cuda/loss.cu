@@ -23,12 +23,13 @@
 //
 // _dqn_loss_on_logits (the trainer's step, csrc/dqn_ops.cpp), two strategies:
 //   fused (C51, atoms <= kFusedLossMaxAtoms, branches <= kFusedLossMaxBranches): the same
-//     kernel reads the three passes' raw head logits, aggregating them as it reads them, and
-//     writes d(loss)/d(head logits) itself: one launch (and the memset), the logits one trip
-//     through memory;
+//     kernel reads the three passes' raw head logits, adding the output bias and (with
+//     dueling) aggregating them as it reads them, and writes d(loss)/d(head logits) itself:
+//     one launch (and the memset), the logits one trip through memory (LossRows::kHeadDueling,
+//     or kHeadPlain for a network without a value head);
 //   composed (every other configuration): the public ops' kernels in sequence: the forward's
-//     bias + dueling aggregation of each pass, dqn_loss's kernel, mixed_backward's dueling
-//     backward; 5 launches (and the memset).
+//     bias (+ dueling aggregation) of each pass, dqn_loss's kernel, mixed_backward's dueling
+//     backward (without dueling: d(head) = grad_q); 5 launches (and the memset).
 // Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh).
 #include <algorithm>
 #include <map>
@@ -104,10 +105,19 @@ struct LossResults {
   Tensor loss, td_error, mean_q;
 };
 
+using Kernel = void (*)(const BranchTable, const LossParams);
+
+// The <= 64-atom (c51_branch_small) version of the kernel for rows kRows.
+template <LossRows kRows>
+Kernel small_atoms_kernel(bool in_registers) {
+  return in_registers ? dqn_loss_kernel<true, kRows, true> : dqn_loss_kernel<true, kRows, false>;
+}
+
 // Sizes the launch, allocates the scalar outputs and launches. P arrives with the inputs, the
-// gradient outputs, total_actions and the loss constants set.
+// gradient outputs, total_actions and the loss constants set; `rows` says what its rows are
+// (the fused loss's only with C51 and atoms <= kDuelingMaxAtoms).
 LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms,
-                        LossType type, bool dueling, const at::TensorOptions& f32) {
+                        LossType type, LossRows rows, const at::TensorOptions& f32) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Block shape: C51 gives each sample min(D, kMaxWarps) warps (warp k takes branches k,
   // k + kMaxWarps, ...) and a block as many whole samples as fit in kMaxWarps warps; MSE /
@@ -120,13 +130,14 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
   const int warps = threads / 32;
   const bool small_atoms = c51 && atoms <= kDuelingMaxAtoms;
-  using Kernel = void (*)(const BranchTable, const LossParams);
+  DQN_CHECK(rows == LossRows::kQ || (small_atoms && br.count <= kMaxWarps), op,
+            ": the fused loss kernel takes C51 with at most ", kDuelingMaxAtoms, " atoms and ", kMaxWarps,
+            " branches, got ", atoms, " atoms and ", br.count, " branches");
   const bool in_registers = small_atoms && max_actions <= kQChunk;
-  const Kernel kernel = !small_atoms                 ? dqn_loss_kernel<false, false, false>
-                        : dueling && in_registers    ? dqn_loss_kernel<true, true, true>
-                        : dueling                    ? dqn_loss_kernel<true, true, false>
-                        : in_registers               ? dqn_loss_kernel<true, false, true>
-                                                     : dqn_loss_kernel<true, false, false>;
+  const Kernel kernel = !small_atoms                      ? dqn_loss_kernel<false, LossRows::kQ, false>
+                        : rows == LossRows::kHeadDueling ? small_atoms_kernel<LossRows::kHeadDueling>(in_registers)
+                        : rows == LossRows::kHeadPlain   ? small_atoms_kernel<LossRows::kHeadPlain>(in_registers)
+                                                         : small_atoms_kernel<LossRows::kQ>(in_registers);
   // The general version stages the rows where they fit in what the kernel may have.
   const size_t budget = dynamic_smem_budget(kernel);
   const bool staged = c51 && !small_atoms &&
@@ -168,7 +179,7 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
 }
 
 // The fields both ops fill alike: the samples and the loss constants. The caller sets the
-// logits, the gradient outputs and (the fused loss) the dueling fields.
+// logits, the gradient outputs and (the fused loss) the head fields.
 LossParams loss_params(const Tensor& actions, const Tensor& rewards, const Tensor& dones,
                        const c10::optional<Tensor>& weights, int64_t total_actions, int64_t atoms, LossType type,
                        double v_min, double v_max, double gamma) {
@@ -203,7 +214,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   P.q_next_online = q_next_online.data_ptr<float>();
   P.q_next_target = q_next_target.data_ptr<float>();
   P.grad_q = grad_q.data_ptr<float>();
-  const LossResults r = launch_loss(kLossOp, br, P, S.batch, S.atoms, S.type, false, q.options());
+  const LossResults r = launch_loss(kLossOp, br, P, S.batch, S.atoms, S.type, LossRows::kQ, q.options());
   return {r.loss, grad_q, r.td_error, r.mean_q};
 }
 
@@ -241,11 +252,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
     P.grad_head_bf16 = static_cast<__nv_bfloat16*>(grad_head_bf16.data_ptr());
     P.head_ld = L.head_ld;
     P.head_out = L.head_out;
-    const LossResults r = launch_loss(op, br, P, B, L.atoms, type, true, f32);
+    const LossRows rows = L.dueling ? LossRows::kHeadDueling : LossRows::kHeadPlain;
+    const LossResults r = launch_loss(op, br, P, B, L.atoms, type, rows, f32);
     return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};
   }
   // Composed: q of each pass as bf16_dueling_forward forms it (the compact head it also writes
-  // is scratch), dqn_loss's kernel, then mixed_backward's dueling step from grad_q.
+  // is scratch), dqn_loss's kernel, then mixed_backward's dueling step from grad_q (both
+  // kernels follow br.dueling: without a value head, q = the biased logits, d(head) = grad_q).
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   Tensor head = at::empty({B, L.head_out}, f32);
   Tensor q = at::empty({3, B, L.total_actions, L.atoms}, f32);
@@ -259,7 +272,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
   P.q_next_online = q[1].data_ptr<float>();
   P.q_next_target = q[2].data_ptr<float>();
   P.grad_q = grad_q.data_ptr<float>();
-  const LossResults r = launch_loss(op, br, P, B, L.atoms, type, false, f32);
+  const LossResults r = launch_loss(op, br, P, B, L.atoms, type, LossRows::kQ, f32);
   launch_dueling_backward(grad_q.data_ptr<float>(), nullptr, grad_head.data_ptr<float>(),
                           static_cast<__nv_bfloat16*>(grad_head_bf16.data_ptr()), B, L, br, stream);
   return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};

@@ -137,10 +137,11 @@ __device__ float2 c51_branch(const BranchTable& br, const LossParams& P, int b, 
 // (project_by_runs). `work` holds 4 * atoms floats: the target probabilities, the positions
 // and the two projected halves.
 //
-// kDueling (the fused loss, _dqn_loss_on_logits): the rows are raw head logits, aggregated as
-// they are read (BranchRows), and the gradient is written w.r.t. the head logits
-// (write_branch_head_grad; branch_sum: this warp's row of per-atom sums for the value column).
-template <bool kDueling, bool kRowsInRegisters>
+// reads_head(kRows) (the fused loss, _dqn_loss_on_logits): the rows are raw head logits, biased
+// and (kHeadDueling) aggregated as they are read (BranchRows), and the gradient is written
+// w.r.t. the head logits (write_branch_head_grad; branch_sum, kHeadDueling: this warp's row of
+// per-atom sums for the value column).
+template <LossRows kRows, bool kRowsInRegisters>
 __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, int b, int d, float scale,
                                    float* work, float* branch_sum, int lane) {
   const int NA = P.atoms, n = br.size[d];
@@ -149,7 +150,7 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
   const float r = P.rewards[b];
   const int64_t a = P.actions[int64_t(b) * br.count + d];
   if (!(a >= 0 && a < n) || !isfinite(r) || !isfinite(discount)) {  // see c51_branch
-    if constexpr (kDueling) write_branch_head_grad(P, br, b, d, -1, NAN, NAN, branch_sum, lane);
+    if constexpr (reads_head(kRows)) write_branch_head_grad<kRows>(P, br, b, d, -1, NAN, NAN, branch_sum, lane);
     else
       for (int i = lane; i < n * NA; i += 32) P.grad_q[row0 * NA + i] = NAN;
     return make_float2(NAN, NAN);
@@ -192,7 +193,7 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
   float xc0 = -INFINITY, xc1 = -INFINITY;  // the taken action's logits
   if constexpr (kRowsInRegisters) {
     BranchQ q;
-    branch_q<kDueling>(P, br, b, d, j0, j1, has0, has1, q);
+    branch_q<kRows>(P, br, b, d, j0, j1, has0, has1, q);
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k)  // a select, not an index: a register array stays in registers
       if (k == a) {
@@ -202,11 +203,11 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
     choose(n, q.x0[1], q.x1[1], q.x0[2], q.x1[2]);
   } else {
     auto load2 = [&](const BranchRows& rows, int k, float& x0, float& x1) {
-      x0 = has0 ? q_at<kDueling>(rows, int64_t(k) * NA + j0, rows.v0, rows.mean0) : -INFINITY;
-      x1 = has1 ? q_at<kDueling>(rows, int64_t(k) * NA + j1, rows.v1, rows.mean1) : -INFINITY;
+      x0 = has0 ? q_at<kRows>(rows, int64_t(k) * NA + j0, rows.v0, rows.mean0) : -INFINITY;
+      x1 = has1 ? q_at<kRows>(rows, int64_t(k) * NA + j1, rows.v1, rows.mean1) : -INFINITY;
     };
     BranchRows rows[3];
-    branch_rows<kDueling>(P, br, b, d, j0, j1, has0, has1, rows);
+    branch_rows<kRows>(P, br, b, d, j0, j1, has0, has1, rows);
     load2(rows[0], int(a), xc0, xc1);
     for (int a0 = 0; a0 < n && !nan_seen; a0 += kQChunk) {
       float x0[kQChunk], x1[kQChunk], y0[kQChunk], y1[kQChunk];
@@ -220,7 +221,7 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
       choose(live, x0, x1, y0, y1);
     }
   }
-  if constexpr (!kDueling)
+  if constexpr (kRows == LossRows::kQ)
     for (int k = 0; k < n; ++k)  // the other actions' gradient rows are 0
       if (k != a) {
         if (has0) P.grad_q[(row0 + k) * NA + j0] = 0.f;
@@ -273,8 +274,8 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
     // the branch mean from it next, and must round as the public ops do, which store it first.
     g1 = __fmul_rn(p1 - m1, scale);
   }
-  if constexpr (kDueling) {
-    write_branch_head_grad(P, br, b, d, int(a), g0, g1, branch_sum, lane);
+  if constexpr (reads_head(kRows)) {
+    write_branch_head_grad<kRows>(P, br, b, d, int(a), g0, g1, branch_sum, lane);
   } else {
     float* g = P.grad_q + (row0 + a) * NA;
     if (has0) g[j0] = g0;
@@ -336,8 +337,9 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
   return make_float3(warp_sum(loss) / br.count, warp_sum(td) / br.count, warp_sum(qsum) / br.count);
 }
 
-// kSmallAtoms: C51 with atoms <= 64 (c51_branch_small). kDueling: the fused loss on head
-// logits (C51, atoms <= 64, a warp per branch: warps_per_sample == branches).
+// kSmallAtoms: C51 with atoms <= 64 (c51_branch_small). kRows: what the rows are (LossRows);
+// the fused loss on head logits is C51 with atoms <= 64, a warp per branch (warps_per_sample ==
+// branches: the value column's gradient, kHeadDueling, sums the sample's warps' branch sums).
 // kSmallAtomsMinBlocks: the <= 64-atom versions are latency-bound, so 3 blocks (24 warps) per
 // SM: at most 85 registers. Unbounded, the fused version takes more registers than that and
 // fits only 2 blocks per SM, which was slower; with 4 blocks per SM (64 registers) it spills,
@@ -345,13 +347,14 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // kRowsInRegisters: every branch has at most kQChunk actions (BranchQ).
 constexpr int kSmallAtomsMinBlocks = 3;
 
-template <bool kSmallAtoms, bool kDueling, bool kRowsInRegisters>
+template <bool kSmallAtoms, LossRows kRows, bool kRowsInRegisters>
 __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBlocks : 1)
     dqn_loss_kernel(const __grid_constant__ BranchTable br, const LossParams P) {
-  static_assert(!kDueling || kSmallAtoms, "the fused loss runs the <= 64-atom version");
+  constexpr bool kDueling = kRows == LossRows::kHeadDueling;
+  static_assert(!reads_head(kRows) || kSmallAtoms, "the fused loss runs the <= 64-atom version");
   static_assert(!kRowsInRegisters || kSmallAtoms, "rows in registers: the <= 64-atom version");
   extern __shared__ float smem[];  // C51: P.work_floats per warp
-  // Each warp's sums of a round, and (kDueling) its branch sums of dq per atom for the value
+  // Each warp's sums of a round, and (kHeadDueling) its branch sums of dq per atom for the value
   // column's gradient, read by its sample's first warp after the round's barrier. Two buffers,
   // by round parity, so one barrier a round suffices: a round writes the buffer the previous
   // round did not read, and the round before that finished its reads before the last barrier.
@@ -376,14 +379,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
         for (int d = wi; d < br.count; d += W) {
           float2 r;
           if constexpr (kSmallAtoms)
-            r = c51_branch_small<kDueling, kRowsInRegisters>(
+            r = c51_branch_small<kRows, kRowsInRegisters>(
                 br, P, b, d, scale, work, kDueling ? branch_sums[buf] + warp * kDuelingMaxAtoms : nullptr, lane);
           else
             r = c51_branch(br, P, b, d, scale, work, lane);
           x += r.x;
           y += r.y;
         }
-      } else if constexpr (!kDueling) {
+      } else if constexpr (kRows == LossRows::kQ) {
         const float3 r = bdq_sample(br, P, b, scale, lane);
         x = r.x;
         z = r.y;

@@ -23,6 +23,22 @@ constexpr int kDuelingMaxAtoms = kFusedLossMaxAtoms;
 constexpr int kQChunk = 4;        // actions whose expected Q reduce together
 constexpr int kStageUnroll = 12;  // loads in flight per lane while staging
 
+// What the kernel's rows are, fixed per instantiation (a template argument, so each version
+// compiles to its own work):
+//   kQ: dqn_loss's q [batch, total_actions, atoms], the gradient to grad_q;
+//   kHeadDueling, kHeadPlain: the fused loss (_dqn_loss_on_logits): the output layer's raw
+//     GEMM rows plus each network's output bias, q formed as the rows are read (kHeadDueling:
+//     the network has a value head and q is the dueling aggregate; kHeadPlain: it has none
+//     and q is the biased branch logits), the gradient to grad_head / grad_head_bf16.
+enum class LossRows { kQ, kHeadDueling, kHeadPlain };
+
+constexpr bool reads_head(LossRows rows) { return rows != LossRows::kQ; }
+
+// The output heads before the branches' (the value head, with dueling): branch d's logits and
+// output bias start at atoms * (value_heads + action_offset[d]) of the compact head
+// (NetLayout::branch_head(d).out_col).
+constexpr int value_heads(LossRows rows) { return rows == LossRows::kHeadDueling ? 1 : 0; }
+
 struct LossParams {
   const float* q;
   const float* q_next_online;
@@ -44,7 +60,7 @@ struct LossParams {
   int work_floats;  // C51: shared memory per warp
   float v_min, v_max, dz, gamma;
   LossType type;
-  // The fused loss (kDueling): q, q_next_online and q_next_target are the output layer's
+  // The fused loss (reads_head): q, q_next_online and q_next_target are the output layer's
   // raw GEMM rows [batch, head_ld] (padded layout, no bias); the biases are b_online / b_target
   // (each network's b_out); the gradient goes to grad_head (F32 [batch, head_out]) and
   // grad_head_bf16 (padded [batch, head_ld]) instead of grad_q.

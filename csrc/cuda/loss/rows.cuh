@@ -1,6 +1,6 @@
 // Row access of the loss kernels (loss.cu's parts: see loss.cu): the three passes' rows of a
-// branch as the loss reads them (dqn_loss: dueling-aggregated q; the fused loss: raw head
-// logits, aggregated as they are read), the fused loss's gradient writes w.r.t. the head
+// branch as the loss reads them (dqn_loss: q; the fused loss: raw head logits, biased and,
+// with dueling, aggregated as they are read), the fused loss's gradient writes w.r.t. the head
 // logits, and the general C51 version's staging of its rows in shared memory.
 #pragma once
 
@@ -17,40 +17,46 @@ namespace dqn_ops {
 namespace cuda {
 namespace {  // see loss/params.cuh
 
-// One network pass's rows of branch d of sample b, as the loss reads them. dqn_loss: the
-// dueling-aggregated rows, action k's atom j at row[k * atoms + j]. The fused loss
-// (kDueling): the raw advantage logits at the same place, aggregated as they are read with
-// dueling.cuh's arithmetic (head_bias_dueling_kernel's), so that q is the same bits. v (the
+// One network pass's rows of branch d of sample b, as the loss reads them. dqn_loss (kQ): q,
+// action k's atom j at row[k * atoms + j]. The fused loss: the branch head's raw logits at the
+// same place, biased as they are read and (kHeadDueling) aggregated, with dueling.cuh's
+// arithmetic (head_bias_dueling_kernel's), so that q is the same bits. kHeadDueling: v (the
 // value logit + its bias) and mean are per lane, at its atoms j0 and j1.
 struct BranchRows {
   const float* row;
-  const float* bias;  // kDueling only
+  const float* bias;  // the fused loss only
   float v0, v1, mean0, mean1;
 };
 
 // The rows of branch d of sample b in the three passes: the online network on s (rows[0])
-// and on s' (rows[1]), the target network on s' (rows[2]). kDueling: every pass's loads of a
-// chunk of kQChunk actions are issued together (one memory latency per chunk for all three
+// and on s' (rows[1]), the target network on s' (rows[2]). kHeadDueling: every pass's loads of
+// a chunk of kQChunk actions are issued together (one memory latency per chunk for all three
 // passes, not one per load: the loss is latency-bound), then added in action order.
-template <bool kDueling>
+template <LossRows kRows>
 __device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, int d, int j0, int j1, bool has0,
                             bool has1, BranchRows (&rows)[3]) {
   const float* base[3] = {P.q, P.q_next_online, P.q_next_target};
   const int NA = P.atoms;
-  if constexpr (!kDueling) {
+  if constexpr (kRows == LossRows::kQ) {
 #pragma unroll
     for (int p = 0; p < 3; ++p)
       rows[p] = BranchRows{base[p] + (int64_t(b) * P.total_actions + br.action_offset[d]) * NA, nullptr, 0.f, 0.f,
                            0.f, 0.f};
+  } else if constexpr (kRows == LossRows::kHeadPlain) {
+    const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
+#pragma unroll
+    for (int p = 0; p < 3; ++p)
+      rows[p] = BranchRows{base[p] + int64_t(b) * P.head_ld + br.pad_col[d],
+                           b_out[p] + int64_t(NA) * (value_heads(kRows) + br.action_offset[d]), 0.f, 0.f, 0.f, 0.f};
   } else {
     const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
     const int n = br.size[d];
     float s0[3] = {0.f, 0.f, 0.f}, s1[3] = {0.f, 0.f, 0.f};
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
-      const float* in = base[p] + int64_t(b) * P.head_ld;
+      const float* in = base[p] + int64_t(b) * P.head_ld;  // the value head's logits at column 0
       rows[p].row = in + br.pad_col[d];
-      rows[p].bias = b_out[p] + int64_t(NA) * (1 + br.action_offset[d]);
+      rows[p].bias = b_out[p] + int64_t(NA) * (value_heads(kRows) + br.action_offset[d]);
       rows[p].v0 = has0 ? biased_logit(in[j0], b_out[p][j0]) : 0.f;
       rows[p].v1 = has1 ? biased_logit(in[j1], b_out[p][j1]) : 0.f;
     }
@@ -82,10 +88,11 @@ __device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, i
   }
 }
 
-// q of action k at atom j (i = k * atoms + j), v and mean at that atom.
-template <bool kDueling>
+// q of action k at atom j (i = k * atoms + j), v and mean at that atom (kHeadDueling).
+template <LossRows kRows>
 __device__ __forceinline__ float q_at(const BranchRows& r, int64_t i, float v, float mean) {
-  if constexpr (kDueling) return dueling_q(v, biased_logit(r.row[i], r.bias[i]), mean);
+  if constexpr (kRows == LossRows::kHeadDueling) return dueling_q(v, biased_logit(r.row[i], r.bias[i]), mean);
+  else if constexpr (kRows == LossRows::kHeadPlain) return biased_logit(r.row[i], r.bias[i]);
   else return r.row[i];
 }
 
@@ -98,12 +105,12 @@ struct BranchQ {
   float x0[3][kQChunk], x1[3][kQChunk];
 };
 
-template <bool kDueling>
+template <LossRows kRows>
 __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int d, int j0, int j1, bool has0,
                          bool has1, BranchQ& q) {
   const float* base[3] = {P.q, P.q_next_online, P.q_next_target};
   const int NA = P.atoms, n = br.size[d];
-  if constexpr (!kDueling) {
+  if constexpr (kRows == LossRows::kQ) {
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
       const float* row = base[p] + (int64_t(b) * P.total_actions + br.action_offset[d]) * NA;
@@ -114,14 +121,27 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
         q.x1[p][k] = live && has1 ? row[k * NA + j1] : -INFINITY;
       }
     }
+  } else if constexpr (kRows == LossRows::kHeadPlain) {
+    const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+      const float* row = base[p] + int64_t(b) * P.head_ld + br.pad_col[d];
+      const float* bias = b_out[p] + NA * (value_heads(kRows) + br.action_offset[d]);
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k) {
+        const bool live = k < n;
+        q.x0[p][k] = live && has0 ? biased_logit(row[k * NA + j0], bias[k * NA + j0]) : -INFINITY;
+        q.x1[p][k] = live && has1 ? biased_logit(row[k * NA + j1], bias[k * NA + j1]) : -INFINITY;
+      }
+    }
   } else {
     const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
     float v0[3], v1[3];
 #pragma unroll
     for (int p = 0; p < 3; ++p) {  // every load of the three passes issued before the first add
-      const float* in = base[p] + int64_t(b) * P.head_ld;
+      const float* in = base[p] + int64_t(b) * P.head_ld;  // the value head's logits at column 0
       const float* row = in + br.pad_col[d];
-      const float* bias = b_out[p] + NA * (1 + br.action_offset[d]);
+      const float* bias = b_out[p] + NA * (value_heads(kRows) + br.action_offset[d]);
       v0[p] = has0 ? biased_logit(in[j0], b_out[p][j0]) : 0.f;
       v1[p] = has1 ? biased_logit(in[j1], b_out[p][j1]) : 0.f;
 #pragma unroll
@@ -150,15 +170,18 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
   }
 }
 
-// The fused loss's gradient of branch d of sample b w.r.t. the head logits: dueling.cuh's
-// backward (dueling_backward_kernel's) on dq = g at the taken action a and 0 at the others
-// (a < 0: a poisoned sample, every dq NaN), no direct gradient. Writes the branch's advantage columns (F32
-// compact; BF16 padded, its padding columns 0) and leaves sum per atom in branch_sum, which
-// the value column adds up over the branches (write_value_grad).
+// The fused loss's gradient of branch d of sample b w.r.t. the head logits, from dq = g at the
+// taken action a and 0 at the others (a < 0: a poisoned sample, every dq NaN), no direct
+// gradient. kHeadDueling: dueling.cuh's backward (dueling_backward_kernel's) on dq, leaving the
+// sum per atom in branch_sum, which the value column adds up over the branches
+// (write_value_grad); kHeadPlain: dq itself (q is the biased branch logits; branch_sum unused).
+// Writes the branch head's columns (F32 compact; BF16 padded, its padding columns 0).
+template <LossRows kRows>
 __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& br, int b, int d, int a, float g0,
                                        float g1, float* branch_sum, int lane) {
+  static_assert(reads_head(kRows), "the head-logit gradient is the fused loss's");
   const int NA = P.atoms, n = br.size[d];
-  float* dh = P.grad_head + int64_t(b) * P.head_out + NA * (1 + br.action_offset[d]);
+  float* dh = P.grad_head + int64_t(b) * P.head_out + NA * (value_heads(kRows) + br.action_offset[d]);
   __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld + br.pad_col[d];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -166,23 +189,32 @@ __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& b
     if (j >= NA) break;
     const float taken = a < 0 ? NAN : e == 0 ? g0 : g1;  // dq at the taken action
     const float other = a < 0 ? NAN : 0.f;               // and at the others
-    // The sum over the actions in order adds zeros to dq at the taken action, exactly: 0 + taken
-    // (not `taken`: that differs for -0), without a loop over the actions.
-    const float sum = 0.f + taken;
-    const float mean = branch_mean(sum, n);
-    for (int k = 0; k < n; ++k) {
-      const float x = dueling_advantage_grad(k == a ? taken : other, mean, 0.f);
-      dh[k * NA + j] = x;
-      low[k * NA + j] = __float2bfloat16_rn(x);
+    if constexpr (kRows == LossRows::kHeadDueling) {
+      // The sum over the actions in order adds zeros to dq at the taken action, exactly: 0 + taken
+      // (not `taken`: that differs for -0), without a loop over the actions.
+      const float sum = 0.f + taken;
+      const float mean = branch_mean(sum, n);
+      for (int k = 0; k < n; ++k) {
+        const float x = dueling_advantage_grad(k == a ? taken : other, mean, 0.f);
+        dh[k * NA + j] = x;
+        low[k * NA + j] = __float2bfloat16_rn(x);
+      }
+      branch_sum[j] = sum;
+    } else {
+      for (int k = 0; k < n; ++k) {
+        const float x = k == a ? taken : other;
+        dh[k * NA + j] = x;
+        low[k * NA + j] = __float2bfloat16_rn(x);
+      }
     }
-    branch_sum[j] = sum;
   }
   const int width = n * NA;
   for (int i = width + lane; i < round_up_to_align(width); i += 32) low[i] = __float2bfloat16_rn(0.f);
 }
 
-// The value column of sample b's head-logit gradient: the branches' sums in branch order
-// (dueling.cuh's dv, no direct gradient), then its BF16 copy and padding. branch_sums: one row of
+// The value column of sample b's head-logit gradient (kHeadDueling: the value head is the first
+// output head, compact and padded column 0): the branches' sums in branch order (dueling.cuh's
+// dv, no direct gradient), then its BF16 copy and padding. branch_sums: one row of
 // kDuelingMaxAtoms per branch.
 __device__ void write_value_grad(const LossParams& P, int b, const float* branch_sums, int branches, int lane) {
   const int NA = P.atoms;
