@@ -3,8 +3,9 @@
 // (output bias, dueling aggregation, expected Q, per-branch argmax, epsilon-greedy), then a
 // one-thread kernel that advances the call counter.
 //
-// Launches: the forward's (9 for the reference config: cast, 3 x (GEMM + bias/ReLU), 2 output
-// GEMMs) + 2. Why the counter gets a launch of its own: every block of the epilogue reads
+// Launches: the forward's up to its output GEMMs (dueling_forward.cu: the cast, each hidden
+// layer's GEMMs and one bias/ReLU, a GEMM per output head group; 9 for the reference config)
+// + 2. Why the counter gets a launch of its own: every block of the epilogue reads
 // rng[1] (the call its draws use), so no block may advance it before all have read it. The
 // alternative, the last block to finish (an atomic ticket) advancing it, needs a ticket counter
 // that is zero at launch: a memset, one launch too. Stream order makes the one-thread kernel
@@ -16,10 +17,12 @@
 // in shared memory (read back only by the lane that wrote them: no barrier). q of action k
 // at atom z is dueling.cuh's dueling_q(v, biased_logit(a, bias), mean) with the mean summed
 // in action order from 0.f, exactly as head_bias_dueling_kernel forms bf16_dueling_forward's
-// q_logits: the same bits. The expected Q is then max-shifted softmax weights times the
-// support, reduced over the warp (butterfly sums, loss/kernels.cuh's order of work): it may
-// differ from the CPU reference's (double precision) or torch's softmax in the last bits, so
-// a near-tie of two actions may break differently; the logits do not differ.
+// q_logits: the same bits. Without dueling (no value head) q is the branch head's biased
+// logit, as there too, and neither v nor a mean is formed. The expected Q is then max-shifted
+// softmax weights times the support, reduced over the warp (butterfly sums, loss/kernels.cuh's
+// order of work): it may differ from the CPU reference's (double precision) or torch's softmax
+// in the last bits, so a near-tie of two actions may break differently; the logits do not
+// differ.
 #include <algorithm>
 #include <tuple>
 
@@ -67,24 +70,28 @@ __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActP
   float* mean = v + NA;
   const uint64_t seed = static_cast<uint64_t>(P.rng[0]), call = static_cast<uint64_t>(P.rng[1]);
   const float epsilon = P.epsilon[0];
+  const int value_heads = br.dueling;  // the value logits, at column 0, and the dueling aggregation
 
   for (int64_t b = int64_t(blockIdx.x) * warps + warp; b < P.rows; b += int64_t(gridDim.x) * warps) {
     const float* in = P.logits + b * P.head_ld;
-    for (int z = lane; z < NA; z += 32) v[z] = biased_logit(in[z], P.b_out[z]);
+    if (value_heads)
+      for (int z = lane; z < NA; z += 32) v[z] = biased_logit(in[z], P.b_out[z]);
     // Lane 0 writes the row's actions: only it needs the draws.
     const bool explore = lane == 0 && act_explores(seed, call, static_cast<uint32_t>(b), epsilon);
     for (int d = 0; d < D; ++d) {
       const int n = br.size[d];
       const float* adv = in + br.pad_col[d];
-      const float* bias = P.b_out + int64_t(NA) * (1 + br.action_offset[d]);
-      for (int z = lane; z < NA; z += 32) {
-        float sum = 0.f;
-        for (int k = 0; k < n; ++k) sum += biased_logit(adv[int64_t(k) * NA + z], bias[int64_t(k) * NA + z]);
-        mean[z] = branch_mean(sum, n);
-      }
+      const float* bias = P.b_out + int64_t(NA) * (value_heads + br.action_offset[d]);
+      if (value_heads)
+        for (int z = lane; z < NA; z += 32) {
+          float sum = 0.f;
+          for (int k = 0; k < n; ++k) sum += biased_logit(adv[int64_t(k) * NA + z], bias[int64_t(k) * NA + z]);
+          mean[z] = branch_mean(sum, n);
+        }
       auto q_at = [&](int k, int z) {
         const int64_t i = int64_t(k) * NA + z;
-        return dueling_q(v[z], biased_logit(adv[i], bias[i]), mean[z]);
+        const float a = biased_logit(adv[i], bias[i]);
+        return value_heads ? dueling_q(v[z], a, mean[z]) : a;
       };
       // The first of equal maxima; the first NaN wins (torch.argmax's rule, and the loss's
       // double-DQN choice). kActChunk actions at a time: their loads and their reductions'

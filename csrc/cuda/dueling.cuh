@@ -46,8 +46,9 @@ __device__ __forceinline__ float dueling_advantage_grad(float dq, float dq_mean,
 // configuration the fused kernel does not take). Each launches one kernel on `stream`.
 
 // From the output layer's GEMM results in the padded layout (logits [rows, head_ld], no bias):
-// head = logits + b_out, compact [rows, head_out], and q = the dueling aggregate
-// [rows, total_actions, atoms]. Defined in dueling_forward.cu.
+// head = logits + b_out, compact [rows, head_out], and q [rows, total_actions, atoms] = the
+// dueling aggregate, or without dueling (branches.dueling == 0) the branch heads' biased logits.
+// Defined in dueling_forward.cu.
 void launch_head_bias_dueling(const float* logits, const float* b_out, float* head, float* q, int64_t rows,
                               const NetLayout& L, const BranchTable& branches, cudaStream_t stream);
 

@@ -1,15 +1,28 @@
 // bf16_dueling_forward on CUDA: BF16 x BF16 -> F32 GEMMs (COMPUTE_32F) on torch's cuBLAS
-// handle, with bias + ReLU + BF16 cast fused into one pass after each hidden GEMM.
+// handle, with bias + ReLU + BF16 cast fused into one pass after each hidden layer's GEMMs.
 //
-// Launches: 1 (states -> BF16) + 3 x (GEMM + bias/ReLU) + the output GEMMs (2: the value
-// head, then the branch heads as one strided batch when they share a shape; else D + 1)
-// + 1 (output bias + dueling aggregation) = 11 for the reference config. The value head's
-// and all branches' first layers run as one GEMM over the adjacent rows of W_h1.
+// Launches, for L trunk layers and H head layers:
+//   1 (states -> BF16)
+//   + L x (GEMM + bias/ReLU) for the trunk
+//   + (H >= 1) GEMM + bias/ReLU for head layer 1: every head's first layer is one GEMM over
+//     the adjacent rows of W_h1
+//   + for each head layer 2..H, a GEMM per group of its blocks (NetLayout's block_groups: the
+//     value head's, then the branch heads' as one strided batch when they share a shape) + 1
+//     bias/ReLU
+//   + the output layer's GEMMs, one per head group likewise (head_groups)
+//   + 1 (output bias + dueling aggregation)
+// = 2L + 3H + 3 for H >= 1 with dueling and D >= 2 branches of one size (two groups a layer):
+// 10 for the reference config (L = 2, H = 1).
 // _online_and_target_logits, the trainer's fused path, stops before the last kernel, and runs
 // the online network on [s; s'] and the target network on s' together: with batch_networks,
-// each hidden layer of both networks is one strided-batched GEMM and one bias + ReLU launch
-// (7 launches fewer than two passes; the target then also runs on s, rows it does not need).
+// each layer of both networks is one bias + ReLU launch, and each single-block group (a dense
+// layer's, the value head's) one strided-batched GEMM (2 launches fewer than two passes per
+// dense layer, 6 for the reference config; the target then also runs on s, rows it does not
+// need).
 #include <algorithm>
+#include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -81,26 +94,35 @@ __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const flo
 
 // From the output layer's GEMM results in the padded layout (logits [rows, head_ld], see
 // NetLayout::head_ld) writes head = logits + b_out in the compact layout [rows, head_out] and
-// the dueling aggregate q[b, action, z] (dueling.cuh). A thread per (row, atom) (row_group); a
-// branch's advantages are loaded together (kLoadsInFlight at a time: one memory latency per
-// branch, not one per action) and read again, from L1, for q instead of from `head`.
+// q[b, action, z]: with dueling the aggregate (dueling.cuh), else the branch head's biased
+// logit itself (there is no value head: branch d's columns start at atoms * first, not
+// atoms * (1 + first)). A thread per (row, atom) (row_group); a branch's logits are loaded
+// together (kLoadsInFlight at a time: one memory latency per branch, not one per action) and
+// read again, from L1, for the dueling q instead of from `head`.
 __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64_t head_ld,
                                          const float* __restrict__ b_out, float* __restrict__ head,
                                          float* __restrict__ q, int64_t rows, int atoms, int64_t head_out,
                                          int total_actions, BranchTable branches) {
   const RowGroup g = row_group(atoms);
   if (g.idle) return;
+  const int value_heads = branches.dueling;  // the value head's atoms come first in `head`
   for (int64_t b = g.first_row; b < rows; b += g.row_stride) {
     const float* in = logits + b * head_ld;
     float* row = head + b * head_out;
     float* q_row = q + b * int64_t(total_actions) * atoms;
     for (int z = g.col; z < atoms; z += g.width) {
-      const float v = biased_logit(in[z], b_out[z]);
-      row[z] = v;
+      float v = 0.f;
+      if (value_heads) {
+        v = biased_logit(in[z], b_out[z]);
+        row[z] = v;
+      }
       for (int d = 0; d < branches.count; ++d) {
         const int size = branches.size[d], first = branches.action_offset[d];
+        const int64_t col = int64_t(atoms) * (value_heads + first) + z;  // branch d's compact column at atom z
         const float* adv = in + branches.pad_col[d] + z;
-        const float* bias = b_out + int64_t(atoms) * (1 + first) + z;
+        const float* bias = b_out + col;
+        float* out = row + col;
+        float* q_out = q_row + int64_t(first) * atoms + z;
         float sum = 0.f;
         for (int k0 = 0; k0 < size; k0 += kLoadsInFlight) {  // the chunk's loads first, then its stores
           float a[kLoadsInFlight];
@@ -110,14 +132,16 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
 #pragma unroll
           for (int j = 0; j < kLoadsInFlight; ++j)
             if (k0 + j < size) {
-              row[int64_t(atoms) * (1 + first + k0 + j) + z] = a[j];
+              out[int64_t(k0 + j) * atoms] = a[j];
               sum += a[j];
+              if (!value_heads) q_out[int64_t(k0 + j) * atoms] = a[j];
             }
         }
+        if (!value_heads) continue;
         const float mean = branch_mean(sum, size);
 #pragma unroll 4
         for (int k = 0; k < size; ++k)
-          q_row[int64_t(first + k) * atoms + z] =
+          q_out[int64_t(k) * atoms] =
               dueling_q(v, biased_logit(adv[int64_t(k) * atoms], bias[int64_t(k) * atoms]), mean);
       }
     }
@@ -144,33 +168,60 @@ struct NetParams {
   const __nv_bfloat16* w;
 };
 
-// One network's hidden activations, BF16 [rows, width].
-struct HiddenActs {
-  Tensor h1, h2, hh;
-};
-
-// The three hidden layers of one or two networks on the same BF16 input rows x [rows, SD].
-// With two, each layer is one strided-batched GEMM over both (the second network's weights are
-// the stride away from the first's: the lower address goes first, so the stride is >= 0) into
-// a [2, rows, width] buffer, and one bias + ReLU launch over it. Every element is computed as in
-// a pass of its own (same operands, F32 accumulation, F32 bias, one rounding to BF16).
-std::vector<HiddenActs> hidden_layers(const char* op, const Tensor& x, const std::vector<NetParams>& nets,
-                                      const NetLayout& L, const at::TensorOptions& f32, cudaStream_t stream) {
+// The hidden layers of one or two networks on the same BF16 input rows x [rows, SD]: per
+// network h_1..h_M (M = L.hidden.size()), BF16 [rows, width] each.
+// Each layer's GEMMs write F32 pre-activations into one scratch [count, rows, width], then one
+// bias + ReLU launch over all its rows makes the layer's [count, rows, width] output: a dense
+// layer is one GEMM, a block-diagonal one a GEMM per group of same-shape blocks (block_groups;
+// one bias vector at b_off covers all its blocks). With two networks, a group of one block (a
+// dense layer among them) is one strided-batched GEMM over both networks (the second network's
+// weights are the stride away from the first's: the lower address goes first, so the stride is
+// >= 0), a group of several blocks one strided-batched GEMM over its blocks per network. Every
+// element is computed as in a pass of its own (same operands, F32 accumulation, F32 bias, one
+// rounding to BF16).
+std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, const std::vector<NetParams>& nets,
+                                               const NetLayout& L, const at::TensorOptions& f32,
+                                               cudaStream_t stream) {
   const int64_t rows = x.size(0), count = static_cast<int64_t>(nets.size());
   const bool swap = count == 2 && nets[1].w < nets[0].w;
-  const NetParams& lo = nets[swap ? 1 : 0];
-  const NetParams& hi = nets[count == 2 && !swap ? 1 : 0];
+  // The networks in the order of their slots in each layer's [count, rows, width] buffers.
+  const NetParams* slot_net[2] = {&nets[swap ? 1 : 0], &nets[count == 2 && !swap ? 1 : 0]};
+  const NetParams& lo = *slot_net[0];
+  const NetParams& hi = *slot_net[1];
   const int64_t w_stride = hi.w - lo.w;
-  // One F32 scratch for the pre-activations of all three layers (stream-ordered reuse).
-  Tensor z = at::empty({count * rows * std::max({L.trunk1, L.trunk2, L.head_hidden})}, f32);
-  auto layer = [&](const Tensor& in, int64_t in_stride, int64_t in_width, int64_t w_off, int64_t b_off, int64_t out,
-                   const char* what) {
+  int64_t widest = 0;
+  for (const HiddenLayer& layer : L.hidden) widest = std::max(widest, layer.out_width);
+  // One F32 scratch for the pre-activations of every layer (stream-ordered reuse).
+  Tensor z = at::empty({count * rows * widest}, f32);
+  float* zp = z.data_ptr<float>();
+  std::vector<Tensor> outs;  // each layer's [count, rows, width]
+  for (size_t i = 0; i < L.hidden.size(); ++i) {
+    const HiddenLayer& layer = L.hidden[i];
+    const int64_t out = layer.out_width, trunk = L.trunk_layers, index = static_cast<int64_t>(i);
+    const std::string what = index < trunk ? "trunk layer " + std::to_string(index + 1)
+                                           : (index == trunk ? "merged head layer 1"
+                                                             : "head layer " + std::to_string(index - trunk + 1));
+    const auto* in = static_cast<const __nv_bfloat16*>(i == 0 ? x.data_ptr() : outs.back().data_ptr());
+    // The first layer reads the same x for both networks (stride 0), the others their own input.
+    const int64_t in_net_stride = i == 0 ? 0 : rows * layer.in_width;
+    for (const HeadGroup& g : block_groups(layer.blocks)) {
+      const HeadSlice& s = g.first;
+      if (g.count == 1) {
+        gemm_strided_batched(op, what.c_str(), rows, s.out_width, s.in_width,
+                             Operand{in + s.in_col, CUDA_R_16BF, layer.in_width, false}, in_net_stride,
+                             Operand{lo.w + s.w_off, CUDA_R_16BF, s.in_width, true}, w_stride, zp + s.out_col,
+                             CUDA_R_32F, out, rows * out, count, CUBLAS_COMPUTE_32F);
+        continue;
+      }
+      for (int64_t n = 0; n < count; ++n)
+        gemm_strided_batched(op, what.c_str(), rows, s.out_width, s.in_width,
+                             Operand{in + n * in_net_stride + s.in_col, CUDA_R_16BF, layer.in_width, false},
+                             g.in_col_stride, Operand{slot_net[n]->w + s.w_off, CUDA_R_16BF, s.in_width, true},
+                             g.w_stride, zp + n * rows * out + s.out_col, CUDA_R_32F, out, g.out_col_stride,
+                             g.count, CUBLAS_COMPUTE_32F);
+    }
     Tensor h = at::empty({count, rows, out}, x.options());
-    gemm_strided_batched(op, what, rows, out, in_width, Operand{in.data_ptr(), CUDA_R_16BF, in_width, false},
-                         in_stride, Operand{lo.w + w_off, CUDA_R_16BF, in_width, true}, w_stride, z.data_ptr(),
-                         CUDA_R_32F, out, rows * out, count, CUBLAS_COMPUTE_32F);
-    const float* zp = z.data_ptr<float>();
-    const float *bias_lo = lo.p + b_off, *bias_hi = hi.p + b_off;
+    const float *bias_lo = lo.p + layer.b_off, *bias_hi = hi.p + layer.b_off;
     auto* hp = static_cast<__nv_bfloat16*>(h.data_ptr());
     const int64_t all_rows = count * rows;
     if (out % 4 == 0 && aligned16(zp, bias_lo, bias_hi, hp))
@@ -181,35 +232,32 @@ std::vector<HiddenActs> hidden_layers(const char* op, const Tensor& x, const std
       bias_relu_bf16_kernel<<<row_group_blocks(all_rows, out, kThreads), kThreads, 0, stream>>>(
           zp, bias_lo, bias_hi, rows, hp, all_rows, out);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return h;
-  };
-  // The first layer reads the same x for both networks (stride 0), the others their own input.
-  Tensor h1 = layer(x, 0, L.state_dim, L.w_s1, L.b_s1, L.trunk1, "trunk layer 1");
-  Tensor h2 = layer(h1, rows * L.trunk1, L.trunk1, L.w_s2, L.b_s2, L.trunk2, "trunk layer 2");
-  Tensor hh = layer(h2, rows * L.trunk2, L.trunk2, L.w_h1, L.b_h1, L.head_hidden, "merged head layer 1");
-  std::vector<HiddenActs> acts;
+    outs.push_back(h);
+  }
+  std::vector<std::vector<Tensor>> acts(count);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t slot = swap ? count - 1 - i : i;
-    acts.push_back({h1[slot], h2[slot], hh[slot]});
+    for (const Tensor& h : outs) acts[i].push_back(h[slot]);
   }
   return acts;
 }
 
-// The output layer of one network on hh [rows, head_hidden] (contiguous): its GEMM results,
-// no bias, in the padded layout [rows, head_ld]. Block-diagonal: each head reads its column
-// slice of hh and writes its column slice of the padded logits; the branch heads as one
-// batched GEMM when they can.
-Tensor output_logits(const char* op, const Tensor& hh, const __nv_bfloat16* w, const NetLayout& L,
+// The output layer of one network on its last hidden activation `in` [rows, head_in_width]
+// (contiguous): its GEMM results, no bias, in the padded layout [rows, head_ld].
+// Block-diagonal: each head reads its column slice of `in` (with H = 0 all of it: the heads'
+// in_col_stride is 0) and writes its column slice of the padded logits; each group of
+// same-shape heads (the branch heads, when they can) as one batched GEMM.
+Tensor output_logits(const char* op, const Tensor& in, const __nv_bfloat16* w, const NetLayout& L,
                      const at::TensorOptions& f32) {
-  const int64_t rows = hh.size(0);
+  const int64_t rows = in.size(0);
   Tensor logits = at::empty({rows, L.head_ld}, f32);
-  const auto* hh_ptr = static_cast<const __nv_bfloat16*>(hh.data_ptr());
+  const auto* in_ptr = static_cast<const __nv_bfloat16*>(in.data_ptr());
   for (const HeadGroup& g : head_groups(L)) {
     const HeadSlice& s = g.first;
     // pad_width rows of W: the padding rows (zero, reserved by the layout) give logits
     // columns no one reads, and keep every GEMM size a multiple of 8.
     gemm_strided_batched(op, "output heads", rows, s.pad_width, s.in_width,
-                         Operand{hh_ptr + s.in_col, CUDA_R_16BF, L.head_hidden, false}, g.in_col_stride,
+                         Operand{in_ptr + s.in_col, CUDA_R_16BF, L.head_in_width, false}, g.in_col_stride,
                          Operand{w + s.w_off, CUDA_R_16BF, s.in_width, true}, g.w_stride,
                          logits.data_ptr<float>() + s.pad_col, CUDA_R_32F, L.head_ld, g.pad_col_stride, g.count,
                          CUBLAS_COMPUTE_32F);
@@ -230,15 +278,19 @@ Logits forward_to_logits(const char* op, const Tensor& states, const Tensor& par
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   Tensor x = cast_states(states, params_bf16.options(), stream);
   const NetParams net = net_params(params, params_bf16);
-  const HiddenActs a = hidden_layers(op, x, {net}, L, params.options(), stream)[0];
-  return {output_logits(op, a.hh, net.w, L, params.options()), x, a.h1, a.h2, a.hh};
+  std::vector<Tensor> activations = {x};
+  std::vector<std::vector<Tensor>> hidden = hidden_layers(op, x, {net}, L, params.options(), stream);
+  for (Tensor& h : hidden[0]) activations.push_back(std::move(h));
+  Tensor logits = output_logits(op, activations.back(), net.w, L, params.options());
+  return {logits, std::move(activations)};
 }
 
 namespace {
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
-    const Tensor& states, const Tensor& params, const Tensor& params_bf16, c10::IntArrayRef layout,
-    c10::string_view backward_precision) {
+std::tuple<Tensor, Tensor, std::vector<Tensor>> dueling_forward_cuda(const Tensor& states, const Tensor& params,
+                                                                     const Tensor& params_bf16,
+                                                                     c10::IntArrayRef layout,
+                                                                     c10::string_view backward_precision) {
   const NetLayout L = parse_layout(layout, kForwardOp);
   check_forward_args(states, params, params_bf16, L, std::string(backward_precision));
   const BranchTable branches = make_branch_table(L, kForwardOp);
@@ -249,14 +301,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dueling_forward_cuda(
   Tensor q = at::empty({B, L.total_actions, L.atoms}, params.options());
   launch_head_bias_dueling(f.logits.data_ptr<float>(), params.data_ptr<float>() + L.b_out, head.data_ptr<float>(),
                            q.data_ptr<float>(), B, L, branches, at::cuda::getCurrentCUDAStream());
-  return {q, head, f.x, f.h1, f.h2, f.hh};
+  return {q, head, std::move(f.activations)};
 }
 
 // _online_and_target_logits (the trainer's fused path; csrc/dqn_ops.cpp): the online network
 // on state_pairs [2B, SD] and the target network on its last B rows (s'), each stopped before
 // the aggregation, which the fused loss does as it reads the logits. The same checks and
-// kernels as bf16_dueling_forward; s' is cast to BF16 once for both networks.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> online_and_target_logits_cuda(
+// kernels as bf16_dueling_forward; s' is cast to BF16 once for both networks. Returns the
+// online network's activations on all 2B rows.
+std::tuple<Tensor, Tensor, std::vector<Tensor>> online_and_target_logits_cuda(
     const Tensor& state_pairs, const Tensor& params, const Tensor& params_bf16, const Tensor& target_params,
     const Tensor& target_params_bf16, c10::IntArrayRef layout, bool batch_networks) {
   const char* op = kLogitsOp;
@@ -269,18 +322,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> online_and_target_log
   const auto f32 = params.options();
   Tensor x = cast_states(state_pairs, params_bf16.options(), stream);
   const NetParams online = net_params(params, params_bf16), target = net_params(target_params, target_params_bf16);
-  HiddenActs on, tgt;
+  std::vector<Tensor> on, tgt;
   if (batch_networks) {  // both on all 2B rows: the target's first B (s) go unused
-    const std::vector<HiddenActs> both = hidden_layers(op, x, {online, target}, L, f32, stream);
-    on = both[0];
-    tgt = both[1];
+    std::vector<std::vector<Tensor>> both = hidden_layers(op, x, {online, target}, L, f32, stream);
+    on = std::move(both[0]);
+    tgt = std::move(both[1]);
   } else {
-    on = hidden_layers(op, x, {online}, L, f32, stream)[0];
-    tgt = hidden_layers(op, x.narrow(0, B, B), {target}, L, f32, stream)[0];
+    on = std::move(hidden_layers(op, x, {online}, L, f32, stream)[0]);
+    tgt = std::move(hidden_layers(op, x.narrow(0, B, B), {target}, L, f32, stream)[0]);
   }
-  Tensor logits = output_logits(op, on.hh, online.w, L, f32);
-  Tensor logits_next_target = output_logits(op, tgt.hh.narrow(0, tgt.hh.size(0) - B, B), target.w, L, f32);
-  return {logits, logits_next_target, x, on.h1, on.h2, on.hh};
+  Tensor logits = output_logits(op, on.back(), online.w, L, f32);
+  Tensor logits_next_target = output_logits(op, tgt.back().narrow(0, tgt.back().size(0) - B, B), target.w, L, f32);
+  std::vector<Tensor> activations = {x};
+  for (Tensor& h : on) activations.push_back(std::move(h));
+  return {logits, logits_next_target, std::move(activations)};
 }
 
 }  // namespace
