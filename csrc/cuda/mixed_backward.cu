@@ -7,9 +7,11 @@
 //   tf32: F32 dY x F32 operands on TF32 tensor cores (COMPUTE_32F_FAST_TF32); dX reads the
 //         F32 master weights, dW the saved BF16 activations upcast to F32 (exact).
 //   fp32: as tf32 with COMPUTE_32F_PEDANTIC (full-precision FMA, for checks).
-// Bias gradients are column sums of the unrounded F32 dZ, all four layer groups together in a
-// fixed summation order (graph replays and eager calls agree bitwise).
+// Bias gradients are column sums of the unrounded F32 dZ, every layer's in one launch (up to
+// kMaxColumnSumJobs layers) in a fixed summation order (graph replays and eager calls agree
+// bitwise).
 #include <algorithm>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -35,26 +37,31 @@ constexpr int kThreads = 256;
 constexpr int kLoadsInFlight = 4;  // per thread, in the dueling backward kernel
 
 // d_head = grad_head + d(dueling aggregate)/d(head) . grad_q (dueling.cuh), a thread per
-// (row, atom) (row_group), a branch's dq loaded kLoadsInFlight at a time. d_head is compact
-// [rows, head_out]; the BF16 copy the `bf16` GEMMs read (d_head_bf16, may be null) is in the
-// padded layout [rows, head_ld] of NetLayout, its padding columns 0.
+// (row, atom) (row_group), a branch's dq loaded kLoadsInFlight at a time. Without dueling
+// (branches.dueling == 0: no value column, q_d = the branch's logits) there is no mean: the
+// same formula with mean 0, d_head = (dq - 0) + grad_head. d_head is compact [rows, head_out];
+// the BF16 copy the `bf16` GEMMs read (d_head_bf16, may be null) is in the padded layout
+// [rows, head_ld] of NetLayout, its padding columns 0.
 __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const float* __restrict__ grad_head,
                                         float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
                                         int64_t head_ld, int64_t rows, int atoms, int64_t head_out,
                                         int total_actions, BranchTable branches) {
   const RowGroup grp = row_group(atoms);
   if (grp.idle) return;
+  const int value_heads = branches.dueling;  // the value head's column block comes first
   for (int64_t b = grp.first_row; b < rows; b += grp.row_stride) {
     const float* gh = grad_head ? grad_head + b * head_out : nullptr;
     float* dh = d_head + b * head_out;
     __nv_bfloat16* low = d_head_bf16 ? d_head_bf16 + b * head_ld : nullptr;
     for (int z = grp.col; z < atoms; z += grp.width) {
-      float dv = gh ? gh[z] : 0.f;
+      float dv = value_heads && gh ? gh[z] : 0.f;
       for (int d = 0; d < branches.count; ++d) {
         const int size = branches.size[d], first = branches.action_offset[d];
         const float* dq = grad_q ? grad_q + (b * total_actions + first) * int64_t(atoms) + z : nullptr;
+        // The branch's sum of dq (its mean's gradient and the value's); only dueling has them.
+        const bool mean_term = dq && value_heads;
         float sum = 0.f;
-        if (dq)
+        if (mean_term)
           for (int k0 = 0; k0 < size; k0 += kLoadsInFlight) {  // the chunk's loads first
             float x[kLoadsInFlight];
 #pragma unroll
@@ -68,21 +75,25 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
         const float mean = branch_mean(sum, size);
 #pragma unroll 4
         for (int k = 0; k < size; ++k) {
-          const int64_t col = int64_t(atoms) * (1 + first + k) + z;
-          // Without grad_q: dq = 0 and mean = 0, so g = (0 - 0) + direct.
+          const int64_t col = int64_t(atoms) * (value_heads + first + k) + z;
+          // Without grad_q: dq = 0 and mean = 0, so g = (0 - 0) + direct; without dueling
+          // g = (dq - 0) + direct.
           const float g =
-              dueling_advantage_grad(dq ? dq[int64_t(k) * atoms] : 0.f, dq ? mean : 0.f, gh ? gh[col] : 0.f);
+              dueling_advantage_grad(dq ? dq[int64_t(k) * atoms] : 0.f, mean_term ? mean : 0.f, gh ? gh[col] : 0.f);
           dh[col] = g;
           if (low) low[branches.pad_col[d] + int64_t(k) * atoms + z] = __float2bfloat16_rn(g);
         }
       }
-      dh[z] = dv;
-      if (low) low[z] = __float2bfloat16_rn(dv);
+      if (value_heads) {
+        dh[z] = dv;
+        if (low) low[z] = __float2bfloat16_rn(dv);
+      }
     }
     if (low) {  // the padding columns of every head: 0, so padded GEMM sizes add nothing
-      for (int j = 0; j <= branches.count; ++j) {
-        const int64_t width = j == 0 ? atoms : int64_t(atoms) * branches.size[j - 1];
-        const int64_t pad_col = j == 0 ? 0 : branches.pad_col[j - 1];
+      for (int j = 0; j < value_heads + branches.count; ++j) {
+        const bool value = j < value_heads;  // the value head at padded column 0
+        const int64_t width = value ? atoms : int64_t(atoms) * branches.size[j - value_heads];
+        const int64_t pad_col = value ? 0 : branches.pad_col[j - value_heads];
         for (int64_t i = width + grp.col; i < round_up_to_align(width); i += grp.width)
           low[pad_col + i] = __float2bfloat16_rn(0.f);
       }
@@ -113,11 +124,12 @@ __global__ void relu_backward_x4_kernel(float4* __restrict__ d, const uint2* __r
   }
 }
 
-// Up to 4 BF16 -> F32 copies in one launch (blockIdx.y picks the tensor).
+// Up to kMaxUpcastJobs BF16 -> F32 copies in one launch (blockIdx.y picks the tensor).
+constexpr int kMaxUpcastJobs = 8;
 struct UpcastJobs {
-  const __nv_bfloat16* src[4];
-  float* dst[4];
-  int64_t n[4];
+  const __nv_bfloat16* src[kMaxUpcastJobs];
+  float* dst[kMaxUpcastJobs];
+  int64_t n[kMaxUpcastJobs];
 };
 
 __global__ void upcast_kernel(UpcastJobs jobs) {
@@ -128,8 +140,8 @@ __global__ void upcast_kernel(UpcastJobs jobs) {
     dst[i] = __bfloat162float(src[i]);
 }
 
-// Column sums of up to 4 row-major F32 matrices [rows, cols_j] into dst_j: the bias
-// gradients. Block (x, y) sums kColTile columns of one job over the rows of chunk y
+// Column sums of up to kMaxColumnSumJobs row-major F32 matrices [rows, cols_j] into dst_j:
+// the bias gradients. Block (x, y) sums kColTile columns of one job over the rows of chunk y
 // (kChunkRows rows): kRowLanes threads per column stride down the rows with 4 independent
 // accumulators, then one fixed-order reduction in shared memory. With one chunk (rows <=
 // kChunkRows) the block writes dst; otherwise it writes its chunk's partial sums and
@@ -139,12 +151,13 @@ __global__ void upcast_kernel(UpcastJobs jobs) {
 constexpr int kColTile = 32, kRowLanes = 16, kRowUnroll = 4;
 constexpr int64_t kChunkRows = 512;
 constexpr int kMaxZeroRanges = 32;
+constexpr int kMaxColumnSumJobs = 8;
 struct ColumnSumJobs {
-  const float* src[4];
-  float* dst[4];
-  int64_t cols[4];
-  int64_t first_block[5];  // job j owns column tiles [first_block[j], first_block[j+1])
-  int64_t first_col[5];    // and columns [first_col[j], first_col[j+1]) of `partial`
+  const float* src[kMaxColumnSumJobs];
+  float* dst[kMaxColumnSumJobs];
+  int64_t cols[kMaxColumnSumJobs];
+  int64_t first_block[kMaxColumnSumJobs + 1];  // job j owns column tiles [first_block[j], first_block[j+1])
+  int64_t first_col[kMaxColumnSumJobs + 1];    // and columns [first_col[j], first_col[j+1]) of `partial`
   int count;
   int64_t rows;
   float* partial;  // [chunks, first_col[count]] when there is more than one chunk
@@ -209,10 +222,11 @@ __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
 // unwritten: the layout's alignment gaps and, outside bf16 mode (whose output-head GEMMs run on
 // the padded row count), the output heads' reserved rows. In order, disjoint.
 std::vector<std::pair<int64_t, int64_t>> unwritten_ranges(const NetLayout& L, bool bf16) {
-  std::vector<std::pair<int64_t, int64_t>> written = {
-      {L.w_s1, L.trunk1 * L.state_dim}, {L.w_s2, L.trunk2 * L.trunk1}, {L.w_h1, L.head_hidden * L.trunk2},
-      {L.b_s1, L.trunk1},               {L.b_s2, L.trunk2},            {L.b_h1, L.head_hidden},
-      {L.b_out, L.head_out}};
+  std::vector<std::pair<int64_t, int64_t>> written = {{L.b_out, L.head_out}};
+  for (const HiddenLayer& h : L.hidden) {
+    written.emplace_back(h.b_off, h.out_width);
+    for (const HeadSlice& b : h.blocks) written.emplace_back(b.w_off, b.out_width * b.in_width);
+  }
   for (const HeadSlice& h : L.heads) written.emplace_back(h.w_off, (bf16 ? h.pad_width : h.out_width) * h.in_width);
   std::sort(written.begin(), written.end());
   std::vector<std::pair<int64_t, int64_t>> gaps;
@@ -232,16 +246,23 @@ struct Grad {
   __nv_bfloat16* low_ptr() const { return low.defined() ? static_cast<__nv_bfloat16*>(low.data_ptr()) : nullptr; }
 };
 
+// The name of hidden layer i in error messages.
+std::string hidden_layer_name(const NetLayout& L, int64_t i) {
+  return i < L.trunk_layers ? "trunk layer " + std::to_string(i + 1)
+                            : "head layer " + std::to_string(i - L.trunk_layers + 1);
+}
+
 // The backward from d(head logits) on: d_head.f32 compact [B, head_out], and in bf16 mode
-// d_head.low in the padded layout [B, head_ld] with its padding columns 0.
-std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, const Tensor& states_bf16, const Tensor& h1,
-                                              const Tensor& h2, const Tensor& hh, const Tensor& params,
+// d_head.low in the padded layout [B, head_ld] with its padding columns 0. activations: the
+// saved [states, h_1, ..., h_M] (BF16, checked by the caller).
+std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList activations, const Tensor& params,
                                               const Tensor& params_bf16, const NetLayout& L,
                                               BackwardPrecision precision, bool need_grad_states, const char* op) {
   // Kernels and cuBLAS must run on the tensors' device, whichever device is current.
   const c10::cuda::CUDAGuard guard(params.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t B = states_bf16.size(0);
+  const int64_t B = activations[0].size(0);
+  const int64_t M = static_cast<int64_t>(L.hidden.size());  // activations[i + 1] = hidden layer i's output
   const auto f32 = params.options();
   const auto bf16opt = params_bf16.options();
   const bool bf16 = precision == BackwardPrecision::kBF16;
@@ -256,23 +277,25 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, const Tensor& 
   // GEMM operands of the chosen precision: dX reads the mirror (bf16) or the master (F32).
   const void* weights = bf16 ? params_bf16.data_ptr() : params.data_ptr();
 
-  // Saved activations as GEMM operands: as saved (bf16) or upcast to F32 in one launch.
-  const Tensor* acts[4] = {&states_bf16, &h1, &h2, &hh};
-  Tensor acts_f32[4];
+  // Saved activations as GEMM operands: as saved (bf16) or upcast to F32, kMaxUpcastJobs per launch.
+  std::vector<Tensor> acts_f32;
   if (!bf16) {
-    UpcastJobs jobs{};
-    int64_t most = 0;
-    for (int i = 0; i < 4; ++i) {
-      acts_f32[i] = at::empty(acts[i]->sizes(), f32);
-      jobs.src[i] = static_cast<const __nv_bfloat16*>(acts[i]->data_ptr());
-      jobs.dst[i] = acts_f32[i].data_ptr<float>();
-      jobs.n[i] = acts[i]->numel();
-      most = std::max(most, jobs.n[i]);
+    for (const Tensor& a : activations) acts_f32.push_back(at::empty(a.sizes(), f32));
+    for (size_t first = 0; first < activations.size(); first += kMaxUpcastJobs) {
+      const int count = static_cast<int>(std::min<size_t>(kMaxUpcastJobs, activations.size() - first));
+      UpcastJobs jobs{};
+      int64_t most = 0;
+      for (int i = 0; i < count; ++i) {
+        jobs.src[i] = static_cast<const __nv_bfloat16*>(activations[first + i].data_ptr());
+        jobs.dst[i] = acts_f32[first + i].data_ptr<float>();
+        jobs.n[i] = activations[first + i].numel();
+        most = std::max(most, jobs.n[i]);
+      }
+      upcast_kernel<<<dim3(blocks_for(most, kThreads), count), kThreads, 0, stream>>>(jobs);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    upcast_kernel<<<dim3(blocks_for(most, kThreads), 4), kThreads, 0, stream>>>(jobs);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  auto act = [&](int i) { return bf16 ? acts[i]->data_ptr() : acts_f32[i].data_ptr(); };
+  auto act = [&](int64_t i) { return bf16 ? activations[i].data_ptr() : acts_f32[i].data_ptr(); };
   auto make_grad = [&](int64_t cols) {
     return Grad{at::empty({B, cols}, f32), bf16 ? at::empty({B, cols}, bf16opt) : Tensor()};
   };
@@ -285,129 +308,166 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, const Tensor& 
   Tensor grad = zero_in_column_sums ? at::empty({L.numel}, f32) : at::zeros({L.numel}, f32);
   float* g = grad.data_ptr<float>();
 
-  // Output heads: dW_j = dY_j^T hh_j and d(hh)_j = dY_j W_j, each on its column slices; the
-  // branch heads as one strided batch when they share a shape. In bf16 mode dY is the padded
-  // BF16 copy, whose padding columns are 0: the GEMMs run on pad_width (aligned operands,
-  // sizes multiples of 8), the padding rows of W add 0 to dX and their dW rows are 0. The
-  // tf32 / fp32 checks read the compact F32 d_head on the exact sizes.
-  Grad d_hh = make_grad(L.head_hidden);
-  for (const HeadGroup& grp : head_groups(L)) {
-    const HeadSlice& s = grp.first;
-    const Operand dy = bf16 ? Operand{at_elem(d_head.low.data_ptr(), s.pad_col), op_type, L.head_ld, false}
-                            : Operand{at_elem(d_head.f32.data_ptr(), s.out_col), op_type, L.head_out, false};
-    const int64_t dy_stride = bf16 ? grp.pad_col_stride : grp.out_col_stride;
-    const int64_t width = bf16 ? s.pad_width : s.out_width;
-    gemm_strided_batched(op, "output heads dW", width, s.in_width, B, Operand{dy.ptr, op_type, dy.ld, true},
-                         dy_stride, Operand{at_elem(act(3), s.in_col), op_type, L.head_hidden, false},
-                         grp.in_col_stride, g + s.w_off, CUDA_R_32F, s.in_width, grp.w_stride, grp.count, compute);
-    gemm_strided_batched(op, "output heads dX", B, s.in_width, width, dy, dy_stride,
-                         Operand{at_elem(weights, s.w_off), op_type, s.in_width, false}, grp.w_stride,
-                         d_hh.f32.data_ptr<float>() + s.in_col, CUDA_R_32F, L.head_hidden, grp.in_col_stride,
-                         grp.count, compute);
-  }
-
-  // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W.
-  auto hidden_backward = [&](Grad& d_out, int saved_out, int saved_in, int64_t w_off, int64_t out, int64_t in,
-                             bool need_dx, const char* what) {
-    float* d = d_out.f32.data_ptr<float>();
-    const auto* h = static_cast<const __nv_bfloat16*>(acts[saved_out]->data_ptr());
-    __nv_bfloat16* d_low = d_out.low_ptr();
-    if ((B * out) % 4 == 0 && aligned16(d, h, d_low))
-      relu_backward_x4_kernel<<<blocks_for(B * out / 4, kThreads), kThreads, 0, stream>>>(
-          reinterpret_cast<float4*>(d), reinterpret_cast<const uint2*>(h), reinterpret_cast<uint2*>(d_low),
-          B * out / 4);
-    else
-      relu_backward_kernel<<<blocks_for(B * out, kThreads), kThreads, 0, stream>>>(d, h, d_low, B * out);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const Operand dz{d_out.operand(bf16), op_type, out, false};
-    gemm(op, what, out, in, B, Operand{dz.ptr, op_type, out, true}, Operand{act(saved_in), op_type, in, false}, g + w_off,
-         CUDA_R_32F, in, compute);
-    if (!need_dx) return Grad{};
-    Grad d_in = make_grad(in);
-    gemm(op, what, B, in, out, dz, Operand{at_elem(weights, w_off), op_type, in, false}, d_in.f32.data_ptr<float>(),
-         CUDA_R_32F, in, compute);
-    return d_in;
+  // dW and dX of one layer of blocks (a dense layer is one block; the output heads are the
+  // output layer's blocks) from dY, the gradient of its output (dy_ld elements between rows),
+  // and its saved input, activation `in`: dW_k = dY_k^T X_k and dX_k = dY_k W_k on block k's
+  // column slices, into dx [B, width of activation `in`] unless dx is null. A group of
+  // same-shape blocks (block_groups) runs as one strided-batched GEMM.
+  //
+  // In bf16 mode dY is the BF16 copy and a block's columns start at its pad_col: for the output
+  // heads the padded layout, whose padding columns are 0, so their GEMMs run on pad_width
+  // (aligned operands, sizes multiples of 8), the padding rows of W add 0 to dX and their dW
+  // rows are 0; a hidden layer's blocks have no padding (pad_col = out_col). The tf32 / fp32
+  // checks read the compact F32 dY on the exact sizes.
+  //
+  // A block's dX either writes the next columns of dx or, where its input is one an earlier
+  // block of the layer read (the output heads with H = 0: every head reads all of h_L), adds
+  // its product to them (beta 1). Blocks sharing an input within a group (in_col_stride 0)
+  // therefore run one GEMM each: one batch cannot add into one matrix.
+  auto layer_backward = [&](const std::vector<HeadSlice>& blocks, const void* dy, int64_t dy_ld, int64_t in,
+                            float* dx, const std::string& what) {
+    const int64_t x_ld = L.activation_width(in);
+    const std::string what_dw = what + " dW", what_dx = what + " dX";
+    int64_t written = 0;  // dx's columns [0, written) hold a product
+    for (const HeadGroup& grp : block_groups(blocks)) {
+      const HeadSlice& s = grp.first;
+      const int64_t col = bf16 ? s.pad_col : s.out_col, width = bf16 ? s.pad_width : s.out_width;
+      const int64_t dy_stride = bf16 ? grp.pad_col_stride : grp.out_col_stride;
+      gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, B, Operand{at_elem(dy, col), op_type, dy_ld, true},
+                           dy_stride, Operand{at_elem(act(in), s.in_col), op_type, x_ld, false}, grp.in_col_stride,
+                           g + s.w_off, CUDA_R_32F, s.in_width, grp.w_stride, grp.count, compute);
+      if (dx == nullptr) continue;
+      const int64_t batch = grp.in_col_stride == 0 ? 1 : grp.count;
+      for (int64_t i = 0; i < grp.count; i += batch) {
+        const int64_t in_col = s.in_col + i * grp.in_col_stride;
+        const int64_t end = in_col + (batch - 1) * grp.in_col_stride + s.in_width;
+        const bool adds = end <= written;
+        // parse_layout guarantees one of the two: blocks that partition the input columns in
+        // order, or output heads that all read the whole input.
+        DQN_CHECK((adds || in_col == written) && (batch == 1 || grp.in_col_stride == s.in_width), op, ": ", what,
+                  ": block input columns [", in_col, ", ", end, ") neither follow nor repeat the ", written,
+                  " columns before them (the layout should have been rejected)");
+        gemm_strided_batched(op, what_dx.c_str(), B, s.in_width, width,
+                             Operand{at_elem(dy, col + i * dy_stride), op_type, dy_ld, false}, dy_stride,
+                             Operand{at_elem(weights, s.w_off + i * grp.w_stride), op_type, s.in_width, false},
+                             grp.w_stride, dx + in_col, CUDA_R_32F, x_ld, grp.in_col_stride, batch, compute,
+                             adds ? 1.f : 0.f);
+        written = std::max(written, end);
+      }
+    }
+    DQN_CHECK(dx == nullptr || written == x_ld, op, ": ", what, ": the blocks read ", written, " of the ", x_ld,
+              " input columns (the layout should have been rejected)");
   };
-  // The BF16 copy of a dX is written by the next relu_backward, not by the GEMM.
-  Grad d_h2 = hidden_backward(d_hh, 3, 2, L.w_h1, L.head_hidden, L.trunk2, true, "merged head layer 1");
-  Grad d_h1 = hidden_backward(d_h2, 2, 1, L.w_s2, L.trunk2, L.trunk1, true, "trunk layer 2");
-  Grad d_x = hidden_backward(d_h1, 1, 0, L.w_s1, L.trunk1, L.state_dim, need_grad_states, "trunk layer 1");
 
-  // Bias gradients of the four groups (b_out, b_h1, b_s2, b_s1): one launch, two past kChunkRows rows.
-  ColumnSumJobs jobs{};
-  const std::pair<const Tensor*, int64_t> bias_groups[4] = {
-      {&d_head.f32, L.b_out}, {&d_hh.f32, L.b_h1}, {&d_h2.f32, L.b_s2}, {&d_h1.f32, L.b_s1}};
-  jobs.count = 4;
-  jobs.rows = B;
-  jobs.zero_base = g;
-  jobs.zero_count = zero_in_column_sums ? static_cast<int>(gaps.size()) : 0;
-  for (int r = 0; r < jobs.zero_count; ++r) {
-    jobs.zero_begin[r] = gaps[r].first;
-    jobs.zero_end[r] = gaps[r].second;
+  // Output heads: dY = d_head, into d(h_M).
+  Grad d_out = make_grad(L.head_in_width);
+  layer_backward(L.heads, bf16 ? d_head.low.data_ptr() : d_head.f32.data_ptr(), bf16 ? L.head_ld : L.head_out, M,
+                 d_out.f32.data_ptr<float>(), "output heads");
+
+  // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W. The BF16
+  // copy of a dX is written by the next relu_backward, not by the GEMM. d_z keeps each layer's
+  // dZ for its bias gradient, last layer first.
+  std::vector<Grad> d_z;
+  for (int64_t i = M - 1; i >= 0; --i) {
+    const HiddenLayer& layer = L.hidden[i];
+    const int64_t n = B * layer.out_width;
+    float* d = d_out.f32.data_ptr<float>();
+    const auto* h = static_cast<const __nv_bfloat16*>(activations[i + 1].data_ptr());
+    __nv_bfloat16* d_low = d_out.low_ptr();
+    if (n % 4 == 0 && aligned16(d, h, d_low))
+      relu_backward_x4_kernel<<<blocks_for(n / 4, kThreads), kThreads, 0, stream>>>(
+          reinterpret_cast<float4*>(d), reinterpret_cast<const uint2*>(h), reinterpret_cast<uint2*>(d_low), n / 4);
+    else
+      relu_backward_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(d, h, d_low, n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const bool need_dx = i > 0 || need_grad_states;
+    Grad d_in = need_dx ? make_grad(layer.in_width) : Grad{};
+    layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, i,
+                   need_dx ? d_in.f32.data_ptr<float>() : nullptr, hidden_layer_name(L, i));
+    d_z.push_back(std::move(d_out));
+    d_out = std::move(d_in);
   }
-  jobs.first_block[0] = jobs.first_col[0] = 0;
-  for (int j = 0; j < 4; ++j) {
-    jobs.src[j] = bias_groups[j].first->data_ptr<float>();
-    jobs.cols[j] = bias_groups[j].first->size(1);
-    jobs.dst[j] = g + bias_groups[j].second;
-    jobs.first_block[j + 1] = jobs.first_block[j] + (jobs.cols[j] + kColTile - 1) / kColTile;
-    jobs.first_col[j + 1] = jobs.first_col[j] + jobs.cols[j];
-  }
+
+  // Bias gradients, column sums of b_out's dY and each hidden layer's dZ (last layer first):
+  // kMaxColumnSumJobs per launch, plus one more past kChunkRows rows; the first also zeroes
+  // the gaps.
+  std::vector<std::pair<const Tensor*, int64_t>> bias_groups = {{&d_head.f32, L.b_out}};
+  for (int64_t j = 0; j < M; ++j) bias_groups.emplace_back(&d_z[j].f32, L.hidden[M - 1 - j].b_off);
   const int64_t chunks = std::max<int64_t>(1, (B + kChunkRows - 1) / kChunkRows);
   DQN_CHECK(chunks <= 65535, op, ": batch too large for the bias-gradient kernel (", B, " rows)");
-  Tensor partial;
-  if (chunks > 1) {
-    partial = at::empty({chunks * jobs.first_col[4]}, f32);
-    jobs.partial = partial.data_ptr<float>();
-  }
-  column_sum_kernel<<<dim3(static_cast<unsigned>(jobs.first_block[4]), static_cast<unsigned>(chunks)),
-                      dim3(kColTile, kRowLanes), 0, stream>>>(jobs);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (chunks > 1) {
-    column_sum_chunks_kernel<<<blocks_for(jobs.first_col[4], kThreads), kThreads, 0, stream>>>(
-        jobs, static_cast<int>(chunks));
+  Tensor partial;  // reused by every launch: they run in stream order
+  for (size_t first = 0; first < bias_groups.size(); first += kMaxColumnSumJobs) {
+    ColumnSumJobs jobs{};
+    jobs.count = static_cast<int>(std::min<size_t>(kMaxColumnSumJobs, bias_groups.size() - first));
+    jobs.rows = B;
+    jobs.zero_base = g;
+    jobs.zero_count = first == 0 && zero_in_column_sums ? static_cast<int>(gaps.size()) : 0;
+    for (int r = 0; r < jobs.zero_count; ++r) {
+      jobs.zero_begin[r] = gaps[r].first;
+      jobs.zero_end[r] = gaps[r].second;
+    }
+    jobs.first_block[0] = jobs.first_col[0] = 0;
+    for (int j = 0; j < jobs.count; ++j) {
+      const auto& bias = bias_groups[first + j];
+      jobs.src[j] = bias.first->data_ptr<float>();
+      jobs.cols[j] = bias.first->size(1);
+      jobs.dst[j] = g + bias.second;
+      jobs.first_block[j + 1] = jobs.first_block[j] + (jobs.cols[j] + kColTile - 1) / kColTile;
+      jobs.first_col[j + 1] = jobs.first_col[j] + jobs.cols[j];
+    }
+    const int64_t cols = jobs.first_col[jobs.count];
+    if (chunks > 1) {
+      if (!partial.defined() || partial.numel() < chunks * cols) partial = at::empty({chunks * cols}, f32);
+      jobs.partial = partial.data_ptr<float>();
+    }
+    column_sum_kernel<<<dim3(static_cast<unsigned>(jobs.first_block[jobs.count]), static_cast<unsigned>(chunks)),
+                        dim3(kColTile, kRowLanes), 0, stream>>>(jobs);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (chunks > 1) {
+      column_sum_chunks_kernel<<<blocks_for(cols, kThreads), kThreads, 0, stream>>>(jobs, static_cast<int>(chunks));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   }
 
-  Tensor grad_states = need_grad_states ? d_x.f32 : at::empty({0}, f32);
+  // d_out is now d(states) (undefined without need_grad_states).
+  Tensor grad_states = need_grad_states ? d_out.f32 : at::empty({0}, f32);
   return {grad, grad_states};
 }
 
-std::tuple<Tensor, Tensor> mixed_backward_cuda(
-    const c10::optional<Tensor>& grad_q, const c10::optional<Tensor>& grad_head, const Tensor& states_bf16,
-    const Tensor& h1, const Tensor& h2, const Tensor& hh, const Tensor& params, const Tensor& params_bf16,
-    c10::IntArrayRef layout, c10::string_view precision_str, bool need_grad_states) {
+std::tuple<Tensor, Tensor> mixed_backward_cuda(const c10::optional<Tensor>& grad_q,
+                                               const c10::optional<Tensor>& grad_head, at::TensorList activations,
+                                               const Tensor& params, const Tensor& params_bf16,
+                                               c10::IntArrayRef layout, c10::string_view precision_str,
+                                               bool need_grad_states) {
   const char* op = kBackwardOp;
   const NetLayout L = parse_layout(layout, op);
   const std::string precision_s(precision_str);
-  check_backward_args(grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, L, precision_s);
+  check_backward_args(grad_q, grad_head, activations, params, params_bf16, L, precision_s);
   const BackwardPrecision precision = parse_precision(precision_s, op);
   const BranchTable branches = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(params.device());
-  const int64_t B = states_bf16.size(0);
+  const int64_t B = activations[0].size(0);
   const bool bf16 = precision == BackwardPrecision::kBF16;
   Grad d_head{at::empty({B, L.head_out}, params.options()),
               bf16 ? at::empty({B, L.head_ld}, params_bf16.options()) : Tensor()};
   launch_dueling_backward(grad_q.has_value() ? grad_q->data_ptr<float>() : nullptr,
                           grad_head.has_value() ? grad_head->data_ptr<float>() : nullptr, d_head.f32.data_ptr<float>(),
                           d_head.low_ptr(), B, L, branches, at::cuda::getCurrentCUDAStream());
-  return backward_from_head(d_head, states_bf16, h1, h2, hh, params, params_bf16, L, precision, need_grad_states, op);
+  return backward_from_head(d_head, activations, params, params_bf16, L, precision, need_grad_states, op);
 }
 
 // _mixed_backward_from_head (the trainer's fused path; csrc/dqn_ops.cpp): the gradient of the
 // head logits comes from _dqn_loss_on_logits, already in both layouts; no dueling step.
-Tensor mixed_backward_from_head_cuda(const Tensor& grad_head, const Tensor& grad_head_bf16, const Tensor& states_bf16,
-                                     const Tensor& h1, const Tensor& h2, const Tensor& hh, const Tensor& params,
-                                     const Tensor& params_bf16, c10::IntArrayRef layout,
+Tensor mixed_backward_from_head_cuda(const Tensor& grad_head, const Tensor& grad_head_bf16, at::TensorList activations,
+                                     const Tensor& params, const Tensor& params_bf16, c10::IntArrayRef layout,
                                      c10::string_view precision_str) {
   const char* op = kBackwardFromHeadOp;
   const NetLayout L = parse_layout(layout, op);
   const std::string precision_s(precision_str);
-  check_backward_from_head_args(grad_head, grad_head_bf16, states_bf16, h1, h2, hh, params, params_bf16, L,
-                                precision_s);
+  check_backward_from_head_args(grad_head, grad_head_bf16, activations, params, params_bf16, L, precision_s);
   const BackwardPrecision precision = parse_precision(precision_s, op);
-  return std::get<0>(backward_from_head(Grad{grad_head, grad_head_bf16}, states_bf16, h1, h2, hh, params, params_bf16,
-                                        L, precision, false, op));
+  return std::get<0>(
+      backward_from_head(Grad{grad_head, grad_head_bf16}, activations, params, params_bf16, L, precision, false, op));
 }
 
 }  // namespace
