@@ -15,8 +15,9 @@
 // The parenthesisation is part of the contract: float addition is not associative.
 //
 // Without a value head (NetLayout::dueling false, BranchTable::dueling 0) nothing is
-// aggregated: q_k = a_k (biased_logit alone) and da_k = dq_k + g_k, or dq_k itself where there
-// is no direct gradient (the fused loss writes dq_k unchanged: a -0 stays -0). Branch d's head
+// aggregated: q_k = a_k (biased_logit alone) and da_k = dueling_advantage_grad(dq_k, 0, g_k) =
+// (dq_k - 0) + g_k, with g_k = 0 where there is no direct gradient (so a -0 becomes +0, on every
+// path alike). Branch d's head
 // logits and bias start at column atoms * (dueling + action_offset[d]) of the compact head
 // (NetLayout::branch_head(d).out_col), its padded logits at BranchTable::pad_col[d].
 #pragma once

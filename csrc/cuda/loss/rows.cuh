@@ -174,7 +174,8 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
 // taken action a and 0 at the others (a < 0: a poisoned sample, every dq NaN), no direct
 // gradient. kHeadDueling: dueling.cuh's backward (dueling_backward_kernel's) on dq, leaving the
 // sum per atom in branch_sum, which the value column adds up over the branches
-// (write_value_grad); kHeadPlain: dq itself (q is the biased branch logits; branch_sum unused).
+// (write_value_grad); kHeadPlain: dq itself, as (dq - 0) + 0 (q is the biased branch logits;
+// branch_sum unused).
 // Writes the branch head's columns (F32 compact; BF16 padded, its padding columns 0).
 template <LossRows kRows>
 __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& br, int b, int d, int a, float g0,
@@ -201,8 +202,10 @@ __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& b
       }
       branch_sum[j] = sum;
     } else {
+      // dueling_backward_kernel's expression without dueling (no mean, no direct gradient):
+      // (dq - 0) + 0, which turns a -0 into +0 as the composed path and the CPU reference do.
       for (int k = 0; k < n; ++k) {
-        const float x = k == a ? taken : other;
+        const float x = dueling_advantage_grad(k == a ? taken : other, 0.f, 0.f);
         dh[k * NA + j] = x;
         low[k * NA + j] = __float2bfloat16_rn(x);
       }
