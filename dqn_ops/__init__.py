@@ -10,6 +10,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the ops with the dispatcher)
 from . import ops, step
+from .convert import from_torch, to_torch
 from .layout import DQNConfig, ParamLayout
 from .network import DuelingBranchQNet
 from .ops import (LossOutput, batched_spectral_norm, bf16_dueling_forward, dqn_loss, ema_update, fused_adam_bf16,

@@ -1,6 +1,6 @@
-"""CleanRL-style C51 with a dueling, branching network on dqn_ops: the "after" of the drop-in
-example (diff it against cleanrl_c51_torch.py). The network, the loss, the optimizer and the
-target update become dqn_ops calls; the rest of the script is unchanged.
+"""CleanRL's C51 (its c51.py QNetwork) on a branching action space, on dqn_ops: the "after" of the drop-in
+example (diff it against cleanrl_c51_torch.py). The network, the loss, the optimizer and the target update become
+dqn_ops calls; the rest of the script is unchanged.
 
     python scripts/cleanrl_c51_dqn_ops.py --total-steps 3000
 """
@@ -38,7 +38,10 @@ def greedy(net, obs):
     return torch.stack([x.argmax(1) for x in q.split(list(BRANCHES), 1)], 1)
 
 
-config = dqn_ops.DQNConfig(state_dim=STATE_DIM, atoms=args.atoms, branches=BRANCHES)
+# CleanRL's network, Linear(obs, 120), ReLU, Linear(120, 84), ReLU, Linear(84, n * atoms): a trunk of 120 and 84, no
+# head layers and no dueling; its last layer's rows are the branches' output layers (docs/networks.md).
+config = dqn_ops.DQNConfig(state_dim=STATE_DIM, trunk_hidden=(120, 84), adv_hidden=(), atoms=args.atoms,
+                           branches=BRANCHES, dueling=False)
 q_network = dqn_ops.DuelingBranchQNet(config, backward_precision="bf16").to(device)
 target_network = dqn_ops.DuelingBranchQNet(config).to(device)
 target_network.load_state_dict(q_network.state_dict())

@@ -1,5 +1,6 @@
-"""CleanRL-style C51 with a dueling, branching network, in plain PyTorch: the "before" of the
-drop-in example (diff it against cleanrl_c51_dqn_ops.py). Task: dqn_ops.rl.envs' futures market.
+"""CleanRL's C51 (its c51.py QNetwork: Linear(obs, 120), ReLU, Linear(120, 84), ReLU, Linear(84, n * atoms)) on a
+branching action space, in plain PyTorch: the "before" of the drop-in example (diff it against
+cleanrl_c51_dqn_ops.py). Task: dqn_ops.rl.envs' futures market.
 
     python scripts/cleanrl_c51_torch.py --total-steps 3000
 """
@@ -33,19 +34,16 @@ torch.manual_seed(args.seed)
 
 
 class QNetwork(nn.Module):
+    """CleanRL's c51 network; its n actions are every branch's actions side by side."""
+
     def __init__(self, atoms):
         super().__init__()
-        self.atoms = atoms
-        self.trunk = nn.Sequential(nn.Linear(STATE_DIM, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
-        self.value = nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, atoms))
-        self.adv = nn.ModuleList(nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, n * atoms))
-                                 for n in BRANCHES)
+        self.atoms, self.n = atoms, sum(BRANCHES)
+        self.network = nn.Sequential(nn.Linear(STATE_DIM, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
+                                     nn.Linear(84, self.n * atoms))
 
     def forward(self, x):
-        h = self.trunk(x)
-        v = self.value(h).view(-1, 1, self.atoms)
-        qs = [a(h).view(-1, n, self.atoms) for a, n in zip(self.adv, BRANCHES)]
-        return torch.cat([v + a - a.mean(1, keepdim=True) for a in qs], 1)  # [B, sum n, atoms]
+        return self.network(x).view(len(x), self.n, self.atoms)  # [B, sum n, atoms]: branch d's n_d rows in turn
 
 
 def c51_loss(logits, next_online, next_target, actions, rewards, dones):

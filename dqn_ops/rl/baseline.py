@@ -1,6 +1,6 @@
-"""The same network in plain PyTorch (``nn.Linear`` layers, as the plain-PyTorch anchor step of
-docs/design.md builds it): the baseline the benchmarks compare against and the reference the tests check
-the kernels with. Its state-dict names are DuelingBranchQNet's, so weights move both ways."""
+"""The same network in plain PyTorch (``nn.Linear`` layers, as the plain-PyTorch anchor step of docs/design.md
+builds it): the baseline the benchmarks compare against and the reference the tests check the kernels with. Its
+state-dict names are DuelingBranchQNet's, so weights move both ways (``dqn_ops.from_torch`` / ``dqn_ops.to_torch``)."""
 from __future__ import annotations
 
 import torch
@@ -8,34 +8,66 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..graphed import CapturedStep, on_device
-from ..layout import DQNConfig
+from ..layout import DQNConfig, ParamLayout
 from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
 from ..trainer import STAT_FIELDS, TrainerConfig, greedy_from_logits, load_batch
 
 
-class TorchDuelingBranchNet(nn.Module):
+class TorchQNet(nn.Module):
+    """The network of any ``DQNConfig`` as plain ``nn.Linear`` layers, computing the formulas of
+    ``dqn_ops/layout.py``: each head's layers separate (the kernels' one matrix W_h1 and
+    block-diagonal deeper layers are these layers side by side).
+
+    The layers are built from ``ParamLayout(c).tensors`` and carry its names, so the state
+    dicts of this module and of ``DuelingBranchQNet`` match key for key: the trunk ``s1..sL``;
+    the value head ``v1..v<H+1>`` (with dueling); branch d's head ``a<j>.<d>`` (``q<j>.<d>``
+    without dueling), ``a<j>`` being a ModuleList over the branches; layer H + 1 of a head is
+    its output layer (with H = 0 it reads the last trunk layer).
+    """
+
     def __init__(self, c: DQNConfig):
         super().__init__()
         self.config = c
-        self.s1, self.s2 = nn.Linear(c.state_dim, c.trunk_hidden[0]), nn.Linear(*c.trunk_hidden)
-        self.v1, self.v2 = nn.Linear(c.trunk_hidden[1], c.value_hidden), nn.Linear(c.value_hidden, c.atoms)
-        self.a1 = nn.ModuleList(nn.Linear(c.trunk_hidden[1], c.adv_hidden) for _ in c.branches)
-        self.a2 = nn.ModuleList(nn.Linear(c.adv_hidden, n * c.atoms) for n in c.branches)
+        layout = ParamLayout(c)
+        for name, (out_features, in_features), _ in layout.weight_matrices():
+            stream, _, branch = name[:-len(".weight")].partition(".")
+            layer = nn.Linear(in_features, out_features)
+            if not branch:
+                self.add_module(stream, layer)
+                continue
+            if stream not in self._modules:
+                self.add_module(stream, nn.ModuleList())
+            self._modules[stream].append(layer)  # ParamLayout lists the branches in order: index = branch
+        # Plain lists (not submodules: the layers are registered above under their names)
+        # of the trunk's layers and of each head's layers, value head first.
+        self._trunk = [self.get_submodule(f"s{i + 1}") for i in range(len(c.trunk_hidden))]
+        self._heads = [[self.get_submodule(layout.head_layer_name(head, j + 1)) for j in range(c.head_depth + 1)]
+                       for head in layout.head_names()]
 
     def forward(self, s):
-        """Returns (q [B, sum n_d, NA] dueling-aggregated, head [B, NA * (1 + sum n_d)] raw)."""
-        na = self.config.atoms
-        h = F.relu(self.s2(F.relu(self.s1(s))))
-        v = self.v2(F.relu(self.v1(h)))
-        heads, qs = [v], []
-        for a1, a2, n in zip(self.a1, self.a2, self.config.branches):
-            a = a2(F.relu(a1(h)))
-            heads.append(a)
-            a = a.view(-1, n, na)
-            qs.append(v.view(-1, 1, na) + a - a.mean(1, keepdim=True))
+        """Returns (q [B, sum n_d, NA]: dueling-aggregated, or the branches' logits without
+        dueling; head [B, NA * (dueling + sum n_d)]: every output head's logits, value first)."""
+        c = self.config
+        h = s
+        for layer in self._trunk:
+            h = F.relu(layer(h))
+        heads = []
+        for layers in self._heads:
+            x = h
+            for layer in layers[:-1]:
+                x = F.relu(layer(x))
+            heads.append(layers[-1](x))
+        qs = [a.view(-1, n, c.atoms) for a, n in zip(heads[int(c.dueling):], c.branches)]
+        if c.dueling:
+            v = heads[0].view(-1, 1, c.atoms)
+            qs = [v + a - a.mean(1, keepdim=True) for a in qs]
         return torch.cat(qs, 1), torch.cat(heads, 1)
+
+
+# The name tests/reference.py and scripts/bench_network.py import.
+TorchDuelingBranchNet = TorchQNet
 
 
 def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, branches, v_min, v_max, gamma,
@@ -109,9 +141,9 @@ class TorchTrainer:
         gen = torch.Generator().manual_seed(seed)
         init = DuelingBranchQNet(c, generator=gen)
         init_sn = SpectralNorm(init, 1.0, generator=gen)
-        self.online = TorchDuelingBranchNet(c).to(self.device)
+        self.online = TorchQNet(c).to(self.device)
         self.online.load_state_dict(init.state_dict())
-        self.target = TorchDuelingBranchNet(c).to(self.device)
+        self.target = TorchQNet(c).to(self.device)
         self.target.load_state_dict(self.online.state_dict())
         self.target.requires_grad_(False)
         cuda = self.device.type == "cuda"
