@@ -81,7 +81,8 @@ inline int64_t check_saved_activations(at::TensorList activations, const at::Ten
   DQN_CHECK(activations.size() == expected, op, ": activations: expected ", expected,
             " tensors (the states and each hidden layer, as the forward returned them), got ", activations.size());
   DQN_CHECK(activations[0].dim() == 2 && activations[0].size(0) >= 1, op,
-            ": activations[0]: expected the states [B >= 1, ", L.state_dim, "], got shape ", activations[0].sizes());
+            ": activations[0]: expected the states [B >= 1, ", L.state_dim, "], got shape ",
+            shape_str(activations[0].sizes()));
   const int64_t B = activations[0].size(0);
   for (size_t i = 0; i < expected; ++i) {
     const std::string name = "activations[" + std::to_string(i) + "]";
