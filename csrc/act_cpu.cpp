@@ -74,8 +74,8 @@ std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, c
   // bf16_dueling_forward's CPU kernel, stopped at q_logits.
   const NetViews p(params, params_bf16);
   const Tensor x = states.to(params_bf16.scalar_type());
-  const HiddenActs h = hidden_layers(x, p, L);
-  const Tensor q = dueling_aggregate(head_from_logits(output_logits(h.hh, p, L), params, L), L).contiguous();
+  const Tensor last = hidden_layers(x, p, L).back();
+  const Tensor q = dueling_aggregate(head_from_logits(output_logits(last, p, L), params, L), L).contiguous();
 
   int64_t* act = actions.data_ptr<int64_t>();
   const double dz = support_step(v_min, v_max, L.atoms);

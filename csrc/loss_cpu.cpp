@@ -1,7 +1,7 @@
 // CPU reference kernels of dqn_loss (one sample after the other; C51 in double precision, MSE /
 // Huber in F32 as on CUDA, so that both devices overflow alike) and of
-// _dqn_loss_on_logits (the output bias, the dueling aggregation, dqn_loss and the aggregation's
-// backward: network_cpu.h's pieces around the same loss).
+// _dqn_loss_on_logits (the output bias, the dueling aggregation (q = the branch logits without
+// dueling), dqn_loss and the aggregation's backward: network_cpu.h's pieces around the same loss).
 #include <algorithm>
 #include <cmath>
 #include <limits>

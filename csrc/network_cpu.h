@@ -10,6 +10,7 @@
 #pragma once
 
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
@@ -37,38 +38,38 @@ struct NetViews {
   at::Tensor bias(int64_t off, int64_t n) const { return params.narrow(0, off, n); }
 };
 
-// The activations the backward reads, at the mirror's precision: [rows, width] each.
-struct HiddenActs {
-  at::Tensor h1, h2, hh;
-};
+// The activation list of the network on x (states already at the mirror's precision,
+// [rows, SD]): {x, h_1, ..., h_M}, every hidden layer of L.hidden in forward order (the trunk's,
+// then the heads'), each [rows, width] at the mirror's precision. What the ops return as
+// `activations` and the backward reads.
+std::vector<at::Tensor> hidden_layers(const at::Tensor& x, const NetViews& p, const NetLayout& L);
 
-// The three hidden layers on x (states already at the mirror's precision, [rows, SD]).
-HiddenActs hidden_layers(const at::Tensor& x, const NetViews& p, const NetLayout& L);
-
-// The output layer's products on hh, no bias, in the padded layout [rows, head_ld] of
-// params' dtype (csrc/layout.h): head j's pad_width columns from its weight rows, padding
-// rows included, as the CUDA GEMMs run them.
-at::Tensor output_logits(const at::Tensor& hh, const NetViews& p, const NetLayout& L);
+// The output layer's products on the last hidden activation, no bias, in the padded layout
+// [rows, head_ld] of params' dtype (csrc/layout.h): head j's pad_width columns from its weight
+// rows, padding rows included, as the CUDA GEMMs run them. With no head layer every head
+// reads all of the last trunk layer.
+at::Tensor output_logits(const at::Tensor& last, const NetViews& p, const NetLayout& L);
 
 // head logits [rows, head_out] (compact) = padded logits + the output bias b_out of `params`.
 at::Tensor head_from_logits(const at::Tensor& logits, const at::Tensor& params, const NetLayout& L);
 
-// q_d[b, k, :] = v[b, :] + a_d[b, k, :] - mean_k a_d[b, k, :]  (BDQ local mean, per atom)
+// q [rows, total_actions, NA] from the head logits. With dueling (BDQ local mean, per atom):
+// q_d[b, k, :] = v[b, :] + a_d[b, k, :] - mean_k a_d[b, k, :]; without: q_d = a_d.
 at::Tensor dueling_aggregate(const at::Tensor& head, const NetLayout& L);
 
-// d(head logits) [B, head_out] = grad_head + the dueling aggregation's backward of grad_q
-// (dv = sum over every action of dq; da_d = dq_d - mean_k dq_d); either may be absent, not both.
+// d(head logits) [B, head_out] = grad_head + the aggregation's backward of grad_q (with
+// dueling: dv = sum over every action of dq, da_d = dq_d - mean_k dq_d; without: da_d = dq_d);
+// either may be absent, not both.
 at::Tensor dueling_backward(const c10::optional<at::Tensor>& grad_q, const c10::optional<at::Tensor>& grad_head,
                             const NetLayout& L);
 
 // A compact head gradient [B, head_out] in the padded layout [B, head_ld] of `dtype`, padding 0.
 at::Tensor padded_head_grad(const at::Tensor& d_head, const NetLayout& L, at::ScalarType dtype);
 
-// mixed_backward from d(head logits) on: the flat gradient and, when need_grad_states,
-// d(states) (else an empty tensor).
-std::tuple<at::Tensor, at::Tensor> backward_from_head(const at::Tensor& d_head, const at::Tensor& states_bf16,
-                                                      const at::Tensor& h1, const at::Tensor& h2,
-                                                      const at::Tensor& hh, const NetViews& p, const NetLayout& L,
+// mixed_backward from d(head logits) on, reading the activation list {x, h_1, ..., h_M}: the
+// flat gradient and, when need_grad_states, d(states) (else an empty tensor).
+std::tuple<at::Tensor, at::Tensor> backward_from_head(const at::Tensor& d_head, at::TensorList activations,
+                                                      const NetViews& p, const NetLayout& L,
                                                       BackwardPrecision precision, bool need_grad_states);
 
 }  // namespace cpu

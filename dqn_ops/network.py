@@ -12,17 +12,19 @@ from .layout import DQNConfig, ParamLayout
 
 
 class DuelingBranchQNet(nn.Module):
-    """Dueling, branching, distributional Q-network whose forward and backward run through
-    ``dqn_ops.bf16_dueling_forward`` / ``dqn_ops.mixed_backward``.
+    """Branching, distributional Q-network (dueling or not, any trunk and head depth:
+    ``DQNConfig``) whose forward and backward run through ``dqn_ops.bf16_dueling_forward`` /
+    ``dqn_ops.mixed_backward``.
 
     Storage: one flat F32 parameter (``flat_params``, the only registered Parameter, so any
     ``torch.optim`` optimizer and ``.to()`` work on it as on any module) and its BF16 mirror
     (``params_bf16``, a buffer the GEMMs read). The per-layer tensors are views of the flat
     buffer (``layer_views()``), and the state dict holds them under the names of a plain
-    ``nn.Linear`` network (``s1.weight``, ``v2.bias``, ``a1.0.weight`` ...), so state dicts
-    load both ways.
+    ``nn.Linear`` network (``s1.weight``, ``v2.bias``, ``a1.0.weight``, ``q1.0.bias`` ...:
+    ``ParamLayout``), so state dicts load both ways.
 
-    ``forward(states)`` returns the dueling-aggregated logits ``[B, sum(branches), atoms]``;
+    ``forward(states)`` returns the Q logits ``[B, sum(branches), atoms]`` (dueling-aggregated,
+    or the branch heads' logits without dueling);
     ``split_branches`` cuts them per branch. ``forward_full`` also returns the raw head logits
     and the saved activations.
 
@@ -157,7 +159,7 @@ class DuelingBranchQNet(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         return (f"state_dim={c.state_dim}, trunk_hidden={c.trunk_hidden}, value_hidden={c.value_hidden}, "
-                f"adv_hidden={c.adv_hidden}, atoms={c.atoms}, branches={c.branches}, "
+                f"adv_hidden={c.adv_hidden}, atoms={c.atoms}, branches={c.branches}, dueling={c.dueling}, "
                 f"parameters={c.num_parameters}, backward_precision={self.backward_precision!r}")
 
 

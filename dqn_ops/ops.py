@@ -13,7 +13,7 @@ and say, prefixed with the op's name, what was expected and what came; the kerne
 from __future__ import annotations
 
 import re
-from typing import NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -82,16 +82,22 @@ def _check_network_inputs(op: str, c, states: Tensor, params: Tensor, params_bf1
            f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
 
 
+def _check_activation_count(op: str, c, activations) -> None:
+    """The saved activations must be the forward's list: the states and each hidden layer."""
+    n = 1 + len(c.hidden_widths)
+    _check(len(activations) == n, f"{op}: activations: expected {n} tensors (the states and each hidden layer, as "
+                                  f"the forward returned them), got {len(activations)}")
+
+
 # ---------------------------------------------------------------------------------------
 # bf16_dueling_forward
 
 class ForwardOutput(NamedTuple):
-    q_logits: Tensor     # [B, sum n_d, NA]   dueling-aggregated, per branch action
-    head_logits: Tensor  # [B, NA * (1 + sum n_d)]  raw value logits, then each branch's advantages
-    states_bf16: Tensor  # [B, SD]   saved for the backward, at the mirror's precision
-    h1: Tensor           # [B, SH1]
-    h2: Tensor           # [B, SH2]
-    hh: Tensor           # [B, VH + D*AH]
+    q_logits: Tensor      # [B, sum n_d, NA]   dueling-aggregated (without dueling: the branch logits)
+    head_logits: Tensor   # [B, NA * (dueling + sum n_d)]  raw value logits (dueling), then each branch's
+    # Saved for the backward, at the mirror's precision: the states [B, SD], then every hidden
+    # layer [B, w] for w in config.hidden_widths (the trunk's, then the heads' side by side).
+    activations: List[Tensor]
 
 
 def bf16_dueling_forward(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[int],
@@ -122,24 +128,27 @@ def _(states, params, params_bf16, layout, backward_precision="tf32"):
            f"{op}: backward_precision: expected one of {BACKWARD_PRECISIONS}, got {backward_precision!r}")
     _check_network_inputs(op, c, states, params, params_bf16, layout)
     B = states.shape[0]
-    lp = params_bf16.dtype
     return (params.new_empty(B, c.total_actions, c.atoms), params.new_empty(B, c.head_out),
-            states.new_empty(B, c.state_dim, dtype=lp), states.new_empty(B, c.trunk_hidden[0], dtype=lp),
-            states.new_empty(B, c.trunk_hidden[1], dtype=lp), states.new_empty(B, c.head_hidden, dtype=lp))
+            _fake_activations(c, states, B, params_bf16.dtype))
+
+
+def _fake_activations(c, like: Tensor, rows: int, dtype) -> List[Tensor]:
+    """The activation list of `rows` rows: the states and every hidden layer, in `dtype`."""
+    return [like.new_empty(rows, w, dtype=dtype) for w in (c.state_dim, *c.hidden_widths)]
 
 
 # Its backward is mixed_backward; the saved activations it returns are non-differentiable.
 def _forward_setup_context(ctx, inputs, output):
     states, params, params_bf16, layout, backward_precision = inputs
-    _, _, states_bf16, h1, h2, hh = output
-    ctx.save_for_backward(states_bf16, h1, h2, hh, params, params_bf16)
-    ctx.mark_non_differentiable(states_bf16, h1, h2, hh)
+    activations = output[2]
+    ctx.save_for_backward(*activations, params, params_bf16)
+    ctx.mark_non_differentiable(*activations)
     ctx.layout = list(layout)
     ctx.precision = backward_precision
 
 
-def _forward_backward(ctx, grad_q, grad_head, *_saved_grads):
-    states_bf16, h1, h2, hh, params, params_bf16 = ctx.saved_tensors
+def _forward_backward(ctx, grad_q, grad_head, _grad_activations):
+    *activations, params, params_bf16 = ctx.saved_tensors
     need_states = ctx.needs_input_grad[0]
     if grad_q is None and grad_head is None:
         return None, None, None, None, None
@@ -147,7 +156,7 @@ def _forward_backward(ctx, grad_q, grad_head, *_saved_grads):
         grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
             grad_q.contiguous() if grad_q is not None else None,
             grad_head.contiguous() if grad_head is not None else None,
-            states_bf16, h1, h2, hh, params, params_bf16, ctx.layout, ctx.precision, need_states)
+            activations, params, params_bf16, ctx.layout, ctx.precision, need_states)
     except NotImplementedError as e:
         _raise_missing_kernel("mixed_backward", e)
         raise
@@ -169,32 +178,42 @@ def mixed_backward(grad_q: Optional[Tensor], grad_head: Optional[Tensor], saved:
     Args:
         grad_q: d(loss)/d(q_logits) [B, sum n_d, NA], or None.
         grad_head: d(loss)/d(head_logits) [B, head_out], or None (not both None).
-        saved: the forward's output (or its last four tensors: states_bf16, h1, h2, hh).
+        saved: the forward's output, or its activation list (the states at the mirror's
+            precision, then every hidden layer, as the forward returned them).
         precision: 'tf32' (F32 operands on TF32 tensor cores), 'bf16' (BF16 operands),
             'fp32' (full-precision F32). cuBLAS multiplies no F32 operand by a BF16 one
             (docs/design.md), hence the choice.
     Returns:
         (grad_params in params' layout, grad_states [B, SD] or None)
     """
-    states_bf16, h1, h2, hh = tuple(saved)[-4:]
     try:
         grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
-            grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, list(layout), precision, need_grad_states)
+            grad_q, grad_head, _activations_of(saved), params, params_bf16, list(layout), precision,
+            need_grad_states)
     except NotImplementedError as e:
         _raise_missing_kernel("mixed_backward", e)
         raise
     return grad_params, (grad_states if need_grad_states else None)
 
 
+def _activations_of(saved) -> List[Tensor]:
+    """The activation list of a forward's output (ForwardOutput, Logits, or the raw op's tuple,
+    whose last entry is the list), or the list itself."""
+    if hasattr(saved, "activations"):
+        return list(saved.activations)
+    saved = list(saved)
+    return list(saved[-1]) if saved and isinstance(saved[-1], (list, tuple)) else saved
+
+
 @torch.library.register_fake("dqn_ops::mixed_backward")
-def _(grad_q, grad_head, states_bf16, h1, h2, hh, params, params_bf16, layout, precision="tf32",
-      need_grad_states=False):
+def _(grad_q, grad_head, activations, params, params_bf16, layout, precision="tf32", need_grad_states=False):
     op = "dqn_ops.mixed_backward"
     c = decode_config(layout)
     _check(precision in BACKWARD_PRECISIONS,
            f"{op}: precision: expected one of {BACKWARD_PRECISIONS}, got {precision!r}")
     _check(grad_q is not None or grad_head is not None, f"{op}: grad_q and grad_head are both None; give at least one")
-    B = states_bf16.shape[0]
+    _check_activation_count(op, c, activations)
+    B = activations[0].shape[0]
     grad_states = params.new_empty(B, c.state_dim) if need_grad_states else params.new_empty(0)
     return params.new_empty(params.shape), grad_states
 
@@ -423,10 +442,7 @@ class Logits(NamedTuple):
     that mixed_backward reads (as bf16_dueling_forward returns them)."""
     logits: Tensor              # [2B, head_ld] F32
     logits_next_target: Tensor  # [B, head_ld] F32
-    states_bf16: Tensor         # [2B, state_dim] BF16
-    h1: Tensor
-    h2: Tensor
-    hh: Tensor
+    activations: List[Tensor]   # [2B, state_dim], then [2B, w] per hidden layer; BF16
 
 
 def _online_and_target_logits(state_pairs: Tensor, params: Tensor, params_bf16: Tensor, target_params: Tensor,
@@ -449,11 +465,10 @@ def _(state_pairs, params, params_bf16, target_params, target_params_bf16, layou
     op = "dqn_ops._online_and_target_logits"
     _check(state_pairs.dim() == 2 and state_pairs.shape[1] == c.state_dim,
            f"{op}: state_pairs: expected shape [*, {c.state_dim}], got {list(state_pairs.shape)}")
-    rows, lp = state_pairs.shape[0], params_bf16.dtype
+    rows = state_pairs.shape[0]
     _check(rows % 2 == 0, f"{op}: state_pairs: expected [s; s'], an even number of rows, got {rows}")
-    widths = (c.state_dim, c.trunk_hidden[0], c.trunk_hidden[1], c.head_hidden)
     return (params.new_empty(rows, c.head_ld), params.new_empty(rows // 2, c.head_ld),
-            *(state_pairs.new_empty(rows, w, dtype=lp) for w in widths))
+            _fake_activations(c, state_pairs, rows, params_bf16.dtype))
 
 
 class LossOnLogits(NamedTuple):
@@ -496,11 +511,10 @@ def _(logits, logits_next_online, logits_next_target, params, target_params, act
 
 def _mixed_backward_from_head(grad_head: Tensor, grad_head_bf16: Tensor, saved: Sequence[Tensor], params: Tensor,
                               params_bf16: Tensor, layout: Sequence[int], precision: str = "bf16") -> Tensor:
-    """mixed_backward from _dqn_loss_on_logits' head gradient; ``saved``: (states_bf16, h1, h2,
-    hh) of s, or a sequence ending in them. Returns the flat gradient."""
-    states_bf16, h1, h2, hh = tuple(saved)[-4:]
+    """mixed_backward from _dqn_loss_on_logits' head gradient; ``saved``: the activation list of s
+    (the states at the mirror's precision, then every hidden layer). Returns the flat gradient."""
     try:
-        return torch.ops.dqn_ops._mixed_backward_from_head.default(grad_head, grad_head_bf16, states_bf16, h1, h2, hh,
+        return torch.ops.dqn_ops._mixed_backward_from_head.default(grad_head, grad_head_bf16, _activations_of(saved),
                                                                    params, params_bf16, list(layout), precision)
     except NotImplementedError as e:
         _raise_missing_kernel("_mixed_backward_from_head", e)
@@ -508,10 +522,11 @@ def _mixed_backward_from_head(grad_head: Tensor, grad_head_bf16: Tensor, saved: 
 
 
 @torch.library.register_fake("dqn_ops::_mixed_backward_from_head")
-def _(grad_head, grad_head_bf16, states_bf16, h1, h2, hh, params, params_bf16, layout, precision="bf16"):
+def _(grad_head, grad_head_bf16, activations, params, params_bf16, layout, precision="bf16"):
     op = "dqn_ops._mixed_backward_from_head"
     _check(precision in BACKWARD_PRECISIONS,
            f"{op}: precision: expected one of {BACKWARD_PRECISIONS}, got {precision!r}")
+    _check_activation_count(op, decode_config(layout), activations)
     return params.new_empty(params.shape)
 
 

@@ -52,7 +52,7 @@ class StepOutput(NamedTuple):
     grad: Tensor                # the flat F32 gradient, in the online network's layout
     td_error: Tensor            # [B]
     mean_q: Tensor              # []
-    saved: Tuple[Tensor, ...]   # states_bf16, h1, h2, hh of s: the activations the backward read
+    saved: Tuple[Tensor, ...]   # the activation list of s (states, every hidden layer): what the backward read
     forward_out: tuple          # the forward stage's output
     loss_out: tuple             # the loss stage's output
 
@@ -134,7 +134,7 @@ class InternalOpsStep(_Step):
                                              self.batch_networks)
 
     def _activations(self, fwd: ops.Logits):
-        return fwd[2:]
+        return fwd.activations
 
     def loss(self, fwd: ops.Logits, actions, rewards, dones, weights=None) -> ops.LossOnLogits:
         p, B = self._params(), actions.shape[0]
@@ -150,7 +150,7 @@ class InternalOpsStep(_Step):
 
 class PublicForward(NamedTuple):
     online: ops.ForwardOutput  # the online network on [s; s']
-    q_next_target: Tensor      # the target network's dueling logits on s'
+    q_next_target: Tensor      # the target network's Q logits on s'
 
 
 class PublicOpsStep(_Step):
@@ -166,7 +166,7 @@ class PublicOpsStep(_Step):
         return PublicForward(online, q_next_target)
 
     def _activations(self, fwd: PublicForward):
-        return fwd.online[2:]
+        return fwd.online.activations
 
     def loss(self, fwd: PublicForward, actions, rewards, dones, weights=None) -> ops.LossOutput:
         B = actions.shape[0]

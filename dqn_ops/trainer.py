@@ -1,5 +1,6 @@
-"""``Trainer``: one DQN training step of a dueling, branching, distributional network, on the
-device, without host syncs, replayed from one CUDA graph after a short warm-up.
+"""``Trainer``: one DQN training step of a branching, distributional network (any ``DQNConfig``:
+dueling or not, any trunk and head depth), on the device, without host syncs, replayed from one
+CUDA graph after a short warm-up.
 
 The step: one online forward on [s; s'] (activations of s saved; s' for the double-DQN action
 choice), target forward on s', ``dqn_loss`` (C51, or MSE/Huber for one atom) with its gradient,
@@ -482,7 +483,7 @@ def greedy_actions(net: DuelingBranchQNet, states: Tensor, v_min: float = -10.0,
 
 
 def greedy_from_logits(q: Tensor, branches: Sequence[int], v_min: float, v_max: float) -> Tensor:
-    """[B, sum n_d, atoms] dueling logits -> [B, D] greedy actions (first of equal maxima)."""
+    """[B, sum n_d, atoms] Q logits -> [B, D] greedy actions (first of equal maxima)."""
     atoms = q.shape[-1]
     if q.shape[0] == 0:
         return torch.empty(0, len(branches), dtype=torch.long, device=q.device)

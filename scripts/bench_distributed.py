@@ -35,7 +35,7 @@ from dqn_ops.rl.results import dump_json  # noqa: E402
 from bench import random_batch  # noqa: E402
 from bench_common import run_meta, time_us, write_results  # noqa: E402
 
-TINY = DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=5, branches=(2, 3))
+TINY = DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=(8,), adv_hidden=(8,), atoms=5, branches=(2, 3))
 
 
 def run(args):

@@ -64,7 +64,7 @@ def make(args, loop_kind, envs, batch, seed=0):
                         on_non_finite="flag")
     net = DQNConfig(state_dim=STATE_DIM, branches=BRANCHES)
     if args.tiny:
-        net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=16, adv_hidden=16, atoms=11,
+        net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=(16,), adv_hidden=(16,), atoms=11,
                         branches=BRANCHES)
     trainer = (TorchTrainer(net, cfg, device=dev, seed=seed) if loop_kind == "pytorch"
                else Trainer(net, cfg, device=dev, seed=seed))

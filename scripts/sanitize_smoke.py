@@ -6,8 +6,17 @@ import torch
 import dqn_ops
 from dqn_ops import DQNConfig, Trainer, TrainerConfig
 
-CONFIGS = [DQNConfig(state_dim=37, trunk_hidden=(61, 45), value_hidden=29, adv_hidden=23, atoms=11, branches=(3, 2)),
-           DQNConfig(state_dim=16, trunk_hidden=(32, 32), value_hidden=16, adv_hidden=16, atoms=1, branches=(4, 2))]
+CONFIGS = [DQNConfig(state_dim=37, trunk_hidden=(61, 45), value_hidden=(29,), adv_hidden=(23,), atoms=11,
+                     branches=(3, 2)),
+           DQNConfig(state_dim=16, trunk_hidden=(32, 32), value_hidden=(16,), adv_hidden=(16,), atoms=1,
+                     branches=(4, 2)),
+           # other network shapes: three trunk layers and two block-diagonal head layers; no head
+           # layer and no dueling (the output heads all read the trunk, two of them as one group);
+           # one trunk layer, no head layer, dueling, one atom
+           DQNConfig(state_dim=10, trunk_hidden=(32, 24, 16), value_hidden=(12, 6), adv_hidden=(8, 5), atoms=7,
+                     branches=(2, 4, 3)),
+           DQNConfig(state_dim=8, trunk_hidden=(20, 16), adv_hidden=(), atoms=5, branches=(3, 3, 1), dueling=False),
+           DQNConfig(state_dim=8, trunk_hidden=(20,), value_hidden=(), adv_hidden=(), atoms=1, branches=(3, 1, 4))]
 
 
 def main():
@@ -44,9 +53,9 @@ def main():
         dqn_ops.dqn_loss(*q, a, torch.randn(B, device=dev) * 20, (torch.rand(B, device=dev) < 0.3).float(), branches)
     # the trainer's loss composed from the public kernels on CUDA (outside the fused kernel's
     # limits: more atoms, more branches)
-    for c in (DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8,
+    for c in (DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=(8,), adv_hidden=(8,),
                         atoms=dqn_ops.ops.FUSED_LOSS_MAX_ATOMS + 1, branches=(3, 2)),
-              DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=5,
+              DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=(8,), adv_hidden=(8,), atoms=5,
                         branches=(2,) * (dqn_ops.ops.FUSED_LOSS_MAX_BRANCHES + 1))):
         t = Trainer(c, TrainerConfig(batch_size=7, use_cuda_graph=False), device=dev)
         assert not t.uses_fused_path
@@ -88,7 +97,7 @@ def main():
     from dqn_ops.rl.envs import BRANCHES, STATE_DIM, FuturesTradingEnv
     from dqn_ops.rl.loop import LoopConfig, TrainingLoop
     from dqn_ops.rl.replay import ReplayBuffer
-    c = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=16, adv_hidden=16, atoms=11,
+    c = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=(16,), adv_hidden=(16,), atoms=11,
                   branches=BRANCHES)
     for prioritized, n_step in ((False, 1), (True, 3)):
         t = Trainer(c, TrainerConfig(batch_size=16, gamma=0.9 ** n_step, readback_interval=8), device=dev)

@@ -71,7 +71,7 @@ def parse_args(argv=None):
 def make_trainer(args):
     net = DQNConfig(state_dim=STATE_DIM, branches=BRANCHES)
     if args.tiny:
-        net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=16, adv_hidden=16, atoms=11,
+        net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=(16,), adv_hidden=(16,), atoms=11,
                         branches=BRANCHES)
     # gamma ** n: the loss discounts an n-step return's bootstrap; the readback ring holds an epoch
     # (one graph replay of the loop)

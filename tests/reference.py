@@ -1,11 +1,16 @@
-"""Independent references for the tests: the network as a plain stack of ``nn.Linear``
-layers (as the plain-PyTorch anchor step of docs/design.md) and a hand-written float64 backward."""
+"""Independent references for the tests: the network of any shape in plain float64 torch ops on
+its named layers (``ReferenceNet``, ``reference_forward``), written from the formulas of
+dqn_ops/layout.py's docstring and not from the package's code; a hand-written float64 backward of
+the same network; Philox."""
 from __future__ import annotations
 
+from typing import Dict, List, Optional, Sequence, Tuple
+
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from dqn_ops import DQNConfig
-from dqn_ops.rl.baseline import TorchDuelingBranchNet
 
 CONFIGS = {
     "reference": DQNConfig(),
@@ -17,70 +22,210 @@ CONFIGS = {
 }
 TINY = DQNConfig(state_dim=5, trunk_hidden=(7, 6), value_hidden=3, adv_hidden=4, atoms=3, branches=(2, 3))
 
+# Network shapes beyond the fixed one: trunk depth 1 and 3, head depth 0, 1 and 2, dueling on and
+# off, C51 and one atom, one and several branches of unequal sizes; "cleanrl_c51" is CleanRL
+# c51.py's QNetwork (state 4 -> 120 -> 84 -> n * atoms: no dueling, no head layer, one branch).
+# Block groups (csrc/layout.h) they exercise: head0_no_dueling's first two output heads read
+# the same input (in_col_stride 0); head2_dueling_q's value head has the branches' widths, so
+# its deeper head layer runs as one group of all three heads.
+SHAPES = {
+    "trunk1_head1": DQNConfig(state_dim=9, trunk_hidden=(24,), value_hidden=7, adv_hidden=5, atoms=11, branches=(3, 2)),
+    "trunk3_head2": DQNConfig(state_dim=10, trunk_hidden=(32, 24, 16), value_hidden=(12, 6), adv_hidden=(8, 5),
+                              atoms=7, branches=(2, 4, 3)),
+    "head0_dueling": DQNConfig(state_dim=8, trunk_hidden=(20, 16), value_hidden=(), adv_hidden=(), atoms=5,
+                               branches=(3, 1, 4)),
+    "head0_no_dueling": DQNConfig(state_dim=8, trunk_hidden=(20, 16), adv_hidden=(), atoms=5, branches=(3, 3, 1),
+                                  dueling=False),
+    "head2_no_dueling_q": DQNConfig(state_dim=6, trunk_hidden=(16, 12), adv_hidden=(10, 9), atoms=1, branches=(4, 2),
+                                    dueling=False),
+    "head1_no_dueling_one_branch": DQNConfig(state_dim=7, trunk_hidden=(24, 16), adv_hidden=12, atoms=9, branches=(5,),
+                                             dueling=False),
+    "head2_dueling_q": DQNConfig(state_dim=6, trunk_hidden=(16,), value_hidden=(6, 4), adv_hidden=(6, 4), atoms=1,
+                                 branches=(2, 5)),
+    "cleanrl_c51": DQNConfig(state_dim=4, trunk_hidden=(120, 84), adv_hidden=(), atoms=51, branches=(2,),
+                             dueling=False),
+}
 
-ReferenceNet = TorchDuelingBranchNet  # plain nn.Linear layers, independent of the kernels
+
+# ---------------------------------------------------------------------------------------
+# The network, from layout.py's docstring:
+#   trunk   h_i = relu(h_{i-1} W_si^T + b_si), i = 1..L, h_0 = s
+#   head k  x = h_L; x = relu(x W_{k,j}^T + b_{k,j}) for j = 1..H; out_k = x W_{k,H+1}^T + b_{k,H+1}
+#           (the saved head activation j is every head's x side by side, the value head first)
+#   q_d = v + a_d - mean_k a_d with dueling, else q_d = a_d.
+# Layer names are nn.Linear's: s<i>; the value head v<j>; branch d's head a<j>.<d> (dueling)
+# or q<j>.<d> (no dueling); j = H + 1 is the output layer.
+
+def head_widths(c: DQNConfig) -> List[Tuple[str, Tuple[int, ...], int]]:
+    """Per output head, value first: (name stem and suffix as a format 'v{}' / 'a{}.0', hidden
+    widths, output width)."""
+    heads = [("v{}", tuple(c.value_hidden), c.atoms)] if c.dueling else []
+    stream = "a" if c.dueling else "q"
+    return heads + [(stream + "{}." + str(d), tuple(c.adv_hidden), n * c.atoms) for d, n in enumerate(c.branches)]
+
+
+def layer_shapes(c: DQNConfig) -> Dict[str, Tuple[int, int]]:
+    """Every nn.Linear layer's (out, in), by name, in forward order (trunk, then head by head)."""
+    shapes, width = {}, c.state_dim
+    for i, w in enumerate(c.trunk_hidden):
+        shapes[f"s{i + 1}"] = (w, width)
+        width = w
+    for stem, hidden, out in head_widths(c):
+        w_in = width
+        for j, w in enumerate(hidden + (out,)):
+            shapes[stem.format(j + 1)] = (w, w_in)
+            w_in = w
+    return shapes
+
+
+def reference_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]], s: Tensor,
+                      round_to: Optional[torch.dtype] = None):
+    """The network on s with layers {name: (weight, bias)}: (q [B, A, NA], head [B, head_out],
+    activations [s, h_1, ..., h_L, head layer 1, ..., head layer H]). round_to: a dtype every
+    activation (the states included) is rounded to after its ReLU, as the kernels store them."""
+    def rounded(x):
+        return x if round_to is None else x.to(round_to).to(x.dtype)
+
+    x = rounded(s)
+    acts = [x]
+    for i in range(len(c.trunk_hidden)):
+        x = rounded(F.relu(F.linear(x, *layers[f"s{i + 1}"])))
+        acts.append(x)
+    heads = head_widths(c)
+    per_head: List[List[Tensor]] = []
+    outs = []
+    for stem, hidden, _ in heads:
+        y, ys = x, []
+        for j in range(len(hidden)):
+            y = rounded(F.relu(F.linear(y, *layers[stem.format(j + 1)])))
+            ys.append(y)
+        per_head.append(ys)
+        outs.append(F.linear(y, *layers[stem.format(len(hidden) + 1)]))
+    for j in range(len(c.adv_hidden)):
+        acts.append(torch.cat([ys[j] for ys in per_head], 1))
+    head = torch.cat(outs, 1)
+    B, NA = s.shape[0], c.atoms
+    branch_outs = outs[1:] if c.dueling else outs
+    qs = []
+    for a, n in zip(branch_outs, c.branches):
+        a = a.view(B, n, NA)
+        qs.append(outs[0].view(B, 1, NA) + a - a.mean(1, keepdim=True) if c.dueling else a)
+    return torch.cat(qs, 1), head, acts
+
+
+class ReferenceNet(nn.Module):
+    """The network as plain nn.Linear layers named as DuelingBranchQNet's state dict names them
+    (``s1``, ``v2``, ``a1.0``, ``q2.1`` ...), built from the config alone: its state dict loads
+    into and from DuelingBranchQNet's key for key. forward(s) -> (q, head logits)."""
+
+    def __init__(self, c: DQNConfig):
+        super().__init__()
+        self.config = c
+        for name, (out, inp) in layer_shapes(c).items():
+            stem, _, index = name.partition(".")
+            if index:
+                if stem not in self._modules:
+                    self.add_module(stem, nn.ModuleDict())
+                self._modules[stem][index] = nn.Linear(inp, out)
+            else:
+                self.add_module(name, nn.Linear(inp, out))
+
+    def linear(self, name: str) -> nn.Linear:
+        stem, _, index = name.partition(".")
+        return self._modules[stem][index] if index else self._modules[stem]
+
+    def layers(self) -> Dict[str, Tuple[Tensor, Tensor]]:
+        return {name: (self.linear(name).weight, self.linear(name).bias) for name in layer_shapes(self.config)}
+
+    def forward(self, s):
+        q, head, _ = reference_forward(self.config, self.layers(), s)
+        return q, head
 
 
 def reference_net_like(net, dtype=torch.float64, device="cpu") -> ReferenceNet:
+    """A ReferenceNet holding `net`'s master weights (in `dtype`, on `device`)."""
     ref = ReferenceNet(net.config).to(dtype=dtype, device=device)
     ref.load_state_dict({k: v.to(dtype) for k, v in net.state_dict().items()})
     return ref
 
 
+def mirror_layers(net) -> Dict[str, Tuple[Tensor, Tensor]]:
+    """`net`'s layers as its forward GEMMs read them, in float64 on the CPU: the weights of the
+    mirror (BF16 values), the biases of the master."""
+    mirror = net.layer_views(net.params_bf16.detach().double().cpu())
+    master = net.layer_views(net.flat_params.detach().double().cpu())
+    return {name: (mirror[name + ".weight"], master[name + ".bias"]) for name in layer_shapes(net.config)}
+
+
+@torch.no_grad()
+def reference_forward_emulated(net, s: Tensor):
+    """bf16_dueling_forward's arithmetic in float64: BF16 mirror weights, the states and every
+    hidden activation rounded to the mirror's dtype; only the summation (float64 here, F32 in
+    the kernels) differs. (q, head, activations), on the CPU."""
+    round_to = net.params_bf16.dtype if net.params_bf16.dtype != torch.float64 else None
+    return reference_forward(net.config, mirror_layers(net), s.double().cpu(), round_to)
+
+
 def dueling_head_grad(c: DQNConfig, grad_q: torch.Tensor) -> torch.Tensor:
-    """d(loss)/d(head) for a given d(loss)/d(q), by autograd of the dueling aggregation."""
+    """d(loss)/d(head) for a given d(loss)/d(q), by autograd of the aggregation (dueling or not)."""
     B = grad_q.shape[0]
     head = torch.zeros(B, c.head_out, dtype=torch.float64, requires_grad=True)
-    v = head[:, :c.atoms].view(B, 1, c.atoms)
-    qs, col = [], c.atoms
+    col = 0
+    if c.dueling:
+        v = head[:, :c.atoms].view(B, 1, c.atoms)
+        col = c.atoms
+    qs = []
     for n in c.branches:
         a = head[:, col:col + n * c.atoms].view(B, n, c.atoms)
-        qs.append(v + a - a.mean(1, keepdim=True))
+        qs.append(v + a - a.mean(1, keepdim=True) if c.dueling else a)
         col += n * c.atoms
     torch.cat(qs, 1).backward(grad_q.double().cpu())
     return head.grad
 
 
 @torch.no_grad()
-def reference_backward(net, saved, d_head, dx_weights: str):
-    """Hand-written float64 backward of the computed forward.
+def reference_backward(net, saved: Sequence[Tensor], d_head, dx_weights: str):
+    """Hand-written float64 backward of the computed forward, for any shape.
 
-    saved: (states_bf16, h1, h2, hh) as the forward returned them; ReLU masks are read off
-    them and dW uses them, as the kernels do. dx_weights: 'mirror' or 'master' — which
-    weights the d(input) products use. Returns (flat grad float64 on CPU, d_states).
+    saved: the activation list as the forward returned it (states, trunk layers, head layers);
+    ReLU masks are read off it and dW uses it, as the kernels do. dx_weights: 'mirror' or
+    'master' — which weights the d(input) products use. Returns (flat grad float64 on CPU,
+    d_states).
     """
-    c, L = net.config, net.layout
-    x, h1, h2, hh = (t.double().cpu() for t in saved)
+    c = net.config
+    acts = [t.double().cpu() for t in saved]
     d_head = d_head.double().cpu()
-    W = net.layer_views(net.params_bf16.double().cpu() if dx_weights == "mirror" else net.flat_params.detach().double().cpu())
-    grad = torch.zeros(L.numel, dtype=torch.float64)
+    W = net.layer_views(net.params_bf16.double().cpu() if dx_weights == "mirror"
+                        else net.flat_params.detach().double().cpu())
+    grad = torch.zeros(net.layout.numel, dtype=torch.float64)
     G = net.layer_views(grad)
+    L, H = len(c.trunk_hidden), len(c.adv_hidden)
+    trunk_out = acts[L]
 
-    names = [("v1", "v2", 0, c.value_hidden, 0, c.atoms)]
-    col_in, col_out = c.value_hidden, c.atoms
-    for d, n in enumerate(c.branches):
-        names.append((f"a1.{d}", f"a2.{d}", col_in, c.adv_hidden, col_out, n * c.atoms))
-        col_in, col_out = col_in + c.adv_hidden, col_out + n * c.atoms
-    d_hh = torch.zeros_like(hh)
-    for first, second, ci, wi, co, wo in names:
-        dy = d_head[:, co:co + wo]
-        G[second + ".weight"].copy_(dy.T @ hh[:, ci:ci + wi])
-        G[second + ".bias"].copy_(dy.sum(0))
-        d_hh[:, ci:ci + wi] = dy @ W[second + ".weight"]
-    d_hh = d_hh * (hh > 0)
-    d_h2 = torch.zeros_like(h2)
-    for first, _, ci, wi, _, _ in names:
-        dz = d_hh[:, ci:ci + wi]
-        G[first + ".weight"].copy_(dz.T @ h2)
-        G[first + ".bias"].copy_(dz.sum(0))
-        d_h2 += dz @ W[first + ".weight"]
-    dz2 = d_h2 * (h2 > 0)
-    G["s2.weight"].copy_(dz2.T @ h1)
-    G["s2.bias"].copy_(dz2.sum(0))
-    dz1 = (dz2 @ W["s2.weight"]) * (h1 > 0)
-    G["s1.weight"].copy_(dz1.T @ x)
-    G["s1.bias"].copy_(dz1.sum(0))
-    return grad, dz1 @ W["s1.weight"]
+    def linear_backward(name, dy, x):
+        G[name + ".weight"].copy_(dy.T @ x)
+        G[name + ".bias"].copy_(dy.sum(0))
+        return dy @ W[name + ".weight"]
+
+    # Heads: each its own chain from its output columns back to the trunk output.
+    d_trunk = torch.zeros_like(trunk_out)
+    out_col, hid_cols = 0, [0] * H
+    for stem, hidden, out in head_widths(c):
+        cols = []  # this head's columns of each head layer
+        for j, w in enumerate(hidden):
+            cols.append((hid_cols[j], w))
+            hid_cols[j] += w
+        xs = [trunk_out] + [acts[L + 1 + j][:, a:a + w] for j, (a, w) in enumerate(cols)]
+        dy = d_head[:, out_col:out_col + out]
+        out_col += out
+        d = linear_backward(stem.format(H + 1), dy, xs[H])
+        for j in range(H, 0, -1):
+            d = linear_backward(stem.format(j), d * (xs[j] > 0), xs[j - 1])
+        d_trunk += d
+    d = d_trunk
+    for i in range(L, 0, -1):
+        d = linear_backward(f"s{i}", d * (acts[i] > 0), acts[i - 1])
+    return grad, d
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

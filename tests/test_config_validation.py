@@ -22,10 +22,23 @@ TINY = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=
     (dict(atoms=0), ValueError, r"DQNConfig: atoms must be >= 1 \(an int\), got 0"),
     (dict(state_dim=-3), ValueError, r"DQNConfig: state_dim must be >= 1 \(an int\), got -3"),
     (dict(state_dim="96"), TypeError, r"DQNConfig: state_dim must be an int >= 1, got '96' \(str\)"),
-    (dict(value_hidden=True), TypeError, r"DQNConfig: value_hidden must be an int >= 1, got True \(bool\)"),
-    (dict(adv_hidden=None), TypeError, r"DQNConfig: adv_hidden must be an int >= 1, got None \(NoneType\)"),
-    (dict(trunk_hidden=(256,)), ValueError, r"DQNConfig: trunk_hidden must be 2 widths >= 1 .*, got \(256,\)"),
-    (dict(trunk_hidden=(256, 0)), ValueError, r"DQNConfig: trunk_hidden must be 2 widths >= 1 .*, got \(256, 0\)"),
+    (dict(value_hidden=True), TypeError,
+     r"DQNConfig: value_hidden must be an int >= 1 or a tuple of widths >= 1 \(possibly empty\), got True \(bool\)"),
+    (dict(adv_hidden=None), TypeError,
+     r"DQNConfig: adv_hidden must be an int >= 1 or a tuple .*, got None \(NoneType\)"),
+    (dict(adv_hidden=(16, 0)), ValueError, r"DQNConfig: adv_hidden must be an int >= 1 or a tuple .*, got \(16, 0\)"),
+    (dict(value_hidden=(0,)), ValueError, r"DQNConfig: value_hidden must be an int >= 1 or a tuple .*, got \(0,\)"),
+    (dict(value_hidden=(64, 64)), ValueError,
+     r"DQNConfig: value_hidden and adv_hidden must have the same number of layers .*, got \(64, 64\) and \(128,\)"),
+    (dict(value_hidden=(64,), adv_hidden=()), ValueError,
+     r"DQNConfig: value_hidden and adv_hidden must have the same number of layers .*, got \(64,\) and \(\)"),
+    (dict(dueling=False, value_hidden=(64,)), ValueError,
+     r"DQNConfig: value_hidden must be None or \(\) with dueling=False \(no value head\), got \(64,\)"),
+    (dict(dueling=1), TypeError, r"DQNConfig: dueling must be a bool \(True or False\), got 1 \(int\)"),
+    (dict(dueling="yes"), TypeError, r"DQNConfig: dueling must be a bool \(True or False\), got 'yes' \(str\)"),
+    (dict(trunk_hidden=()), ValueError, r"DQNConfig: trunk_hidden must be one or more widths >= 1 .*, got \(\)"),
+    (dict(trunk_hidden=(256, 0)), ValueError,
+     r"DQNConfig: trunk_hidden must be one or more widths >= 1 .*, got \(256, 0\)"),
     (dict(trunk_hidden=(256, 12.5)), TypeError, r"DQNConfig: trunk_hidden must be .*an entry 12\.5 \(float\)"),
     (dict(trunk_hidden=256), TypeError, r"DQNConfig: trunk_hidden must be .*, got 256 \(int\)"),
     (dict(branches=()), ValueError, r"DQNConfig: branches must be a non-empty tuple of action counts >= 1"),
@@ -43,6 +56,17 @@ def test_dqn_config_normalises_what_it_accepts():
     c = DQNConfig(state_dim=np.int64(6), trunk_hidden=[16, 16], value_hidden=8, adv_hidden=8, atoms=11,
                   branches=[2, 3])
     assert c == TINY and type(c.state_dim) is int and c.branches == (2, 3) and c.trunk_hidden == (16, 16)
+    # Head widths: an int is one layer, equal to the tuple form; value_hidden None follows
+    # adv_hidden with dueling and is () without.
+    assert c.value_hidden == (8,) and c.adv_hidden == (8,)
+    assert DQNConfig(value_hidden=64, adv_hidden=32) == DQNConfig(value_hidden=(64,), adv_hidden=(32,))
+    assert DQNConfig(value_hidden=None, adv_hidden=[32, 16]).value_hidden == (32, 16)
+    assert DQNConfig(dueling=False).value_hidden == () and DQNConfig(dueling=False, value_hidden=()) == DQNConfig(
+        dueling=False)
+    assert DQNConfig(trunk_hidden=[np.int64(5)], adv_hidden=()).hidden_widths == (5,)
+    shallow = DQNConfig(trunk_hidden=(32, 16, 8), value_hidden=(4, 2), adv_hidden=(6, 3), branches=(2, 3))
+    assert shallow.hidden_widths == (32, 16, 8, 4 + 2 * 6, 2 + 2 * 3) and shallow.head_depth == 2
+    assert shallow.num_heads == 3 and DQNConfig(dueling=False, branches=(2, 3)).num_heads == 2
 
 
 # -- TrainerConfig ------------------------------------------------------------------------

@@ -170,7 +170,11 @@ def test_batched_networks_give_the_two_passes_bits_in_either_memory_order(device
         batched = InternalOpsStep(online, target, batch_networks=True)
         want = _run(two_passes.forward, dict(state_pairs=s.batch["state_pairs"]), device == "cuda")
         got = _run(batched.forward, dict(state_pairs=s.batch["state_pairs"]), device == "cuda")
-        for name, x, y in zip(ops.Logits._fields, got, want):
+        named = [("logits", got.logits, want.logits),
+                 ("logits_next_target", got.logits_next_target, want.logits_next_target)]
+        assert len(got.activations) == len(want.activations) == 1 + len(s.config.hidden_widths)
+        named += [(f"activations[{i}]", x, y) for i, (x, y) in enumerate(zip(got.activations, want.activations))]
+        for name, x, y in named:
             assert x.shape == y.shape, name
             _same_bits(x, y, name)
         assert want.logits_next_target.shape == (B, s.config.head_ld)
@@ -230,7 +234,7 @@ def _internal_op_args(s: Sample):
         "_dqn_loss_on_logits": [(logits[0], logits[1], f.logits_next_target, p, tp, b["actions"], b["rewards"],
                                  b["dones"], weights, layout, V_MIN, V_MAX, GAMMA, s.loss_type)
                                 for weights in (None, b["weights"])],
-        "_mixed_backward_from_head": [(head.grad_head, head.grad_head_bf16, *saved, p, p_lp, layout, precision)
+        "_mixed_backward_from_head": [(head.grad_head, head.grad_head_bf16, saved, p, p_lp, layout, precision)
                                       for precision in ("bf16", "tf32")],
     }
 
@@ -330,8 +334,9 @@ def test_fake_kernels_give_the_internal_ops_their_shapes():
                                           True)
         assert f.logits.shape == (2 * B, c.head_ld) and f.logits.dtype == torch.float32
         assert f.logits_next_target.shape == (B, c.head_ld) and f.logits_next_target.dtype == torch.float32
-        assert [t.shape for t in f[2:]] == [(2 * B, c.state_dim), (2 * B, 64), (2 * B, 48), (2 * B, c.head_hidden)]
-        assert all(t.dtype == torch.bfloat16 for t in f[2:])
+        assert [t.shape for t in f.activations] == [(2 * B, c.state_dim), (2 * B, 64), (2 * B, 48),
+                                                    (2 * B, 32 + 4 * 24)]
+        assert all(t.dtype == torch.bfloat16 for t in f.activations)
         loss_args = (f.logits[:B], f.logits[B:], f.logits_next_target, p, p,
                      torch.empty(B, c.num_branches, dtype=torch.long, device="cuda"), torch.empty(B, device="cuda"),
                      torch.empty(B, device="cuda"), None, layout, V_MIN, V_MAX, GAMMA)
@@ -342,5 +347,6 @@ def test_fake_kernels_give_the_internal_ops_their_shapes():
         with pytest.raises(RuntimeError, match=r"dqn_ops._dqn_loss_on_logits: loss_type: expected one of "
                                                r"\('c51', 'mse', 'huber'\), got 'l1'"):
             ops._dqn_loss_on_logits(*loss_args, loss_type="l1")
-        grad = ops._mixed_backward_from_head(r.grad_head, r.grad_head_bf16, [t[:B] for t in f[2:]], p, p_lp, layout)
+        grad = ops._mixed_backward_from_head(r.grad_head, r.grad_head_bf16, [t[:B] for t in f.activations], p, p_lp,
+                                             layout)
         assert grad.shape == (n,) and grad.dtype == torch.float32

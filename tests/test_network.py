@@ -91,10 +91,13 @@ def test_cuda_forward_matches_cpu_bf16_emulation(name):
     poison_cuda_cache()
     gpu = net.forward_full(s)
     cpu = net.to("cpu").forward_full(s.cpu())
-    for name_, a, b in zip(gpu._fields, gpu, cpu):
+    assert len(gpu.activations) == len(cpu.activations) == 1 + len(c.hidden_widths)
+    named = [("q_logits", gpu.q_logits, cpu.q_logits), ("head_logits", gpu.head_logits, cpu.head_logits)]
+    named += [(f"activations[{i}]", a, b) for i, (a, b) in enumerate(zip(gpu.activations, cpu.activations))]
+    for name_, a, b in named:
         assert a.dtype == b.dtype and a.shape == b.shape, name_
         assert rel_err(a, b) < 2e-3, f"{name_}: {rel_err(a, b):.2e}"
-    assert torch.equal(gpu.states_bf16.cpu(), cpu.states_bf16)  # one rounding of the same F32 values
+    assert torch.equal(gpu.activations[0].cpu(), cpu.activations[0])  # one rounding of the same F32 values
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -107,8 +110,10 @@ def test_a_nan_state_stays_visible_in_its_samples_outputs(device):
     s = random_states(c, 64, device)
     s[5, 3] = float("nan")
     out = net.forward_full(s)
-    for name_ in ("q_logits", "head_logits", "h1", "h2", "hh"):
-        t = getattr(out, name_).float()
+    named = [("q_logits", out.q_logits), ("head_logits", out.head_logits)]
+    named += [(f"activations[{i}]", t) for i, t in enumerate(out.activations)]
+    for name_, t in named:
+        t = t.float()
         assert torch.isnan(t[5]).any(), f"{name_}: the NaN state's row lost its NaN"
         assert torch.isfinite(torch.cat([t[:5], t[6:]])).all(), name_
 
@@ -171,7 +176,7 @@ def test_backward_vs_float64_within_bars(device, precision, name, B):
     grad, gs = dqn_ops.mixed_backward(gq, gh, saved, net.flat_params.detach(), net.params_bf16,
                                       net._layout_ints, precision, need_grad_states=True)
     d_head = dueling_head_grad(c, gq) + gh.double().cpu()
-    ref_grad, ref_gs = reference_backward(net, saved[2:], d_head, "mirror" if precision == "bf16" else "master")
+    ref_grad, ref_gs = reference_backward(net, saved.activations, d_head, "mirror" if precision == "bf16" else "master")
     bar = BACKWARD_BARS[precision]
     # CPU computes tf32 in full F32; only the GPU takes the TF32/BF16 shortcuts.
     bar = bar if device == "cuda" or precision == "bf16" else BACKWARD_BARS["fp32"]
@@ -282,7 +287,7 @@ def test_opcheck(device):
     gq = torch.randn(12, c.total_actions, c.atoms, device=device)
     for need in (False, True):
         torch.library.opcheck(torch.ops.dqn_ops.mixed_backward.default,
-                              (gq, None, *saved[2:], params.detach(), net.params_bf16, layout, "bf16", need))
+                              (gq, None, saved[2], params.detach(), net.params_bf16, layout, "bf16", need))
 
 
 # ----------------------------------------------------------------------------------------
@@ -307,7 +312,9 @@ def _call_forward(a):
     (lambda a: a.update(states=torch.randn(5, 4, device=a["states"].device).t()), "states: expected a contiguous tensor"),
     (lambda a: a.update(params=a["params"][:-8]), r"params: expected shape \["),
     (lambda a: a.update(params_bf16=a["params_bf16"].half()), "params_bf16: expected dtype BFloat16"),
-    (lambda a: a.update(layout=a["layout"][:-1]), "layout: 2 branches need"),
+    (lambda a: a.update(layout=a["layout"][:-1]), "layout: ended after 23 entries, before the buffer length"),
+    (lambda a: a.update(layout=[1, *a["layout"][1:]]),  # a stale format
+     r"layout: expected the int\[\] from dqn_ops.ParamLayout.encode\(\) \(format 2, .*\), got first entry 1"),
     (lambda a: a.update(layout=[*a["layout"][:-2], a["layout"][-2] + 1, a["layout"][-1]]), "not a non-negative multiple of 8"),
     (lambda a: a.update(layout=[*a["layout"][:-1], 8]), "lies outside the buffer"),
     (lambda a: a.update(precision="tf16"), "expected one of 'tf32', 'bf16', 'fp32', got 'tf16'"),
@@ -336,10 +343,13 @@ def test_backward_bad_input_names_op_and_argument(device):
         call(gq=gq[..., :2].contiguous())
     with pytest.raises(RuntimeError, match=op + r"grad_head: expected shape \[4, 18\]"):
         call(gh=torch.zeros(4, 3, device=device))
-    with pytest.raises(RuntimeError, match=op + r"h1: expected shape \[4, 7\], got \[3, 7\]"):
-        call(saved=(saved[2], saved[3][:3], saved[4], saved[5]))
-    with pytest.raises(RuntimeError, match=op + "hh: expected dtype BFloat16, got Float"):
-        call(saved=(saved[2], saved[3], saved[4], saved[5].float()))
+    acts = saved.activations
+    with pytest.raises(RuntimeError, match=op + r"activations\[1\]: expected shape \[4, 7\], got \[3, 7\]"):
+        call(saved=[acts[0], acts[1][:3], *acts[2:]])
+    with pytest.raises(RuntimeError, match=op + r"activations\[3\]: expected dtype BFloat16, got Float"):
+        call(saved=[*acts[:3], acts[3].float()])
+    with pytest.raises(RuntimeError, match=op + r"activations: expected 4 tensors \(the states and each hidden layer"):
+        call(saved=acts[:3])
     with pytest.raises(RuntimeError, match=op + "precision: expected one of"):
         call(precision="half")
 

@@ -12,19 +12,20 @@ from test_spectral_norm import _buffers
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-configs = st.builds(
-    DQNConfig,
-    state_dim=st.integers(1, 12),
-    trunk_hidden=st.tuples(st.integers(1, 16), st.integers(1, 16)),
-    value_hidden=st.integers(1, 9),
-    adv_hidden=st.integers(1, 9),
-    atoms=st.one_of(st.just(1), st.integers(2, 9)),
-    branches=st.lists(st.integers(1, 4), min_size=1, max_size=4).map(tuple),
-)
+@st.composite
+def configs(draw):
+    """Any network shape: 1-3 trunk layers, 0-2 head layers, dueling or not."""
+    depth, dueling = draw(st.integers(0, 2)), draw(st.booleans())
+    widths = st.lists(st.integers(1, 9), min_size=depth, max_size=depth).map(tuple)
+    return DQNConfig(state_dim=draw(st.integers(1, 12)),
+                     trunk_hidden=draw(st.lists(st.integers(1, 16), min_size=1, max_size=3).map(tuple)),
+                     value_hidden=draw(widths) if dueling else (), adv_hidden=draw(widths),
+                     atoms=draw(st.one_of(st.just(1), st.integers(2, 9))),
+                     branches=draw(st.lists(st.integers(1, 4), min_size=1, max_size=4).map(tuple)), dueling=dueling)
 
 
 @SETTINGS
-@given(c=configs, batch=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
+@given(c=configs(), batch=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
 def test_float64_forward_and_backward_equal_the_nn_linear_reference(c, batch, seed):
     g = torch.Generator().manual_seed(seed)
     net = DuelingBranchQNet(c, generator=g).double()
@@ -96,7 +97,7 @@ def test_adam_equals_torch_adam(n, lr, wd, decoupled, seed):
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(c=configs, batch=st.integers(1, 16), seed=st.integers(0, 1000))
+@given(c=configs(), batch=st.integers(1, 16), seed=st.integers(0, 1000))
 def test_trainer_steps_stay_finite_on_any_config(c, batch, seed):
     t = Trainer(c, TrainerConfig(batch_size=batch, readback_interval=2), device="cpu", seed=seed)
     g = torch.Generator().manual_seed(seed)
