@@ -212,7 +212,7 @@ class DQNConfig:
 def _head_widths(config: str, field: str, value) -> Tuple[int, ...]:
     """A head's hidden widths: an int (one layer) or a possibly empty sequence of ints >= 1."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        value = (value,)
+        return (check_int(config, field, value, minimum=1),)
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{config}: {field} must be an int >= 1 or a tuple of widths >= 1 (possibly empty), "
                         f"got {_got(value)}")
