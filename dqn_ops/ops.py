@@ -150,8 +150,12 @@ def _forward_setup_context(ctx, inputs, output):
 def _forward_backward(ctx, grad_q, grad_head, _grad_activations):
     *activations, params, params_bf16 = ctx.saved_tensors
     need_states = ctx.needs_input_grad[0]
+    # One gradient per input the call passed: the dispatcher drops a trailing argument equal to
+    # its default (backward_precision), and torch 2.11's wrapper for an op with a Tensor[]
+    # output takes exactly that many back (later versions also take one per schema argument).
+    passed = len(ctx.needs_input_grad)
     if grad_q is None and grad_head is None:
-        return None, None, None, None, None
+        return (None,) * passed
     try:
         grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
             grad_q.contiguous() if grad_q is not None else None,
@@ -160,7 +164,8 @@ def _forward_backward(ctx, grad_q, grad_head, _grad_activations):
     except NotImplementedError as e:
         _raise_missing_kernel("mixed_backward", e)
         raise
-    return (grad_states if need_states else None), (grad_params if ctx.needs_input_grad[1] else None), None, None, None
+    grads = (grad_states if need_states else None), (grad_params if ctx.needs_input_grad[1] else None)
+    return grads + (None,) * (passed - 2)
 
 
 torch.library.register_autograd("dqn_ops::bf16_dueling_forward", _forward_backward,

@@ -144,6 +144,29 @@ def test_float64_backward_equals_autograd_of_nn_linear_reference(name):
     assert (net.flat_params.grad[pad] == 0).all()
 
 
+@pytest.mark.parametrize("precision", [None, "fp32"])
+def test_forward_backward_returns_one_gradient_per_passed_input(precision):
+    """The dispatcher drops a trailing argument equal to its default (backward_precision), and
+    torch 2.11's autograd wrapper for an op with a Tensor[] output takes back exactly one
+    gradient per input the call passed: the formula must count them, not the schema's."""
+    from dqn_ops import ops
+
+    net = DuelingBranchQNet(TINY, generator=torch.Generator().manual_seed(0))
+    states = torch.randn(3, TINY.state_dim)
+    fwd = ops.bf16_dueling_forward(states, net.flat_params.detach(), net.params_bf16, net._layout_ints,
+                                   *([precision] if precision else []))
+    passed = 4 if precision is None else 5
+
+    class Ctx:
+        needs_input_grad = (False, True) + (False,) * (passed - 2)
+        saved_tensors = (*fwd.activations, net.flat_params.detach(), net.params_bf16)
+        layout, precision = net._layout_ints, "fp32"
+
+    for grad_q in (torch.ones_like(fwd.q_logits), None):
+        grads = ops._forward_backward(Ctx, grad_q, None, None)
+        assert len(grads) == passed and (grads[1] is not None) == (grad_q is not None)
+
+
 def test_gradcheck_float64():
     c = TINY
     layout = ParamLayout(c).encode()
