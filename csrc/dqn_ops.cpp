@@ -105,7 +105,7 @@ TORCH_LIBRARY(dqn_ops, m) {
       "batched_spectral_norm(Tensor(a!) params, Tensor(b!) params_bf16, Tensor(c!) u, Tensor(d!) v, "
       "Tensor(e!) sigma, int[] matrices, float[] sigma_max, int n_power_iterations=1, float eps=1e-12, "
       "bool one_launch_per_matrix=False) -> ()");
-  // The DQN loss on dueling-aggregated logits [B, sum n_d, atoms] (q: online on s;
+  // The DQN loss on q logits [B, sum n_d, atoms] (bf16_dueling_forward's q_logits) (q: online on s;
   // q_next_online: online on s', which picks the next action per branch (double DQN);
   // q_next_target: target on s'). actions [B, D] int64; rewards, dones [B] F32 (dones 1 = terminal);
   // gamma is the discount of the stored return (gamma^n for n-step returns); weights [B]:

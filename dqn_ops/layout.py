@@ -4,7 +4,7 @@ The network (docs/design.md), for L >= 1 trunk layers and H >= 0 hidden layers p
 
     trunk   h_i = relu(h_{i-1} W_si^T + b_si)     i = 1..L, h_0 = s        [B, T_i]
     heads   head layer 1: every head's first hidden layer as ONE matrix W_h1 on h_L
-                (the value head's rows first, then each branch's);            [B, HH_1]
+                (the value head's rows first, then each branch's);   [B, sum of the heads' widths]
             head layers 2..H: block-diagonal, head k reads its columns of the previous one;
     outputs v   = (value head's last columns) W_v^T + b_v                      [B, NA]
             a_d = (branch d's last columns) W_ad^T + b_ad                      [B, n_d*NA]
@@ -126,6 +126,10 @@ class DQNConfig:
         branches: the action count of each action branch.
         dueling: a value head plus per-branch advantages (BDQ's local-mean aggregation), or
             (False) one Q head per branch and no value head.
+
+    After construction ``value_hidden`` holds the resolved widths (a tuple), so configs compare
+    equal however they were written. ``dataclasses.replace`` keeps them: pass
+    ``value_hidden=None`` with a new ``adv_hidden`` or ``dueling`` to derive them again.
     """
 
     state_dim: int = 96

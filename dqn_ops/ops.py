@@ -102,7 +102,8 @@ class ForwardOutput(NamedTuple):
 
 def bf16_dueling_forward(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[int],
                          backward_precision: str = "tf32") -> ForwardOutput:
-    """Forward pass of the dueling branching network on BF16 tensor cores.
+    """Forward pass of the branching network (dueling or not, any shape: dqn_ops.DQNConfig) on BF16
+    tensor cores.
 
     Args:
         states: [B, SD] float32 (float64 allowed on the CPU reference path).
@@ -376,10 +377,11 @@ class LossOutput(NamedTuple):
 def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: Tensor, rewards: Tensor,
              dones: Tensor, branches: Sequence[int], *, v_min: float = -10.0, v_max: float = 10.0,
              gamma: float = 0.99, weights: Optional[Tensor] = None, loss_type: str = "c51") -> LossOutput:
-    """The double-DQN loss of a dueling branching network, all on the device, no host sync.
+    """The double-DQN loss of a branching network, all on the device, no host sync.
 
     Args:
-        q: dueling-aggregated logits of the online network on s, [B, sum(branches), atoms] F32.
+        q: the q logits of the online network on s (dueling-aggregated, or the branch heads'
+            logits without dueling), [B, sum(branches), atoms] F32.
         q_next_online: the online network on s' (chooses the next action per branch).
         q_next_target: the target network on s' (evaluates it).
         actions: [B, num_branches] int64, the action taken in each branch.

@@ -36,7 +36,8 @@ BATCH_NETWORKS_MAX_BATCH = 4096
 
 
 def fused_loss_supported(config: DQNConfig, loss_type: str, device: torch.device) -> bool:
-    """Whether ``_dqn_loss_on_logits`` runs its fused dueling-in-loss kernel for this network,
+    """Whether ``_dqn_loss_on_logits`` runs its fused kernel (output bias, the dueling aggregation
+    when the network has one, the C51 loss and its gradient in one launch) for this network,
     loss and device (else it composes the public kernels, with the same results)."""
     return (torch.device(device).type == "cuda" and loss_type == "c51"
             and 2 <= config.atoms <= ops.FUSED_LOSS_MAX_ATOMS and config.num_branches <= ops.FUSED_LOSS_MAX_BRANCHES)

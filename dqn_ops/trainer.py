@@ -133,7 +133,7 @@ class Trainer:
 
     Forward, loss and backward: ``gradient_step`` (a ``dqn_ops.step.InternalOpsStep``), the same
     results bit for bit as the public ops. ``uses_fused_path`` (read-only) says whether its loss
-    runs the fused dueling-in-loss kernel (CUDA, C51, at most ``ops.FUSED_LOSS_MAX_ATOMS``
+    runs the fused loss kernel (CUDA, C51, at most ``ops.FUSED_LOSS_MAX_ATOMS``
     atoms and ``ops.FUSED_LOSS_MAX_BRANCHES`` branches). ``batch_networks``: whether the forward
     runs the online and target networks' hidden layers as one batched GEMM each (fewer
     launches, more FLOPs, the same results); by default at batch sizes up to
@@ -219,7 +219,7 @@ class Trainer:
 
     @property
     def uses_fused_path(self) -> bool:
-        """Whether the step's loss runs the fused dueling-in-loss kernel (else the composition of
+        """Whether the step's loss runs the fused loss kernel (else the composition of
         the public kernels that the internal loss op runs elsewhere: the same results)."""
         return fused_loss_supported(self.net_config, self.loss_type, self.device)
 

@@ -66,7 +66,7 @@ class TorchQNet(nn.Module):
         return torch.cat(qs, 1), torch.cat(heads, 1)
 
 
-# The name tests/reference.py and scripts/bench_network.py import.
+# The name scripts/bench_network.py imports.
 TorchDuelingBranchNet = TorchQNet
 
 
