@@ -373,5 +373,9 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
     adv = tuple(v[p:p + H])
     if H < 0 or len(v) < p + H:
         fail(f"got {H} head layers in {len(v)} entries")
-    return DQNConfig(state_dim=state_dim, trunk_hidden=trunk, value_hidden=value, adv_hidden=adv, atoms=atoms,
-                     branches=branches, dueling=bool(dueling))
+    config = DQNConfig(state_dim=state_dim, trunk_hidden=trunk, value_hidden=value, adv_hidden=adv, atoms=atoms,
+                       branches=branches, dueling=bool(dueling))
+    expected = len(ParamLayout(config).encode())  # the offsets csrc/layout.h reads after the sizes
+    if len(v) != expected:
+        fail(f"{expected} entries for these sizes, got {len(v)}")
+    return config

@@ -527,3 +527,12 @@ def test_cuda_forward_and_backward_match_the_cpu_reference(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_graphed_trainer_step_is_the_public_ops_step(name):
     _trainer_step_is_the_public_ops_step(SHAPES[name], "cuda")
+
+
+def test_decode_config_refuses_a_layout_of_the_wrong_length():
+    c = SHAPES["trunk3_head2"]
+    layout = ParamLayout(c).encode()
+    assert dqn_ops.layout.decode_config(layout) == c
+    for bad in (layout[:-1], layout + [0]):
+        with pytest.raises(ValueError, match=rf"\(format 2\), {len(layout)} entries for these sizes, got {len(bad)}"):
+            dqn_ops.layout.decode_config(bad)
