@@ -42,7 +42,7 @@ class _Match(NamedTuple):
 
 def _our_layers(config: DQNConfig):
     """(name, weight shape) of each layer, in ParamLayout's order of weights."""
-    return [(name[:-len(".weight")], tuple(shape)) for name, shape, _ in ParamLayout(config).weight_matrices()]
+    return [(name, tuple(shape)) for name, shape in ParamLayout(config).layers()]
 
 
 def _shape(t: Optional[Tensor]) -> str:

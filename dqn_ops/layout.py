@@ -324,6 +324,11 @@ class ParamLayout:
             t += [(f"{name}.weight", shape, w), (f"{name}.bias", shape[:1], seg["b_out"][0] + col)]
         return t
 
+    def layers(self) -> List[Tuple[str, Tuple[int, int]]]:
+        """Each nn.Linear layer's name and weight shape (out, in), in the order of weight_matrices():
+        ('s1', (256, 96)), ..., ('a2.2', (153, 128))."""
+        return [(name[:-len(".weight")], shape) for name, shape, _ in self.weight_matrices()]
+
     def weight_matrices(self) -> List[Tuple[str, Tuple[int, int], int]]:
         """The per-layer weight matrices (10 for the reference config): (name, shape, offset)."""
         return [(n, s, o) for n, s, o in self.tensors if n.endswith(".weight")]

@@ -31,8 +31,8 @@ class TorchQNet(nn.Module):
         super().__init__()
         self.config = c
         layout = ParamLayout(c)
-        for name, (out_features, in_features), _ in layout.weight_matrices():
-            stream, _, branch = name[:-len(".weight")].partition(".")
+        for name, (out_features, in_features) in layout.layers():
+            stream, _, branch = name.partition(".")
             layer = nn.Linear(in_features, out_features)
             if not branch:
                 self.add_module(stream, layer)
