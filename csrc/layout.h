@@ -45,7 +45,6 @@ struct HiddenLayer {
   int64_t in_width, out_width;
   int64_t b_off;                  // bias [out_width]: every block's, side by side
   std::vector<HeadSlice> blocks;  // the dense layer's one block, or one per head (value first)
-  bool dense() const { return blocks.size() == 1 && blocks[0].in_width == in_width; }
 };
 
 struct NetLayout {

@@ -152,8 +152,8 @@ def _forward_backward(ctx, grad_q, grad_head, _grad_activations):
     *activations, params, params_bf16 = ctx.saved_tensors
     need_states = ctx.needs_input_grad[0]
     # One gradient per input the call passed: the dispatcher drops a trailing argument equal to
-    # its default (backward_precision), and torch 2.11's wrapper for an op with a Tensor[]
-    # output takes exactly that many back (later versions also take one per schema argument).
+    # its default (backward_precision), and some torch versions' autograd wrapper for an op with
+    # a Tensor[] output takes exactly that many back (others also take one per schema argument).
     passed = len(ctx.needs_input_grad)
     if grad_q is None and grad_head is None:
         return (None,) * passed

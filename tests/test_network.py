@@ -147,7 +147,7 @@ def test_float64_backward_equals_autograd_of_nn_linear_reference(name):
 @pytest.mark.parametrize("precision", [None, "fp32"])
 def test_forward_backward_returns_one_gradient_per_passed_input(precision):
     """The dispatcher drops a trailing argument equal to its default (backward_precision), and
-    torch 2.11's autograd wrapper for an op with a Tensor[] output takes back exactly one
+    some torch versions' autograd wrapper for an op with a Tensor[] output takes back exactly one
     gradient per input the call passed: the formula must count them, not the schema's."""
     from dqn_ops import ops
 
