@@ -18,6 +18,7 @@ from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, Trainer, TrainerConfig, ops
 from dqn_ops.step import InternalOpsStep, PublicOpsStep, default_batch_networks, fused_loss_supported
 from poison import poison_cuda_cache
+from step_check import check_trainer_step_is_the_public_ops_step, same_bits
 
 V_MIN, V_MAX, GAMMA = -10.0, 10.0, 0.97
 
@@ -89,15 +90,11 @@ def _run(step, batch, poison):
     return step(**batch)
 
 
-def _same_bits(a, b, what):
-    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
-
-
 def _assert_same_step(got, want):
     for i, (x, y) in enumerate(zip(got.saved, want.saved)):
-        _same_bits(x, y, f"saved activation {i}")
+        same_bits(x, y, f"saved activation {i}")
     for k in ("loss", "td_error", "mean_q", "grad"):
-        _same_bits(getattr(got, k), getattr(want, k), k)
+        same_bits(getattr(got, k), getattr(want, k), k)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -149,7 +146,7 @@ def test_head_gradient_is_the_dueling_backward_of_grad_q(device, case):
     assert padded.shape == (64, config.head_ld)
     out_col = col = 0
     for j, width in enumerate([atoms] + [atoms * n for n in config.branches]):
-        _same_bits(padded[:, col:col + width], got.grad_head[:, out_col:out_col + width].to(torch.bfloat16),
+        same_bits(padded[:, col:col + width], got.grad_head[:, out_col:out_col + width].to(torch.bfloat16),
                    f"head {j}")
         pad = -(-width // 8) * 8
         assert (padded[:, col + width:col + pad] == 0).all(), f"head {j}: padding not 0"
@@ -176,15 +173,8 @@ def test_batched_networks_give_the_two_passes_bits_in_either_memory_order(device
         named += [(f"activations[{i}]", x, y) for i, (x, y) in enumerate(zip(got.activations, want.activations))]
         for name, x, y in named:
             assert x.shape == y.shape, name
-            _same_bits(x, y, name)
+            same_bits(x, y, name)
         assert want.logits_next_target.shape == (B, s.config.head_ld)
-
-
-def _snapshot(net):
-    copy = DuelingBranchQNet(net.config).to(net.flat_params.device)
-    copy.flat_params.data.copy_(net.flat_params)
-    copy.params_bf16.copy_(net.params_bf16)
-    return copy
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -202,19 +192,8 @@ def test_trainer_step_is_the_public_ops_step(device, case):
     batches = [_batch(config, B, seed=10 + i, device=device) for i in range(5)]
     for b in batches:
         b.update(states=b["state_pairs"][:B], next_states=b["state_pairs"][B:])
-    for b in batches[:-1]:  # on CUDA: 3 warm-up steps, then the capture
-        t.step({k: v for k, v in b.items() if k != "state_pairs"})
-    online, target = _snapshot(t.online), _snapshot(t.target)
-    t.step({k: v for k, v in batches[-1].items() if k != "state_pairs"})
-    assert t.graphed == (device == "cuda")
-    want = PublicOpsStep(online, target, loss_type=loss_type, v_min=V_MIN, v_max=V_MAX, gamma=GAMMA,
-                         precision=cfg.backward_precision)(
-        *(batches[-1][k] for k in ("state_pairs", "actions", "rewards", "dones", "weights")))
-    _same_bits(t.online.flat_params.grad, want.grad, "grad")
-    _same_bits(t.td_error, want.td_error, "td_error")
-    t.readback()
-    row = t.stats.rows[-1]
-    assert row["loss"] == want.loss.item() and row["mean_q"] == want.mean_q.item()
+    # on CUDA: 3 warm-up steps, then the capture
+    check_trainer_step_is_the_public_ops_step(t, batches, V_MIN, V_MAX, GAMMA)
 
 
 def _internal_op_args(s: Sample):

@@ -14,6 +14,7 @@ from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout, Trainer, TrainerC
 from dqn_ops.step import InternalOpsStep, PublicOpsStep
 from dqn_ops.trainer import greedy_from_logits
 from poison import poison_cuda_cache
+from step_check import check_trainer_step_is_the_public_ops_step, same_bits, snapshot
 from reference import (SHAPES, dueling_head_grad, reference_backward, reference_forward_emulated, reference_net_like,
                        rel_err)
 
@@ -43,10 +44,6 @@ def batch_for(c: DQNConfig, B: int, device, seed=0):
              rewards=(torch.rand(B, generator=g) * 2 - 1) * 1.5 * V_MAX,
              dones=(torch.rand(B, generator=g) < 0.2).float(), weights=torch.rand(B, generator=g) + 0.5)
     return {k: v.to(device) for k, v in b.items()}
-
-
-def same_bits(a, b, what):
-    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
 def padding_mask(net, device):
@@ -334,13 +331,6 @@ def test_internal_ops_give_the_public_ops_bits(device, name, batch_networks):
     assert (got.grad[padding_mask(online, device)] == 0).all()
 
 
-def _snapshot(net):
-    copy = DuelingBranchQNet(net.config).to(net.flat_params.device)
-    copy.flat_params.data.copy_(net.flat_params)
-    copy.params_bf16.copy_(net.params_bf16)
-    return copy
-
-
 def _trainer_step_is_the_public_ops_step(c, device):
     """The trainer's step (graphed on CUDA after 3 warm-up steps) against PublicOpsStep on copies
     of its networks taken before the step: the same gradient, TD errors, loss and mean Q."""
@@ -351,19 +341,7 @@ def _trainer_step_is_the_public_ops_step(c, device):
     batches = [batch_for(c, B, device, seed=10 + i) for i in range(5)]
     for b in batches:
         b.update(states=b["state_pairs"][:B], next_states=b["state_pairs"][B:])
-    for b in batches[:-1]:
-        t.step({k: v for k, v in b.items() if k != "state_pairs"})
-    online, target = _snapshot(t.online), _snapshot(t.target)
-    t.step({k: v for k, v in batches[-1].items() if k != "state_pairs"})
-    assert t.graphed == (device == "cuda")
-    want = PublicOpsStep(online, target, loss_type=t.loss_type, v_min=V_MIN, v_max=V_MAX, gamma=GAMMA,
-                         precision=cfg.backward_precision)(
-        *(batches[-1][k] for k in ("state_pairs", "actions", "rewards", "dones", "weights")))
-    same_bits(t.online.flat_params.grad, want.grad, "grad")
-    same_bits(t.td_error, want.td_error, "td_error")
-    t.readback()
-    row = t.stats.rows[-1]
-    assert row["loss"] == want.loss.item() and row["mean_q"] == want.mean_q.item()
+    check_trainer_step_is_the_public_ops_step(t, batches, V_MIN, V_MAX, GAMMA)
     assert not t.non_finite_steps and all(r["skipped"] == 0 for r in t.stats.rows)
     return t
 
@@ -493,7 +471,7 @@ def test_cuda_forward_and_backward_match_the_cpu_reference(name):
     s = torch.randn(B, c.state_dim, device="cuda")
     poison_cuda_cache()
     gpu = net.forward_full(s)
-    cpu = _snapshot(net).to("cpu").forward_full(s.cpu())
+    cpu = snapshot(net).to("cpu").forward_full(s.cpu())
     named = [("q_logits", gpu.q_logits, cpu.q_logits), ("head_logits", gpu.head_logits, cpu.head_logits)]
     named += [(f"activations[{i}]", a, b) for i, (a, b) in enumerate(zip(gpu.activations, cpu.activations))]
     assert len(gpu.activations) == len(cpu.activations)
