@@ -10,6 +10,7 @@
 
 #include "checks.h"
 #include "layout.h"
+#include "loss_args.h"
 #include "network_args.h"
 #include "philox.h"
 
@@ -23,11 +24,15 @@ constexpr int64_t kActMaxRows = int64_t(1) << 32;
 // states [N, SD] (N >= 0) with params / params_bf16 as bf16_dueling_forward takes them (its
 // checks, in its order, but for the batch size: N = 0 is an empty call here);
 // epsilon: one F32 element, rng: int64 [2] = (seed, call counter), both on the states' device;
-// v_min < v_max, both finite, for C51 (atoms > 1; one atom ignores them).
-inline void check_act_args(const at::Tensor& states, const at::Tensor& params, const at::Tensor& params_bf16,
-                           const NetLayout& L, double v_min, double v_max, const at::Tensor& epsilon,
-                           const at::Tensor& rng) {
+// loss_type: how the outputs become Q-values (dqn_loss's names: 'c51' the expected value over
+// the support, 'qr' the mean of the quantiles, 'mse' / 'huber' one atom, the Q-value itself);
+// v_min < v_max, both finite, for C51 with atoms > 1 (anything else ignores them). Returns the
+// parsed loss type.
+inline LossType check_act_args(const at::Tensor& states, const at::Tensor& params, const at::Tensor& params_bf16,
+                               const NetLayout& L, double v_min, double v_max, const at::Tensor& epsilon,
+                               const at::Tensor& rng, const std::string& loss_type) {
   const char* op = kActOp;
+  const LossType type = parse_loss_type(loss_type, op);
   check_params(params, params_bf16, L, op);
   check_tensor(states, op, "states", params.device(), params.scalar_type(), {-1, L.state_dim});
   DQN_CHECK(states.size(0) < kActMaxRows, op, ": states: at most ", kActMaxRows - 1, " rows (philox's row is 32 bits), got ",
@@ -38,11 +43,15 @@ inline void check_act_args(const at::Tensor& states, const at::Tensor& params, c
   check_tensor(rng, op, "rng", states.device(), at::kLong, {2});
   // rng is written after every input is read, but an epsilon inside it would change with it.
   check_no_overlap(rng, "rng", epsilon, "epsilon", op);
-  if (L.atoms > 1) {
+  if (type == LossType::kMSE || type == LossType::kHuber)
+    DQN_CHECK(L.atoms == 1, op, ": loss_type '", loss_type, "' takes plain Q-values (1 atom), got a network of ",
+              L.atoms, " atoms (use 'c51' or 'qr')");
+  if (type == LossType::kC51 && L.atoms > 1) {
     DQN_CHECK(std::isfinite(v_min) && std::isfinite(v_max) && v_min < v_max, op,
               ": v_min must be below v_max, both finite (the C51 support of ", L.atoms, " atoms), got v_min=",
               std::to_string(v_min), ", v_max=", std::to_string(v_max));
   }
+  return type;
 }
 
 // The distance between two atoms of the C51 support z_i = v_min + i * dz (0 for one atom).

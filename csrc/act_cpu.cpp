@@ -1,6 +1,6 @@
 // CPU reference kernel of act: bf16_dueling_forward's network pieces (network_cpu.h, so the
 // Q logits are its q_logits bit for bit), the expected Q of every action in double precision
-// (as the CPU loss's double-DQN choice computes it), the per-branch argmax (the first of equal
+// (as the CPU loss's double-DQN choice computes it; QR: the quantiles' mean), the per-branch argmax (the first of equal
 // maxima; a NaN wins, as torch.argmax), and epsilon-greedy on csrc/philox.h's stream layout.
 #include <cmath>
 #include <cstdint>
@@ -20,11 +20,16 @@ namespace {
 
 using at::Tensor;
 
-// Expected Q of one action's atoms x[0..atoms) (stride 1): sum_i softmax(x)_i z_i, max-shifted,
-// in double; the Q value itself for one atom.
+// Expected Q of one action's atoms x[0..atoms) (stride 1), in double: C51 sum_i softmax(x)_i
+// z_i, max-shifted; QR the mean of the quantiles, summed in order; the Q value itself for one atom.
 template <typename scalar_t>
-double expected_q(const scalar_t* x, int64_t atoms, double v_min, double dz) {
+double expected_q(const scalar_t* x, int64_t atoms, LossType type, double v_min, double dz) {
   if (atoms == 1) return double(x[0]);
+  if (type == LossType::kQR) {
+    double s = 0;
+    for (int64_t j = 0; j < atoms; ++j) s += double(x[j]);
+    return s / double(atoms);
+  }
   double m = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < atoms; ++j) m = std::max(m, double(x[j]));
   double s = 0, sz = 0;
@@ -38,7 +43,8 @@ double expected_q(const scalar_t* x, int64_t atoms, double v_min, double dz) {
 
 // q [N, total_actions, atoms] (contiguous) -> greedy actions and their expected Q [N, D].
 template <typename scalar_t>
-void greedy(const Tensor& q, const NetLayout& L, double v_min, double dz, int64_t* act, scalar_t* greedy_q) {
+void greedy(const Tensor& q, const NetLayout& L, LossType type, double v_min, double dz, int64_t* act,
+            scalar_t* greedy_q) {
   const int64_t N = q.size(0), A = L.total_actions, NA = L.atoms, D = L.num_branches();
   const scalar_t* x = q.data_ptr<scalar_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -48,7 +54,7 @@ void greedy(const Tensor& q, const NetLayout& L, double v_min, double dz, int64_
         int64_t arg = 0;
         double best = -std::numeric_limits<double>::infinity();
         for (int64_t a = 0; a < n; ++a) {
-          const double qv = expected_q(x + (b * A + off + a) * NA, NA, v_min, dz);
+          const double qv = expected_q(x + (b * A + off + a) * NA, NA, type, v_min, dz);
           if (qv > best || std::isnan(qv)) {  // first of equal maxima; the first NaN wins
             best = qv;
             arg = a;
@@ -63,9 +69,9 @@ void greedy(const Tensor& q, const NetLayout& L, double v_min, double dz, int64_
 
 std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, const Tensor& params_bf16,
                                    c10::IntArrayRef layout, double v_min, double v_max, const Tensor& epsilon,
-                                   Tensor& rng) {
+                                   Tensor& rng, c10::string_view loss_type) {
   const NetLayout L = parse_layout(layout, kActOp);
-  check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng);
+  const LossType type = check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type));
   const int64_t N = states.size(0), D = L.num_branches();
   Tensor actions = at::empty({N, D}, states.options().dtype(at::kLong));
   Tensor greedy_q = at::empty({N, D}, params.options());
@@ -80,7 +86,7 @@ std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, c
   int64_t* act = actions.data_ptr<int64_t>();
   const double dz = support_step(v_min, v_max, L.atoms);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dqn_ops.act", [&] {
-    greedy<scalar_t>(q, L, v_min, dz, act, greedy_q.data_ptr<scalar_t>());
+    greedy<scalar_t>(q, L, type, v_min, dz, act, greedy_q.data_ptr<scalar_t>());
   });
 
   int64_t* r = rng.data_ptr<int64_t>();

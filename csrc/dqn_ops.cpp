@@ -112,11 +112,16 @@ TORCH_LIBRARY(dqn_ops, m) {
   // importance weights (prioritized replay), 1 when None.
   //   'c51': projection of r + gamma (1 - done) z onto the support [v_min, v_max], cross-entropy
   //          on the taken action, mean over branches; td_error = that per-sample cross-entropy.
+  //   'qr' (QR-DQN, atoms = N >= 1 quantiles at fractions tau_i = (2i + 1) / 2N): the next
+  //          action by the mean of the online quantiles, target quantiles T_j = r + gamma (1 - done)
+  //          theta_target(s', a*)_j, the quantile Huber loss (kappa 1) sum_i mean_j
+  //          |tau_i - 1{T_j < theta_i}| huber(T_j - theta_i) on the taken action, mean over branches;
+  //          td_error = that per-sample loss. v_min / v_max are not used.
   //   'mse' / 'huber' (atoms == 1): BDQ target y = r + gamma (1 - done) mean_d Q_target_d(s', a*_d),
   //          loss mean_d (y - Q_d(s, a_d))^2 or Huber(delta 1); td_error = mean_d |y - Q_d|.
   // loss = mean_b w_b loss_b; grad_q = d(loss)/d(q), computed in the same pass; mean_q = mean over
   // samples and branches of the expected Q of the taken action. A NaN/Inf reward or done (which
-  // clamping onto the support would hide) makes that sample's loss and gradient NaN, so that an
+  // clamping onto the support would hide; 'qr': any non-finite target quantile) makes that sample's loss and gradient NaN, so that an
   // optimizer skips the step; so does an out-of-range action on CUDA (no host sync can report
   // it), while the CPU kernel raises.
   m.def(
@@ -164,8 +169,9 @@ TORCH_LIBRARY(dqn_ops, m) {
 
   // Acting
   // act: the online network (bf16_dueling_forward's arguments and GEMMs) on states [N, SD],
-  // N >= 0, the expected Q of every action (C51: sum_i softmax(q)_i z_i over the support
-  // [v_min, v_max]; one atom: q), per branch the greedy action (the first of equal maxima, a
+  // N >= 0, the expected Q of every action as loss_type reads the outputs ('c51': sum_i
+  // softmax(q)_i z_i over the support [v_min, v_max], q itself for one atom; 'qr': the mean of
+  // the quantiles; 'mse' / 'huber': q, one atom), per branch the greedy action (the first of equal maxima, a
   // NaN wins) and epsilon-greedy on csrc/philox.h's stream layout (stream kAct): row n explores
   // iff uniform(draw(seed, call, n, 0)) < epsilon, then branch d takes below(draw(seed, call, n,
   // 1 + d), n_d). epsilon: a one-element F32 device tensor (NaN never explores); rng: int64 [2]
@@ -174,7 +180,7 @@ TORCH_LIBRARY(dqn_ops, m) {
   // action's expected Q before exploration (params' dtype: F32, F64 on the CPU's float64 path).
   m.def(
       "act(Tensor states, Tensor params, Tensor params_bf16, int[] layout, float v_min, float v_max, "
-      "Tensor epsilon, Tensor(a!) rng) -> (Tensor actions, Tensor greedy_q)");
+      "Tensor epsilon, Tensor(a!) rng, str loss_type=\"c51\") -> (Tensor actions, Tensor greedy_q)");
 
   // Replay
   // The replay buffer on the device (dqn_ops/rl/replay.py), internal (the schemas may change).

@@ -21,6 +21,7 @@ constexpr const char* kLossOnLogitsOp = "dqn_ops._dqn_loss_on_logits";
 
 enum class LossType {
   kC51,    // distributional: projection of r + gamma z onto the support, cross-entropy (atoms > 1)
+  kQR,     // distributional: quantile regression (QR-DQN), quantile Huber loss, kappa 1 (atoms >= 1 quantiles)
   kMSE,    // (y - Q)^2 on the BDQ target (atoms == 1)
   kHuber,  // Huber, delta 1, on the BDQ target (atoms == 1)
 };
@@ -33,9 +34,10 @@ struct LossShape {
 
 inline LossType parse_loss_type(const std::string& s, const char* op = kLossOp) {
   if (s == "c51") return LossType::kC51;
+  if (s == "qr") return LossType::kQR;
   if (s == "mse") return LossType::kMSE;
   if (s == "huber") return LossType::kHuber;
-  DQN_CHECK(false, op, ": loss_type: expected one of 'c51', 'mse', 'huber', got '", s, "'");
+  DQN_CHECK(false, op, ": loss_type: expected one of 'c51', 'qr', 'mse', 'huber', got '", s, "'");
 }
 
 // The checks of the loss type against the atom count, and of the support and the discount:
@@ -48,9 +50,9 @@ inline LossType check_loss_constants(const char* op, int64_t atoms, double v_min
               " (use 'mse' or 'huber' for plain Q-values)");
     DQN_CHECK(v_min < v_max, op, ": v_min must be below v_max, got v_min=", std::to_string(v_min), ", v_max=",
               std::to_string(v_max));
-  } else {
+  } else if (type != LossType::kQR) {
     DQN_CHECK(atoms == 1, op, ": loss_type '", loss_type, "' takes plain Q-values (1 atom), got ", atoms,
-              " atoms (use 'c51')");
+              " atoms (use 'c51' or 'qr')");
   }
   DQN_CHECK(gamma >= 0 && gamma <= 1, op, ": gamma: expected a value in [0, 1], got ", std::to_string(gamma));
   return type;

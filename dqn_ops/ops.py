@@ -22,7 +22,7 @@ from . import _C
 from .layout import decode_config
 
 BACKWARD_PRECISIONS = ("tf32", "bf16", "fp32")
-LOSS_TYPES = ("c51", "mse", "huber")
+LOSS_TYPES = ("c51", "qr", "mse", "huber")
 # The configurations _dqn_loss_on_logits runs as one fused kernel on CUDA (the dueling
 # aggregation inside the C51 loss); it composes the public kernels' arithmetic otherwise.
 # Read from the extension, which sizes the kernel by them.
@@ -387,16 +387,18 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
         actions: [B, num_branches] int64, the action taken in each branch.
         rewards, dones: [B] F32 (dones: 1.0 for a terminal transition).
         branches: the action count of each branch.
-        v_min, v_max: the C51 support (atoms evenly spaced).
+        v_min, v_max: the C51 support (atoms evenly spaced); 'qr' does not use them.
         gamma: the discount of the stored return (gamma ** n for n-step returns).
         weights: [B] importance weights (prioritized replay), or None.
-        loss_type: 'c51' (atoms > 1), 'mse' or 'huber' (atoms == 1, BDQ's mean-over-branches target).
+        loss_type: 'c51' (atoms > 1); 'qr' (QR-DQN: atoms = N quantiles at the fractions
+            (2i + 1) / 2N, quantile Huber loss with kappa 1, the next action by the mean of the
+            online quantiles); 'mse' or 'huber' (atoms == 1, BDQ's mean-over-branches target).
 
     ``loss`` is differentiable w.r.t. ``q`` (its backward is ``grad_q``, already computed), so
     ``loss.backward()`` works in an autograd graph as with any PyTorch loss.
 
     Non-finite data: a NaN/Inf reward or done (which clamping onto the support would otherwise
-    hide) makes that sample's loss, td_error and gradient NaN, so ``FusedAdamBF16`` skips the
+    hide; 'qr': any non-finite target quantile) makes that sample's loss, td_error and gradient NaN, so ``FusedAdamBF16`` skips the
     step and the trainer reports it. On CUDA an out-of-range action cannot be reported without
     a host sync, so it is treated the same way; on the CPU it raises.
     """
@@ -546,12 +548,13 @@ class ActOutput(NamedTuple):
 
 
 def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[int], v_min: float, v_max: float,
-        epsilon: Tensor, rng: Tensor) -> ActOutput:
+        epsilon: Tensor, rng: Tensor, loss_type: str = "c51") -> ActOutput:
     """Epsilon-greedy actions of the online network, on the device, without a host sync.
 
     The network runs as ``bf16_dueling_forward`` runs it (same arguments, same GEMMs: the
     same Q logits); per branch the greedy action maximises the expected Q (C51: sum_i
-    softmax(q)_i z_i, z_i = v_min + i (v_max - v_min) / (atoms - 1); one atom: q), the first of
+    softmax(q)_i z_i, z_i = v_min + i (v_max - v_min) / (atoms - 1); QR: the mean of the
+    quantiles; one atom: q), the first of
     equal maxima (a NaN wins, as ``torch.argmax``). Row n explores iff
     ``uniform(draw(seed, call, n, 0)) < epsilon`` (epsilon <= 0: never, >= 1: always, NaN:
     never), then branch d takes ``below(draw(seed, call, n, 1 + d), n_d)`` (csrc/philox.h).
@@ -559,23 +562,26 @@ def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[in
     Args:
         states: [N, SD] float32 (float64 on the CPU's float64 path), N >= 0.
         params, params_bf16, layout: as ``bf16_dueling_forward`` takes them.
-        v_min, v_max: the C51 support (finite, v_min < v_max; ignored for one atom).
+        v_min, v_max: the C51 support (finite, v_min < v_max; ignored for one atom and by 'qr').
         epsilon: one float32 element on the states' device, read there (``fill_`` it between
             graph replays).
         rng: int64 [2] = (seed, call counter) on the states' device; each call with N > 0 draws
             from ``call`` and advances it by one, on the device (N = 0 leaves it).
+        loss_type: the loss the network is trained with, which says what its outputs are:
+            'c51' (or one atom), 'qr' (quantiles), 'mse' / 'huber' (one atom), as ``dqn_loss``.
     """
     try:
         return ActOutput(*torch.ops.dqn_ops.act.default(states, params, params_bf16, list(layout), float(v_min),
-                                                        float(v_max), epsilon, rng))
+                                                        float(v_max), epsilon, rng, loss_type))
     except NotImplementedError as e:
         _raise_missing_kernel("act", e)
         raise
 
 
 @torch.library.register_fake("dqn_ops::act")
-def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng):
+def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng, loss_type="c51"):
     op = "dqn_ops.act"
+    _check(loss_type in LOSS_TYPES, f"{op}: loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
     c = decode_config(layout)
     _check_network_inputs(op, c, states, params, params_bf16, layout)
     _check(epsilon.numel() == 1, f"{op}: epsilon: expected one element, got shape {list(epsilon.shape)}")

@@ -53,7 +53,7 @@ class TrainerConfig:
     tau: float = 0.005             # Polyak rate of the target network
     sigma_max: Optional[float] = 1.0  # spectral-norm clamp; None: no spectral norm
     n_power_iterations: int = 1
-    loss_type: Optional[str] = None   # None: 'c51' with atoms > 1, else 'huber'
+    loss_type: Optional[str] = None   # 'c51', 'qr', 'mse', 'huber'; None: 'c51' with atoms > 1, else 'huber'
     backward_precision: str = "bf16"
     use_cuda_graph: bool = True    # on CUDA: capture the step after warmup_steps eager steps
     warmup_steps: int = 3
@@ -164,9 +164,7 @@ class Trainer:
         self.config = cfg = config or TrainerConfig()
         self.device = torch.device(device)
         c = self.net_config
-        self.loss_type = cfg.loss_type or ("c51" if c.atoms > 1 else "huber")
-        if (self.loss_type == "c51") != (c.atoms > 1):
-            raise ValueError(f"Trainer: loss_type {self.loss_type!r} does not fit a network of {c.atoms} atom(s)")
+        self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "Trainer")
         gen = torch.Generator().manual_seed(seed)
         self.online = DuelingBranchQNet(c, backward_precision=cfg.backward_precision, generator=gen).to(self.device)
         self.target = DuelingBranchQNet(c, backward_precision=cfg.backward_precision).to(self.device)
@@ -357,12 +355,12 @@ class Trainer:
     # -- acting -----------------------------------------------------------------------
     @torch.no_grad()
     def act(self, states: Tensor) -> Tensor:
-        """Greedy actions [B, D] of the online network (expected Q over the support for C51; the
-        first of equal maxima), from ``dqn_ops.ops.act`` with epsilon 0: no host sync, graph-capturable.
+        """Greedy actions [B, D] of the online network (expected Q over the support for C51, the
+        quantiles' mean for QR; the first of equal maxima), from ``dqn_ops.ops.act`` with epsilon 0: no host sync, graph-capturable.
         [0, D] for an empty batch."""
         with self._on_device():
             return self.online.act(states, self._act_epsilon0, self._act_greedy_rng, self.config.v_min,
-                                   self.config.v_max).actions
+                                   self.config.v_max, self.loss_type).actions
 
     @torch.no_grad()
     def act_explore(self, states: Tensor, epsilon: Tensor) -> Tuple[Tensor, Tensor]:
@@ -373,7 +371,8 @@ class Trainer:
         ``explore_rng`` = (the trainer's seed, a call counter), which each call with states
         advances on the device: two trainers of one seed draw the same sequence of actions."""
         with self._on_device():
-            return tuple(self.online.act(states, epsilon, self.explore_rng, self.config.v_min, self.config.v_max))
+            return tuple(self.online.act(states, epsilon, self.explore_rng, self.config.v_min, self.config.v_max,
+                                         self.loss_type))
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -472,22 +471,38 @@ def _data_parallel_group(process_group):
     return process_group, dist.get_world_size(process_group)
 
 
+def resolve_loss_type(loss_type: Optional[str], atoms: int, owner: str) -> str:
+    """TrainerConfig.loss_type for a network of `atoms` atoms: None picks 'c51' (atoms > 1) or
+    'huber'; a loss that does not fit the network's outputs is a ValueError naming `owner`."""
+    resolved = loss_type or ("c51" if atoms > 1 else "huber")
+    needs = {"c51": "atoms > 1", "mse": "atoms == 1", "huber": "atoms == 1", "qr": "atoms >= 1"}[resolved]
+    fits = {"c51": atoms > 1, "mse": atoms == 1, "huber": atoms == 1, "qr": atoms >= 1}[resolved]
+    if not fits:
+        raise ValueError(f"{owner}: loss_type {resolved!r} needs {needs}, got a network of {atoms} atom(s)")
+    return resolved
+
+
 @torch.no_grad()
-def greedy_actions(net: DuelingBranchQNet, states: Tensor, v_min: float = -10.0, v_max: float = 10.0) -> Tensor:
-    """argmax per branch of the expected Q (C51: softmax over atoms times the support; the first
-    of equal maxima), by ``dqn_ops.ops.act`` with epsilon 0; an empty batch [0, state_dim] gives
-    an empty [0, D] int64 tensor."""
+def greedy_actions(net: DuelingBranchQNet, states: Tensor, v_min: float = -10.0, v_max: float = 10.0,
+                   loss_type: str = "c51") -> Tensor:
+    """argmax per branch of the expected Q (C51: softmax over atoms times the support; QR: the
+    quantiles' mean; the first of equal maxima), by ``dqn_ops.ops.act`` with epsilon 0; an empty
+    batch [0, state_dim] gives an empty [0, D] int64 tensor."""
     epsilon = torch.zeros(1, device=states.device)
     rng = torch.zeros(2, dtype=torch.long, device=states.device)  # no draw is used at epsilon 0
-    return net.act(states, epsilon, rng, v_min, v_max).actions
+    return net.act(states, epsilon, rng, v_min, v_max, loss_type).actions
 
 
-def greedy_from_logits(q: Tensor, branches: Sequence[int], v_min: float, v_max: float) -> Tensor:
-    """[B, sum n_d, atoms] Q logits -> [B, D] greedy actions (first of equal maxima)."""
+def greedy_from_logits(q: Tensor, branches: Sequence[int], v_min: float, v_max: float,
+                       loss_type: str = "c51") -> Tensor:
+    """[B, sum n_d, atoms] Q logits -> [B, D] greedy actions (first of equal maxima); the
+    expected Q as ``greedy_actions`` forms it, in torch ops."""
     atoms = q.shape[-1]
     if q.shape[0] == 0:
         return torch.empty(0, len(branches), dtype=torch.long, device=q.device)
-    if atoms > 1:
+    if loss_type == "qr":
+        q = q.mean(-1)
+    elif atoms > 1:
         support = torch.linspace(v_min, v_max, atoms, device=q.device, dtype=q.dtype)
         q = (q.softmax(-1) * support).sum(-1)
     else:

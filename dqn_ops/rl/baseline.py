@@ -12,7 +12,7 @@ from ..layout import DQNConfig, ParamLayout
 from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
-from ..trainer import STAT_FIELDS, TrainerConfig, greedy_from_logits, load_batch
+from ..trainer import STAT_FIELDS, TrainerConfig, greedy_from_logits, load_batch, resolve_loss_type
 
 
 class TorchQNet(nn.Module):
@@ -72,8 +72,9 @@ TorchDuelingBranchNet = TorchQNet
 
 def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, branches, v_min, v_max, gamma,
                    loss_type="c51", weights=None):
-    """The loss of ``dqn_ops.dqn_loss`` in plain PyTorch ops (the anchor's C51 loop; BDQ's
-    MSE/Huber for one atom). Returns (loss, td_error [B], mean_q), differentiable w.r.t. q."""
+    """The loss of ``dqn_ops.dqn_loss`` in plain PyTorch ops (the anchor's C51 loop; QR-DQN's
+    quantile Huber loss; BDQ's MSE/Huber for one atom). Returns (loss, td_error [B], mean_q),
+    differentiable w.r.t. q."""
     B, _, NA = q.shape
     rows = torch.arange(B, device=q.device)
     w = torch.ones(B, device=q.device, dtype=q.dtype) if weights is None else weights
@@ -97,6 +98,20 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
             logits = q[:, off:off + n][rows, actions[:, i]]
             per_branch.append(-(m * logits.log_softmax(-1)).sum(-1))
             q_taken.append((logits.detach().softmax(-1) * support).sum(-1))
+            off += n
+        per_sample = torch.stack(per_branch, 1).mean(1)
+        td = per_sample.detach()
+    elif loss_type == "qr":
+        tau = (2 * torch.arange(NA, device=q.device, dtype=q.dtype) + 1) / (2 * NA)  # [N] fractions
+        for i, n in enumerate(branches):
+            with torch.no_grad():
+                a_star = q_next_online[:, off:off + n].mean(-1).argmax(1)
+                target = rewards[:, None] + gamma * (1 - dones[:, None]) * q_next_target[:, off:off + n][rows, a_star]
+            theta = q[:, off:off + n][rows, actions[:, i]]          # [B, N]
+            u = target[:, None, :] - theta[:, :, None]              # [B, N (i), N' (j)]
+            huber = F.huber_loss(u, torch.zeros_like(u), reduction="none", delta=1.0)
+            per_branch.append(((tau[:, None] - (u.detach() < 0).to(q.dtype)).abs() * huber).mean(2).sum(1))
+            q_taken.append(theta.detach().mean(-1))
             off += n
         per_sample = torch.stack(per_branch, 1).mean(1)
         td = per_sample.detach()
@@ -135,7 +150,7 @@ class TorchTrainer:
         self.config = cfg = config or TrainerConfig()
         self.device = torch.device(device)
         self.amp = amp
-        self.loss_type = cfg.loss_type or ("c51" if c.atoms > 1 else "huber")
+        self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "TorchTrainer")
         # The same initial weights and spectral-norm vectors as dqn_ops.Trainer(seed=seed): the
         # two paths start from one point, so a comparison sees only their numerics.
         gen = torch.Generator().manual_seed(seed)
@@ -262,4 +277,4 @@ class TorchTrainer:
     @torch.no_grad()
     def act(self, states):
         return greedy_from_logits(self.online(states)[0], self.net_config.branches, self.config.v_min,
-                                  self.config.v_max)
+                                  self.config.v_max, self.loss_type)
