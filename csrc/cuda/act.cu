@@ -18,11 +18,12 @@
 // at atom z is dueling.cuh's dueling_q(v, biased_logit(a, bias), mean) with the mean summed
 // in action order from 0.f, exactly as head_bias_dueling_kernel forms bf16_dueling_forward's
 // q_logits: the same bits. Without dueling (no value head) q is the branch head's biased
-// logit, as there too, and neither v nor a mean is formed. The expected Q is then max-shifted
-// softmax weights times the support, reduced over the warp (butterfly sums, loss/kernels.cuh's
-// order of work): it may differ from the CPU reference's (double precision) or torch's softmax
-// in the last bits, so a near-tie of two actions may break differently; the logits do not
-// differ.
+// logit, as there too, and neither v nor a mean is formed. The expected Q is then, C51,
+// max-shifted softmax weights times the support, reduced over the warp (butterfly sums,
+// loss/kernels.cuh's order of work), or, QR (its own instantiation), the mean of the quantiles
+// (quantiles.cuh: the loss's double-DQN choice computes it so too). Either may differ from the
+// CPU reference's (double precision) or torch's in the last bits, so a near-tie of two actions
+// may break differently; the logits do not differ.
 #include <algorithm>
 #include <tuple>
 
@@ -36,6 +37,7 @@
 #include "branch_table.cuh"
 #include "dueling.cuh"
 #include "forward.h"
+#include "quantiles.cuh"
 #include "reductions.cuh"
 
 namespace dqn_ops {
@@ -62,6 +64,8 @@ struct ActParams {
   float v_min, dz;
 };
 
+// kQuantiles: QR's expected Q (the quantiles' mean); else C51's (or the one atom's q).
+template <bool kQuantiles>
 __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActParams P, const BranchTable br) {
   extern __shared__ float shared[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -106,6 +110,16 @@ __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActP
 #pragma unroll
           for (int j = 0; j < kActChunk; ++j)
             qv[j] = __shfl_sync(0xffffffffu, lane == 0 && j < live ? q_at(k0 + j, 0) : 0.f, 0);
+        } else if constexpr (kQuantiles) {
+          float s[kActChunk];
+#pragma unroll
+          for (int j = 0; j < kActChunk; ++j) s[j] = 0.f;
+          for (int z = lane; z < NA; z += 32)
+#pragma unroll
+            for (int j = 0; j < kActChunk; ++j)
+              if (j < live) s[j] += q_at(k0 + j, z);
+#pragma unroll
+          for (int j = 0; j < kActChunk; ++j) qv[j] = quantile_mean(s[j], NA);
         } else {
           float m[kActChunk], s[kActChunk], sz[kActChunk];
 #pragma unroll
@@ -155,10 +169,11 @@ __global__ void advance_call_kernel(int64_t* rng) {
 
 std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, const Tensor& params_bf16,
                                     c10::IntArrayRef layout, double v_min, double v_max, const Tensor& epsilon,
-                                    Tensor& rng) {
+                                    Tensor& rng, c10::string_view loss_type) {
   const char* op = kActOp;
   const NetLayout L = parse_layout(layout, op);
-  check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng);
+  const LossType type =
+      check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type));
   DQN_CHECK(L.atoms <= kActMaxAtoms, op, ": the CUDA kernel takes at most ", kActMaxAtoms, " atoms, got ", L.atoms);
   const BranchTable branches = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(states.device());
@@ -186,7 +201,8 @@ std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, 
       std::clamp<int64_t>(kActSharedBytes / int64_t(floats_per_warp * sizeof(float)), 1, kActWarps));
   const size_t shared_bytes = size_t(warps) * floats_per_warp * sizeof(float);
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((N + warps - 1) / warps, int64_t(1) << 16));
-  act_epilogue_kernel<<<blocks, warps * 32, shared_bytes, stream>>>(P, branches);
+  const auto epilogue = type == LossType::kQR ? act_epilogue_kernel<true> : act_epilogue_kernel<false>;
+  epilogue<<<blocks, warps * 32, shared_bytes, stream>>>(P, branches);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   advance_call_kernel<<<1, 1, 0, stream>>>(rng.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -1,6 +1,7 @@
 // dqn_loss and _dqn_loss_on_logits on CUDA: the host side (launch sizing, the op entry points).
-// The kernel is in loss/kernels.cuh, built from loss/rows.cuh (how the rows are read) and
-// loss/projection.cuh (the C51 projection); loss/params.cuh has the parameter block.
+// The kernel is in loss/kernels.cuh, built from loss/rows.cuh (how the rows are read),
+// loss/projection.cuh (the C51 projection) and loss/quantile.cuh (the QR loss);
+// loss/params.cuh has the parameter block.
 //
 // dqn_loss: one launch (and a 4-byte memset).
 // C51: a warp per (sample, branch): the double-DQN choice (the expected Q of up to 4 actions
@@ -14,6 +15,13 @@
 //   general (staged rows): the warp stages its rows in shared memory (all loads in flight at
 //     once), loops over the atoms 32 at a time, and each atom gathers from the sources that can
 //     reach it, found by binary search (projected_mass).
+// QR (its own instantiation): a warp per (sample, branch): the double-DQN choice by the mean of
+//   the online quantiles (quantiles.cuh, act's arithmetic), the target quantiles staged in the
+//   warp's shared memory, then the N^2 quantile Huber terms, the arithmetic-bound part: a lane
+//   owns quantiles `lane`, `lane + 32`, ... of the taken action, two at a time, and reads the
+//   staged targets four at a time (broadcast loads). A sample that one branch poisons (a
+//   non-finite target quantile, an out-of-range action) gets NaN rows in every branch after
+//   the block's barrier.
 // MSE / Huber (one atom): a warp per sample, lanes over the branches.
 //
 // A block holds whole samples (`warps_per_sample` warps each), so the branch means and the
@@ -27,9 +35,10 @@
 //     dueling) aggregating them as it reads them, and writes d(loss)/d(head logits) itself:
 //     one launch (and the memset), the logits one trip through memory (LossRows::kHeadDueling,
 //     or kHeadPlain for a network without a value head);
-//   composed (every other configuration): the public ops' kernels in sequence: the forward's
-//     bias (+ dueling aggregation) of each pass, dqn_loss's kernel, mixed_backward's dueling
-//     backward (without dueling: d(head) = grad_q); 5 launches (and the memset).
+//   composed (every other configuration, QR's included): the public ops' kernels in sequence:
+//     the forward's bias (+ dueling aggregation) of each pass, dqn_loss's kernel,
+//     mixed_backward's dueling backward (without dueling: d(head) = grad_q); 5 launches (and
+//     the memset).
 // Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh).
 #include <algorithm>
 #include <map>
@@ -119,11 +128,11 @@ Kernel small_atoms_kernel(bool in_registers) {
 LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms,
                         LossType type, LossRows rows, const at::TensorOptions& f32) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  // Block shape: C51 gives each sample min(D, kMaxWarps) warps (warp k takes branches k,
+  // Block shape: C51 and QR give each sample min(D, kMaxWarps) warps (warp k takes branches k,
   // k + kMaxWarps, ...) and a block as many whole samples as fit in kMaxWarps warps; MSE /
   // Huber a warp per sample.
-  const bool c51 = type == LossType::kC51;
-  const int warps_per_sample = c51 ? static_cast<int>(std::min<int64_t>(br.count, kMaxWarps)) : 1;
+  const bool c51 = type == LossType::kC51, qr = type == LossType::kQR;
+  const int warps_per_sample = c51 || qr ? static_cast<int>(std::min<int64_t>(br.count, kMaxWarps)) : 1;
   const int samples_per_block = kMaxWarps / warps_per_sample;
   const int threads = 32 * warps_per_sample * samples_per_block;
   int max_actions = 1;
@@ -134,7 +143,8 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
             ": the fused loss kernel takes C51 with at most ", kDuelingMaxAtoms, " atoms and ", kMaxWarps,
             " branches, got ", atoms, " atoms and ", br.count, " branches");
   const bool in_registers = small_atoms && max_actions <= kQChunk;
-  const Kernel kernel = !small_atoms                      ? dqn_loss_kernel<false, LossRows::kQ, false>
+  const Kernel kernel = qr                                ? dqn_loss_kernel<false, LossRows::kQ, false, true>
+                        : !small_atoms                    ? dqn_loss_kernel<false, LossRows::kQ, false>
                         : rows == LossRows::kHeadDueling ? small_atoms_kernel<LossRows::kHeadDueling>(in_registers)
                         : rows == LossRows::kHeadPlain   ? small_atoms_kernel<LossRows::kHeadPlain>(in_registers)
                                                          : small_atoms_kernel<LossRows::kQ>(in_registers);
@@ -142,10 +152,14 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   const size_t budget = dynamic_smem_budget(kernel);
   const bool staged = c51 && !small_atoms &&
                       size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= budget;
-  const int64_t work_floats = !c51 ? 0 : small_atoms ? 4 * atoms : c51_floats_per_warp(atoms, max_actions, staged);
+  const int64_t work_floats = qr           ? qr_floats_per_warp(atoms)
+                              : !c51        ? 0
+                              : small_atoms ? 4 * atoms
+                                            : c51_floats_per_warp(atoms, max_actions, staged);
   const size_t smem = size_t(warps) * work_floats * sizeof(float);
   // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 128 atoms, 24 KiB at
-  // kLossCudaMaxAtoms): within the budget of any device these kernels build for.
+  // kLossCudaMaxAtoms), QR's at most kLossCudaMaxAtoms (8 KiB at 8 warps): within the budget
+  // of any device these kernels build for.
   DQN_CHECK(smem <= budget, op, ": the CUDA loss kernel needs ", smem, " bytes of shared memory for ", atoms,
             " atoms, the device allows it ", budget);
   // A resident grid: as many blocks as fit on the GPU at once (the occupancy API), each looping

@@ -10,6 +10,7 @@
 #include "layout.h"
 #include "params.cuh"
 #include "projection.cuh"
+#include "quantile.cuh"
 #include "rows.cuh"
 
 namespace dqn_ops {
@@ -345,15 +346,24 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // fits only 2 blocks per SM, which was slower; with 4 blocks per SM (64 registers) it spills,
 // which was slower still.
 // kRowsInRegisters: every branch has at most kQChunk actions (BranchQ).
+// kQuantiles: QR (qr_branch), a warp per branch as C51's; dqn_loss's rows only (the fused loss
+// is C51's). Its N^2 inner loop is arithmetic-bound: kQuantileMinBlocks keeps it at 4 blocks
+// (32 warps) per SM, 64 registers, so that the warps hide the loop's FMA latency.
 constexpr int kSmallAtomsMinBlocks = 3;
+constexpr int kQuantileMinBlocks = 4;
 
-template <bool kSmallAtoms, LossRows kRows, bool kRowsInRegisters>
-__global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBlocks : 1)
+template <bool kSmallAtoms, LossRows kRows, bool kRowsInRegisters, bool kQuantiles = false>
+__global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinBlocks
+                                                  : kQuantiles ? kQuantileMinBlocks
+                                                               : 1)
     dqn_loss_kernel(const __grid_constant__ BranchTable br, const LossParams P) {
   constexpr bool kDueling = kRows == LossRows::kHeadDueling;
   static_assert(!reads_head(kRows) || kSmallAtoms, "the fused loss runs the <= 64-atom version");
   static_assert(!kRowsInRegisters || kSmallAtoms, "rows in registers: the <= 64-atom version");
-  extern __shared__ float smem[];  // C51: P.work_floats per warp
+  static_assert(!kQuantiles || (!kSmallAtoms && kRows == LossRows::kQ), "QR: dqn_loss's rows, its own version");
+  // C51 and QR: P.work_floats per warp. 16-byte aligned, as QR reads its stage as float4s
+  // (nvcc already aligns an extern shared array to 16 bytes: this states the requirement).
+  extern __shared__ __align__(16) float smem[];
   // Each warp's sums of a round, and (kHeadDueling) its branch sums of dq per atom for the value
   // column's gradient, read by its sample's first warp after the round's barrier. Two buffers,
   // by round parity, so one barrier a round suffices: a round writes the buffer the previous
@@ -364,7 +374,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int W = P.warps_per_sample, S = P.samples_per_block;
   const int slot = warp / W, wi = warp % W;  // this warp's sample in the block, and its share
-  const bool c51 = P.type == LossType::kC51;
+  // C51 and QR: a warp per (sample, branch), the branch sums averaged per sample.
+  const bool per_branch = kQuantiles || P.type == LossType::kC51;
   float* work = smem + warp * P.work_floats;
   float loss_acc = 0.f, q_acc = 0.f;  // kept by each sample slot's first warp
   int buf = 0;                        // this round's buffers
@@ -373,9 +384,17 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
     const bool live = slot < S && b < P.batch;
     const float w = live && P.weights ? P.weights[b] : 1.f;
     const float scale = w / (float(P.batch) * br.count);
-    float x = 0.f, y = 0.f, z = 0.f;  // C51: cross-entropy and Q sums over this warp's branches
+    // C51 / QR: loss and Q sums over this warp's branches (z, QR: > 0 when one poisons the sample)
+    float x = 0.f, y = 0.f, z = 0.f;
     if (live) {
-      if (c51) {
+      if constexpr (kQuantiles) {
+        for (int d = wi; d < br.count; d += W) {
+          const float3 r = qr_branch(br, P, b, d, scale, work, lane);
+          x += r.x;
+          y += r.y;
+          z += r.z;
+        }
+      } else if (per_branch) {
         for (int d = wi; d < br.count; d += W) {
           float2 r;
           if constexpr (kSmallAtoms)
@@ -401,6 +420,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
     __syncthreads();
     if constexpr (kDueling)  // the sample's warps hold its branches 0 .. W - 1, in order
       if (live && wi == 0) write_value_grad(P, b, branch_sums[buf] + slot * W * kDuelingMaxAtoms, W, lane);
+    if constexpr (kQuantiles)  // a branch that poisons its sample poisons every branch's rows
+      if (live) {
+        bool poisoned = false;
+        for (int k = 0; k < W; ++k) poisoned = poisoned || part_c[buf][slot * W + k] > 0.f;
+        if (poisoned)
+          for (int d = wi; d < br.count; d += W) qr_poison_rows(br, P, b, d, lane);
+      }
     if (live && wi == 0 && lane == 0) {
       float sample_loss = 0.f, q = 0.f, td = 0.f;
       for (int k = 0; k < W; ++k) {  // branch order (warp k took branches k, k + W, ...)
@@ -408,7 +434,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms ? kSmallAtomsMinBl
         q += part_b[buf][warp + k];
         td += part_c[buf][warp + k];
       }
-      if (c51) {
+      if (per_branch) {  // the TD error is the loss (QR's part_c holds the poison flags)
         sample_loss /= br.count;
         q /= br.count;
         td = sample_loss;

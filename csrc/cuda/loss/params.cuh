@@ -57,7 +57,7 @@ struct LossParams {
   int warps_per_sample, samples_per_block;
   int max_actions;  // the largest branch: sizes the staging area
   bool staged;      // general version: the rows are copied to shared memory first
-  int work_floats;  // C51: shared memory per warp
+  int work_floats;  // C51 / QR: shared memory per warp
   float v_min, v_max, dz, gamma;
   LossType type;
   // The fused loss (reads_head): q, q_next_online and q_next_target are the output layer's
