@@ -347,8 +347,9 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // which was slower still.
 // kRowsInRegisters: every branch has at most kQChunk actions (BranchQ).
 // kQuantiles: QR (qr_branch), a warp per branch as C51's; dqn_loss's rows only (the fused loss
-// is C51's). Its N^2 inner loop is arithmetic-bound: kQuantileMinBlocks keeps it at 4 blocks
-// (32 warps) per SM, 64 registers, so that the warps hide the loop's FMA latency.
+// is C51's). Its N^2 inner loop is arithmetic-bound, and more warps hide more of its FMA
+// latency: 4 blocks (32 warps) per SM, at most 64 registers, which it fits without spilling
+// (unbounded it takes more and fits 3 blocks; at 5 blocks, 48 registers, it spills).
 constexpr int kSmallAtomsMinBlocks = 3;
 constexpr int kQuantileMinBlocks = 4;
 

@@ -36,11 +36,11 @@ __device__ void qr_poison_rows(const BranchTable& br, const LossParams& P, int b
 // The quantile Huber sums of kRows quantiles (theta, with fractions tau and 1 - tau) over the
 // target quantiles T[0..N), in the order of j: per pair u = T_j - theta,
 //   loss += |tau - 1{u < 0}| huber(u),  grad += |tau - 1{u < 0}| clamp(u, -1, 1)
-// (huber with kappa 1 as c (|u| - c / 2), c = min(|u|, 1): the same bits as 0.5 u^2 / |u| - 0.5,
-// as c / 2 is exact). A NaN theta gives a NaN loss here but not a NaN grad (fminf drops the NaN):
-// the caller sees to that. The pairs are N^2 per branch, so this loop is the kernel's work:
-// kRows quantiles share each T read, four T at a time (one 16-byte shared load), and each
-// quantile's two sums are independent chains of FMAs.
+// (huber with kappa 1 as c (|u| - c / 2), c = min(|u|, 1): 0.5 u^2 for |u| <= 1, |u| - 0.5
+// beyond, without a branch). A NaN theta gives a NaN loss here but not a NaN grad (fminf drops
+// the NaN): the caller sees to that. The pairs are N^2 per branch, so this loop is the kernel's
+// work: kRows quantiles share each T read, four T at a time (one 16-byte shared load), and
+// each quantile's two sums are independent chains of FMAs.
 template <int kRows>
 __device__ __forceinline__ void quantile_huber_sums(const float* __restrict__ T, int N, const float (&theta)[kRows],
                                                     const float (&tau)[kRows], const float (&tau_neg)[kRows],
