@@ -1,5 +1,5 @@
-// CPU reference kernels of dqn_loss (one sample after the other; C51 in double precision, MSE /
-// Huber in F32 as on CUDA, so that both devices overflow alike) and of
+// CPU reference kernels of dqn_loss (one sample after the other; C51 and QR in double precision,
+// MSE / Huber in F32 as on CUDA, so that both devices overflow alike) and of
 // _dqn_loss_on_logits (the output bias, the dueling aggregation (q = the branch logits without
 // dueling), dqn_loss and the aggregation's backward: network_cpu.h's pieces around the same loss).
 #include <algorithm>
@@ -104,6 +104,83 @@ void bdq_loss_f32(const float* x, const float* xo, const float* xt, const int64_
   mean_q.fill_(q_acc / static_cast<float>(B));
 }
 
+// QR-DQN (Dabney et al. 2017, eq. 10, kappa 1) in double precision, for one branch of one
+// sample: theta (the taken action's N quantiles of q) against the target quantiles t[0..N).
+// Returns sum_i (1/N) sum_j |tau_i - 1{u_ij < 0}| huber(u_ij), u_ij = t_j - theta_i, tau_i =
+// (2i + 1) / 2N; writes d(that)/d(theta_i) * scale into g[i].
+double quantile_huber(const float* theta, const std::vector<double>& t, int64_t N, double scale, float* g) {
+  double loss = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const double tau = (2.0 * double(i) + 1.0) / (2.0 * double(N));
+    double li = 0, gi = 0;
+    for (int64_t j = 0; j < N; ++j) {
+      const double u = t[j] - double(theta[i]);
+      const double w = u < 0 ? 1.0 - tau : tau;  // |tau - 1{u < 0}|
+      const double au = std::abs(u);
+      li += w * (au <= 1.0 ? 0.5 * u * u : au - 0.5);
+      gi -= w * std::min(1.0, std::max(-1.0, u));
+    }
+    loss += li / double(N);
+    g[i] = static_cast<float>(gi / double(N) * scale);
+  }
+  return loss;
+}
+
+// QR-DQN on the whole batch: per branch the next action by the mean of the online quantiles
+// (the first of equal maxima; a NaN wins), the target quantiles r + gamma (1 - done) theta_target,
+// quantile_huber on the taken action; per sample the mean over branches. A non-finite target
+// quantile poisons the sample as a non-finite C51 reward does.
+void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* act, const float* r, const float* dn,
+             const float* w, const LossShape& S, double gamma, float* g, float* td, Tensor& loss, Tensor& mean_q) {
+  const int64_t B = S.batch, A = S.total_actions, NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
+  std::vector<double> t(NA);
+  double loss_sum = 0, q_sum = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const double discount = gamma * (1.0 - dn[b]);
+    const double wb = w ? w[b] : 1.0;
+    double sample_loss = 0, sample_q = 0;
+    bool poisoned = false;
+    for (int64_t d = 0; d < D && !poisoned; ++d) {
+      const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+      int64_t a_star = 0;
+      double best = -std::numeric_limits<double>::infinity();
+      for (int64_t a = 0; a < n; ++a) {
+        const float* xa = xo + ((b * A) + off + a) * NA;
+        double qv = 0;
+        for (int64_t j = 0; j < NA; ++j) qv += xa[j];
+        qv /= double(NA);
+        if (qv > best || std::isnan(qv)) {
+          best = qv;
+          a_star = a;
+          if (std::isnan(qv)) break;
+        }
+      }
+      const float* xs = xt + ((b * A) + off + a_star) * NA;
+      for (int64_t j = 0; j < NA; ++j) {
+        t[j] = double(r[b]) + discount * double(xs[j]);
+        poisoned = poisoned || !std::isfinite(t[j]);
+      }
+      if (poisoned) break;
+      const int64_t row = (b * A) + off + act[b * D + d];
+      sample_loss += quantile_huber(x + row * NA, t, NA, wb / double(B * D), g + row * NA) / double(D);
+      double qv = 0;
+      for (int64_t j = 0; j < NA; ++j) qv += x[row * NA + j];
+      sample_q += qv / double(NA) / double(D);
+    }
+    if (poisoned) {  // NaN must reach the gradient: the optimizer skips the step
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t j = 0; j < NA; ++j) g[((b * A) + S.action_offsets[d] + act[b * D + d]) * NA + j] = nan;
+      sample_loss = sample_q = nan;
+    }
+    td[b] = to_f32(sample_loss);
+    loss_sum += wb * sample_loss;
+    q_sum += sample_q;
+  }
+  loss.fill_(to_f32(loss_sum / B));
+  mean_q.fill_(to_f32(q_sum / B));
+}
+
 // The loss on validated inputs (S from check_loss_args or loss_shape); `op` names the op in
 // the out-of-range-action error.
 std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, const Tensor& q_next_online,
@@ -132,6 +209,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, c
       DQN_CHECK(act[b * D + d] >= 0 && act[b * D + d] < S.branch_sizes[d], op, ": actions: sample ", b,
                 " takes action ", act[b * D + d], " in branch ", d, ", which has ", S.branch_sizes[d], " actions");
 
+  if (S.type == LossType::kQR) {
+    qr_loss(x, xo, xt, act, r, dn, w, S, gamma, g, td, loss, mean_q);
+    return {loss, grad_q, td_error, mean_q};
+  }
   if (S.type != LossType::kC51) {
     bdq_loss_f32(x, xo, xt, act, r, dn, w, S, static_cast<float>(gamma), g, td, loss, mean_q);
     return {loss, grad_q, td_error, mean_q};

@@ -56,10 +56,12 @@ def random_batch(c: DQNConfig, B: int, device):
                 dones=(torch.rand(B, device=device, generator=g) < 0.05).float())
 
 
-def make_step(mode: str, c: DQNConfig, B: int, device):
-    """A zero-argument function running one training step of `mode` on a fixed batch."""
+def make_step(mode: str, c: DQNConfig, B: int, device, loss_type=None):
+    """A zero-argument function running one training step of `mode` on a fixed batch
+    (loss_type: TrainerConfig's; None picks it from the atoms)."""
     graph = "graph" in mode
-    cfg = TrainerConfig(batch_size=B, use_cuda_graph=graph, readback_interval=100, on_non_finite="flag")
+    cfg = TrainerConfig(batch_size=B, use_cuda_graph=graph, readback_interval=100, on_non_finite="flag",
+                        loss_type=loss_type)
     if mode.startswith("dqn_ops"):
         trainer = Trainer(c, cfg, device=device, seed=0)
     else:

@@ -15,6 +15,7 @@
 #   DIST=1 bash scripts/gpu_check.sh             # on a multi-GPU machine: data-parallel scaling, 1 vs all GPUs
 #   NCU=1 NCU_BATCH=256 bash scripts/gpu_check.sh  # also scripts/ncu_step.sh (Nsight Compute counters per kernel)
 #   PROFILE=1 bash scripts/gpu_check.sh          # also scripts/profile_step.py (every kernel of the step, timed)
+#   PROFILE=1 PROFILE_NETWORK=cleanrl_c51 bash scripts/gpu_check.sh   # ... of another network of bench_networks.py
 #   SOAK=1 bash scripts/gpu_check.sh             # also scripts/soak.py (100,000 graphed + 10,000 eager steps)
 #   AB_BASE=.base bash scripts/gpu_check.sh      # also the graphed step of the tree in .base vs this one, timed
 #       alternately (scripts/bench_ab.py); make .base first: git archive <commit> csrc dqn_ops scripts setup.py | tar -x -C .base
@@ -84,7 +85,7 @@ if [ -n "${NCU:-}" ]; then
 fi
 if [ -n "${PROFILE:-}" ]; then
   echo "== kernel trace of the step"
-  $PY scripts/profile_step.py --out "$OUT" --batches ${PROFILE_BATCHES:-256 4096} 2>&1 | tee "$OUT/profile.log" | tail -8
+  $PY scripts/profile_step.py --out "$OUT" --batches ${PROFILE_BATCHES:-256 4096} --network "${PROFILE_NETWORK:-reference}" 2>&1 | tee "$OUT/profile.log" | tail -8
 fi
 if [ -n "${TRAIN_EPOCHS:-}" ]; then
   echo "== training (${TRAIN_EPOCHS} epochs x 300 steps, B=256)"

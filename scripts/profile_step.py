@@ -4,8 +4,10 @@ with its duration, for the eager step and for a replay of the captured graph (to
 CUPTI). This is where the launch counts and per-kernel times of bench/NOTES.md come from.
 
     python3 scripts/profile_step.py --batches 256 4096 --out bench/results
+    python3 scripts/profile_step.py --network cleanrl_c51 --batches 256   # a network of bench_networks.py
 
-Writes <out>/profile.txt (every batch) and prints a summary.
+Writes <out>/profile.txt (every batch; profile-<network>.txt for another network than the
+reference) and prints a summary.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
+from dqn_ops import Trainer, TrainerConfig  # noqa: E402
 
 from bench import random_batch  # noqa: E402
+from bench_networks import NETWORKS  # noqa: E402
 from bench_common import result_path, run_meta, time_us  # noqa: E402
 
 
@@ -43,17 +46,20 @@ def short(name: str, width: int = 110) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
+    ap.add_argument("--network", default="reference", choices=list(NETWORKS))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "bench", "results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a CUDA device")
     meta = run_meta()
-    c = DQNConfig()
-    lines = ["# dqn_ops training step, kernel traces (µs per kernel, in start order)", f"# {meta}", ""]
+    c, loss_type = NETWORKS[args.network]
+    lines = ["# dqn_ops training step, kernel traces (µs per kernel, in start order)", f"# {meta}",
+             f"# network {args.network}: {c}, loss {loss_type or 'c51'}", ""]
     for B in args.batches:
         lines += [f"# B = {B}", ""]
         for graph in (False, True):
-            cfg = TrainerConfig(batch_size=B, use_cuda_graph=graph, readback_interval=100, on_non_finite="flag")
+            cfg = TrainerConfig(batch_size=B, use_cuda_graph=graph, readback_interval=100, on_non_finite="flag",
+                                loss_type=loss_type)
             t = Trainer(c, cfg, device="cuda", seed=0)
             batch = random_batch(c, B, torch.device("cuda"))
             trace, span = kernel_trace(lambda: t.step(batch))
@@ -73,7 +79,8 @@ def main():
                         f"end {span:.1f} µs (gaps {span - busy:.1f}); replays back to back {back_to_back:.1f} µs each")
                 print(note, flush=True)
                 lines += [f"## {note}", ""]
-    path = result_path(args.out, meta, "profile.txt")
+    name = "profile.txt" if args.network == "reference" else f"profile-{args.network}.txt"
+    path = result_path(args.out, meta, name)
     with open(path, "w") as f:
         f.write("\n".join(lines))
     print("wrote", path)

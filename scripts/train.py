@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import sys
 import time
@@ -62,6 +63,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="output folder (default runs/<backend>-seed<seed>)")
     ap.add_argument("--quiet", action="store_true", help="no per-epoch lines")
     ap.add_argument("--tiny", action="store_true", help="a small network (for smoke tests)")
+    ap.add_argument("--loss-type", choices=("c51", "qr"), default="c51",
+                    help="c51 (categorical, support [-10, 10]) or qr (QR-DQN: the atoms are quantiles)")
+    ap.add_argument("--atoms", type=int, default=None,
+                    help="atoms (C51) or quantiles (QR) per action (default: 51; --tiny: 11)")
     ap.add_argument("--distributed", action="store_true",
                     help="data-parallel over the processes torchrun starts (NCCL on GPUs, gloo on the CPU); "
                          "--batch is per rank; rank 0 evaluates and writes the outputs")
@@ -73,11 +78,13 @@ def make_trainer(args):
     if args.tiny:
         net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=(16,), adv_hidden=(16,), atoms=11,
                         branches=BRANCHES)
+    if args.atoms is not None:
+        net = dataclasses.replace(net, atoms=args.atoms)
     # gamma ** n: the loss discounts an n-step return's bootstrap; the readback ring holds an epoch
     # (one graph replay of the loop)
     cfg = TrainerConfig(batch_size=args.batch, lr=args.lr, gamma=args.gamma ** args.n_step, v_min=-10.0, v_max=10.0,
                         tau=0.005, max_grad_norm=10.0, sigma_max=1.0, use_cuda_graph=not args.no_graph,
-                        readback_interval=args.steps, on_non_finite="flag")
+                        readback_interval=args.steps, on_non_finite="flag", loss_type=args.loss_type)
     if args.backend == "dqn_ops":
         return Trainer(net, cfg, device=args.device, seed=args.seed)
     if args.distributed:
@@ -160,7 +167,8 @@ def train(args) -> dict:
                    os.path.join(out, "checkpoint.pt"))
     whole_run = trainer.metrics()
     finite = all(all(v == v and abs(v) != float("inf") for v in r.values()) for r in trainer.stats.rows)
-    summary = dict(backend=args.backend, seed=args.seed, epochs=args.epochs, steps_per_epoch=args.steps,
+    summary = dict(backend=args.backend, loss_type=args.loss_type, atoms=trainer.net_config.atoms, seed=args.seed,
+                   epochs=args.epochs, steps_per_epoch=args.steps,
                    world_size=trainer.world_size if isinstance(trainer, Trainer) else 1,
                    batch=args.batch, device=str(dev), torch=torch.__version__,
                    gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
@@ -177,11 +185,11 @@ def train(args) -> dict:
                    baseline_sharpe=baselines)
     with open(os.path.join(out, "summary.json"), "w") as f:
         dump_json(summary, f)  # strict JSON: a non-finite figure is null
-    _plot(rows, baselines, os.path.join(out, "learning_curve.png"), args.backend)
+    _plot(rows, baselines, os.path.join(out, "learning_curve.png"), args.backend, args.loss_type)
     return summary
 
 
-def _plot(rows, baselines, path, title):
+def _plot(rows, baselines, path, title, loss_type):
     plt = headless_pyplot("no learning-curve PNG")
     if plt is None:
         return
@@ -189,7 +197,7 @@ def _plot(rows, baselines, path, title):
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(10, 4))
     a0.plot(ep, [r["loss"] for r in rows], label="loss")
     a0.set_xlabel("epoch")
-    a0.set_ylabel("C51 loss")
+    a0.set_ylabel({"c51": "C51 loss", "qr": "quantile Huber loss"}[loss_type])
     a0.set_title(f"training loss ({title})")
     a1.plot(ep, [r["eval_sharpe"] for r in rows], marker="o", label="trained policy")
     a1.axhline(baselines["random"], color="r", ls="--", label="random policy")

@@ -294,3 +294,74 @@ def philox_index_below(bits: int, n: int) -> int:
     """philox::index_below: floor(bits * n / 2^32), an integer in [0, n) for 1 <= n < 2^32."""
     assert 1 <= n < 2**32
     return (bits * n) >> 32
+
+
+# ---------------------------------------------------------------------------------------
+# QR-DQN (Dabney et al. 2017, "Distributional Reinforcement Learning with Quantile Regression",
+# eq. 10 with kappa = 1), written from the paper's formula in float64 (the next action one
+# (sample, branch) at a time, the loss on [B, D, N, N] tensors of u_ij), independently of
+# dqn_ops/rl/baseline.py's torch_dqn_loss. The gradient comes from torch.autograd on this
+# float64 loss.
+
+def quantile_fractions(N: int) -> Tensor:
+    """tau_i = (2i + 1) / 2N, the midpoints of N equal quantile intervals (float64)."""
+    return torch.tensor([(2 * i + 1) / (2 * N) for i in range(N)], dtype=torch.float64)
+
+
+def huber1(u: Tensor) -> Tensor:
+    """Huber with kappa 1: u^2 / 2 where |u| <= 1, |u| - 1/2 beyond."""
+    return torch.where(u.abs() <= 1, 0.5 * u * u, u.abs() - 0.5)
+
+
+def qr_targets(q_next_online, q_next_target, rewards, dones, branches, gamma):
+    """Per sample b and branch d: a* = the first argmax over the branch's actions of the mean of
+    the online next-state quantiles, and the target quantiles T_j = r_b + gamma (1 - done_b)
+    q_next_target[b, off_d + a*, j]; float64 on the CPU. Returns (T [B, D, N], a* [B, D], the
+    gap between the best and second-best mean per (b, d): +inf for one action)."""
+    qo, qt = q_next_online.detach().double().cpu(), q_next_target.detach().double().cpu()
+    r, done = rewards.detach().double().cpu(), dones.detach().double().cpu()
+    B, _, N = qo.shape
+    T = torch.empty(B, len(branches), N, dtype=torch.float64)
+    a_star = torch.empty(B, len(branches), dtype=torch.long)
+    gap = torch.full((B, len(branches)), float("inf"), dtype=torch.float64)
+    for b in range(B):
+        off = 0
+        for d, n in enumerate(branches):
+            means = [qo[b, off + a].sum().item() / N for a in range(n)]
+            best = 0
+            for a in range(1, n):
+                if means[a] > means[best]:  # strictly: the first of equal maxima
+                    best = a
+            if n > 1:
+                gap[b, d] = means[best] - max(m for a, m in enumerate(means) if a != best)
+            a_star[b, d] = best
+            T[b, d] = r[b] + gamma * (1.0 - done[b]) * qt[b, off + best]
+            off += n
+    return T, a_star, gap
+
+
+def reference_qr(q, q_next_online, q_next_target, actions, rewards, dones, branches, gamma, weights=None):
+    """The QR-DQN loss of dqn_ops.dqn_loss(loss_type='qr') in float64:
+        theta_i = q[b, off_d + actions[b, d], i], u_ij = T_j - theta_i,
+        rho_i(u) = |tau_i - 1{u < 0}| huber1(u),
+        loss_bd = sum_i (1/N) sum_j rho_i(u_ij), L_b = mean_d loss_bd,
+        loss = mean_b w_b L_b, td[b] = L_b, mean_q = mean_{b,d} mean_i theta_i.
+    Returns (loss, grad_q = d loss / d q by autograd, td [B], mean_q), float64 on the CPU."""
+    B, _, N = q.shape
+    D = len(branches)
+    q = q.detach().double().cpu().requires_grad_()
+    a = actions.cpu()
+    w = torch.ones(B, dtype=torch.float64) if weights is None else weights.detach().double().cpu()
+    T, _, _ = qr_targets(q_next_online, q_next_target, rewards, dones, branches, gamma)   # [B, D, N] (j)
+    tau = quantile_fractions(N)
+    offsets = torch.tensor([sum(branches[:d]) for d in range(D)])
+    theta = q[torch.arange(B)[:, None], offsets[None, :] + a]                              # [B, D, N] (i)
+    u = T[:, :, None, :] - theta[:, :, :, None]                                           # [B, D, N (i), N (j)]
+    below = (u.detach() < 0).double()                                                     # 1{u_ij < 0}
+    rho = (tau[:, None] - below).abs() * huber1(u)
+    loss_bd = (rho.sum(-1) / N).sum(-1)                                                   # sum_i (1/N) sum_j
+    L = loss_bd.sum(1) / D
+    loss = (w * L).sum() / B
+    loss.backward()
+    mean_q = theta.detach().sum() / (B * D * N)
+    return loss.detach(), q.grad, L.detach(), mean_q

@@ -324,7 +324,7 @@ def test_fake_kernels_give_the_internal_ops_their_shapes():
         assert r.grad_head.shape == (B, c.head_out) and r.grad_head_bf16.shape == (B, c.head_ld)
         assert r.grad_head_bf16.dtype == torch.bfloat16
         with pytest.raises(RuntimeError, match=r"dqn_ops._dqn_loss_on_logits: loss_type: expected one of "
-                                               r"\('c51', 'mse', 'huber'\), got 'l1'"):
+                                               r"\('c51', 'qr', 'mse', 'huber'\), got 'l1'"):
             ops._dqn_loss_on_logits(*loss_args, loss_type="l1")
         grad = ops._mixed_backward_from_head(r.grad_head, r.grad_head_bf16, [t[:B] for t in f.activations], p, p_lp,
                                              layout)

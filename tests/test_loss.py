@@ -169,8 +169,8 @@ BAD = [
     (7, [2, 0, 3], "branches: branch 1 must have >= 1 action, got 0"),
     (8, 5.0, "v_min must be below v_max"),
     (10, 1.5, r"gamma: expected a value in \[0, 1\]"),
-    (11, "mse", "loss_type 'mse' takes plain Q-values \\(1 atom\\), got 5 atoms"),
-    (11, "quantile", "loss_type: expected one of 'c51', 'mse', 'huber', got 'quantile'"),
+    (11, "mse", "loss_type 'mse' takes plain Q-values \\(1 atom\\), got 5 atoms \\(use 'c51' or 'qr'\\)"),
+    (11, "quantile", "loss_type: expected one of 'c51', 'qr', 'mse', 'huber', got 'quantile'"),
 ]
 
 

@@ -127,7 +127,7 @@ def test_bad_batches():
         t.step(dict(b, actions=torch.full_like(b["actions"], 5)))
     with pytest.raises(ValueError, match="on_non_finite must be 'raise' or 'flag'"):
         TrainerConfig(on_non_finite="ignore")
-    with pytest.raises(ValueError, match="loss_type 'c51' does not fit a network of 1 atom"):
+    with pytest.raises(ValueError, match=r"Trainer: loss_type 'c51' needs atoms > 1, got a network of 1 atom\(s\)"):
         Trainer(TINY_Q, TrainerConfig(loss_type="c51"), device="cpu")
 
 
