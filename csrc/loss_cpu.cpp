@@ -118,7 +118,7 @@ double quantile_huber(const float* theta, const std::vector<double>& t, int64_t 
       const double w = u < 0 ? 1.0 - tau : tau;  // |tau - 1{u < 0}|
       const double au = std::abs(u);
       li += w * (au <= 1.0 ? 0.5 * u * u : au - 0.5);
-      gi -= w * std::min(1.0, std::max(-1.0, u));
+      gi -= w * (std::isnan(u) ? u : std::min(1.0, std::max(-1.0, u)));  // a NaN theta must reach the gradient
     }
     loss += li / double(N);
     g[i] = static_cast<float>(gi / double(N) * scale);
@@ -136,7 +136,9 @@ void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* ac
   std::vector<double> t(NA);
   double loss_sum = 0, q_sum = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const double discount = gamma * (1.0 - dn[b]);
+    // The target quantiles in F32, with the CUDA kernel's arithmetic (one fused multiply-add), so
+    // that both devices overflow alike and see the same targets; the rest in double.
+    const float discount = static_cast<float>(gamma) * (1.f - dn[b]);
     const double wb = w ? w[b] : 1.0;
     double sample_loss = 0, sample_q = 0;
     bool poisoned = false;
@@ -157,7 +159,7 @@ void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* ac
       }
       const float* xs = xt + ((b * A) + off + a_star) * NA;
       for (int64_t j = 0; j < NA; ++j) {
-        t[j] = double(r[b]) + discount * double(xs[j]);
+        t[j] = std::fma(discount, xs[j], r[b]);
         poisoned = poisoned || !std::isfinite(t[j]);
       }
       if (poisoned) break;
