@@ -493,18 +493,23 @@ def greedy_actions(net: DuelingBranchQNet, states: Tensor, v_min: float = -10.0,
     return net.act(states, epsilon, rng, v_min, v_max, loss_type).actions
 
 
+def expected_q(q: Tensor, v_min: float, v_max: float, loss_type: str = "c51") -> Tensor:
+    """[..., atoms] outputs -> [...] expected Q, as ``act`` reads them: QR the quantiles' mean,
+    C51 softmax times the support [v_min, v_max], one atom the value itself (torch ops)."""
+    atoms = q.shape[-1]
+    if loss_type == "qr":
+        return q.mean(-1)
+    if atoms > 1:
+        support = torch.linspace(v_min, v_max, atoms, device=q.device, dtype=q.dtype)
+        return (q.softmax(-1) * support).sum(-1)
+    return q[..., 0]
+
+
 def greedy_from_logits(q: Tensor, branches: Sequence[int], v_min: float, v_max: float,
                        loss_type: str = "c51") -> Tensor:
     """[B, sum n_d, atoms] Q logits -> [B, D] greedy actions (first of equal maxima); the
     expected Q as ``greedy_actions`` forms it, in torch ops."""
-    atoms = q.shape[-1]
     if q.shape[0] == 0:
         return torch.empty(0, len(branches), dtype=torch.long, device=q.device)
-    if loss_type == "qr":
-        q = q.mean(-1)
-    elif atoms > 1:
-        support = torch.linspace(v_min, v_max, atoms, device=q.device, dtype=q.dtype)
-        q = (q.softmax(-1) * support).sum(-1)
-    else:
-        q = q[..., 0]
+    q = expected_q(q, v_min, v_max, loss_type)
     return torch.stack([b.argmax(1) for b in torch.split(q, list(branches), dim=1)], 1)

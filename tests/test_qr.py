@@ -809,8 +809,6 @@ def test_torch_trainer_act_is_the_quantile_mean():
     assert (c51 != a).any()  # not vacuous: C51's rule picks other actions on some rows
 
 
-@pytest.mark.xfail(strict=True, reason="dqn_ops/rl/baseline.py TorchTrainer.act_explore takes C51's expectation "
-                                       "(softmax x support) for any atoms > 1, 'qr' included (reported)")
 def test_torch_trainer_act_explore_greedy_is_the_quantile_mean():
     """The training loop (dqn_ops/rl/loop.py) acts through act_explore: with epsilon 0 its
     actions must be act's, and its greedy_q the quantile mean of the chosen action."""

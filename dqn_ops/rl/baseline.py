@@ -12,7 +12,7 @@ from ..layout import DQNConfig, ParamLayout
 from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
-from ..trainer import STAT_FIELDS, TrainerConfig, greedy_from_logits, load_batch, resolve_loss_type
+from ..trainer import STAT_FIELDS, TrainerConfig, expected_q, greedy_from_logits, load_batch, resolve_loss_type
 
 
 class TorchQNet(nn.Module):
@@ -176,8 +176,7 @@ class TorchTrainer:
             dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
-        # act_explore's constants, made before any capture (a host-to-device copy cannot be captured)
-        self._support = torch.linspace(cfg.v_min, cfg.v_max, c.atoms, device=dev)
+        # act_explore's constant, made before any capture (a host-to-device copy cannot be captured)
         self._branch_sizes = torch.tensor(c.branches, device=dev)
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
         self.steps = 0
@@ -209,11 +208,7 @@ class TorchTrainer:
         `epsilon` (a one-element device tensor) a uniform random action for every branch; random
         numbers from torch's generator (graph-safe on CUDA). Returns (actions, greedy expected Q)."""
         c = self.net_config
-        q = self.online(states)[0].float()
-        if c.atoms > 1:
-            q = (q.softmax(-1) * self._support).sum(-1)
-        else:
-            q = q[..., 0]
+        q = expected_q(self.online(states)[0].float(), self.config.v_min, self.config.v_max, self.loss_type)
         greedy_q, greedy = zip(*(b.max(1) for b in torch.split(q, list(c.branches), dim=1)))
         greedy, greedy_q = torch.stack(greedy, 1), torch.stack(greedy_q, 1)
         n = self._branch_sizes
