@@ -222,12 +222,7 @@ __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
 // unwritten: the layout's alignment gaps and, outside bf16 mode (whose output-head GEMMs run on
 // the padded row count), the output heads' reserved rows. In order, disjoint.
 std::vector<std::pair<int64_t, int64_t>> unwritten_ranges(const NetLayout& L, bool bf16) {
-  std::vector<std::pair<int64_t, int64_t>> written = {{L.b_out, L.head_out}};
-  for (const HiddenLayer& h : L.hidden) {
-    written.emplace_back(h.b_off, h.out_width);
-    for (const HeadSlice& b : h.blocks) written.emplace_back(b.w_off, b.out_width * b.in_width);
-  }
-  for (const HeadSlice& h : L.heads) written.emplace_back(h.w_off, (bf16 ? h.pad_width : h.out_width) * h.in_width);
+  std::vector<std::pair<int64_t, int64_t>> written = L.segments(/*padded_heads=*/bf16);
   std::sort(written.begin(), written.end());
   std::vector<std::pair<int64_t, int64_t>> gaps;
   int64_t at = 0;
