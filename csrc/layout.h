@@ -93,6 +93,14 @@ struct NetLayout {
   }
 };
 
+// The name of hidden layer i (L.hidden[i]) in error messages: "trunk layer 2", "merged head
+// layer 1" (every head's first layer, one matrix W_h1), "head layer 2".
+inline std::string hidden_layer_name(const NetLayout& L, size_t i) {
+  const int64_t index = static_cast<int64_t>(i);
+  if (index < L.trunk_layers) return "trunk layer " + std::to_string(index + 1);
+  return index == L.trunk_layers ? "merged head layer 1" : "head layer " + std::to_string(index - L.trunk_layers + 1);
+}
+
 // Blocks that run as one (strided-batched) GEMM: block i of the group is first + i, its
 // columns and weights `*_stride` elements after block i - 1's.
 struct HeadGroup {

@@ -241,12 +241,6 @@ struct Grad {
   __nv_bfloat16* low_ptr() const { return low.defined() ? static_cast<__nv_bfloat16*>(low.data_ptr()) : nullptr; }
 };
 
-// The name of hidden layer i in error messages.
-std::string hidden_layer_name(const NetLayout& L, int64_t i) {
-  return i < L.trunk_layers ? "trunk layer " + std::to_string(i + 1)
-                            : "head layer " + std::to_string(i - L.trunk_layers + 1);
-}
-
 // The backward from d(head logits) on: d_head.f32 compact [B, head_out], and in bf16 mode
 // d_head.low in the padded layout [B, head_ld] with its padding columns 0. activations: the
 // saved [states, h_1, ..., h_M] (BF16, checked by the caller).
@@ -378,7 +372,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     const bool need_dx = i > 0 || need_grad_states;
     Grad d_in = need_dx ? make_grad(layer.in_width) : Grad{};
     layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, i,
-                   need_dx ? d_in.f32.data_ptr<float>() : nullptr, hidden_layer_name(L, i));
+                   need_dx ? d_in.f32.data_ptr<float>() : nullptr, hidden_layer_name(L, static_cast<size_t>(i)));
     d_z.push_back(std::move(d_out));
     d_out = std::move(d_in);
   }
