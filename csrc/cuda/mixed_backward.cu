@@ -94,8 +94,7 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
         const bool value = j < value_heads;  // the value head at padded column 0
         const int64_t width = value ? atoms : int64_t(atoms) * branches.size[j - value_heads];
         const int64_t pad_col = value ? 0 : branches.pad_col[j - value_heads];
-        for (int64_t i = width + grp.col; i < round_up_to_align(width); i += grp.width)
-          low[pad_col + i] = __float2bfloat16_rn(0.f);
+        zero_head_padding(low + pad_col, width, grp.col, grp.width);
       }
     }
   }
