@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/macros/Macros.h>
@@ -75,7 +76,30 @@ struct NetLayout {
   const HeadSlice& branch_head(int64_t d) const { return heads[value_heads() + d]; }
   // Width of hidden activation i, i = 0 being the states (the saved activations' shapes).
   int64_t activation_width(size_t i) const { return i == 0 ? state_dim : hidden[i - 1].out_width; }
+
+  // Every parameter segment of the flat buffer as (offset, length), unsorted: b_out, each hidden
+  // layer's bias and block weights, each output head's weight. padded_heads: an output head's
+  // weight with the rows the layout reserves up to pad_width (zero padding, see ParamLayout:
+  // the CUDA forward's output GEMMs and the bf16 backward's run on the padded row count), else
+  // its out_width rows only.
+  std::vector<std::pair<int64_t, int64_t>> segments(bool padded_heads) const {
+    std::vector<std::pair<int64_t, int64_t>> seg = {{b_out, head_out}};
+    for (const HiddenLayer& h : hidden) {
+      seg.emplace_back(h.b_off, h.out_width);
+      for (const HeadSlice& b : h.blocks) seg.emplace_back(b.w_off, b.out_width * b.in_width);
+    }
+    for (const HeadSlice& h : heads) seg.emplace_back(h.w_off, (padded_heads ? h.pad_width : h.out_width) * h.in_width);
+    return seg;
+  }
 };
+
+// The name of hidden layer i (L.hidden[i]) in error messages: "trunk layer 2", "merged head
+// layer 1" (every head's first layer, one matrix W_h1), "head layer 2".
+inline std::string hidden_layer_name(const NetLayout& L, size_t i) {
+  const int64_t index = static_cast<int64_t>(i);
+  if (index < L.trunk_layers) return "trunk layer " + std::to_string(index + 1);
+  return index == L.trunk_layers ? "merged head layer 1" : "head layer " + std::to_string(index - L.trunk_layers + 1);
+}
 
 // Blocks that run as one (strided-batched) GEMM: block i of the group is first + i, its
 // columns and weights `*_stride` elements after block i - 1's.
@@ -238,15 +262,10 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   DQN_CHECK(p == n, op, ": layout: ", n - p, " entries past its end (", n,
             " entries; expected the int[] from dqn_ops.ParamLayout.encode())");
 
-  // Every segment aligned, inside the buffer, and disjoint from the others.
-  std::vector<std::pair<int64_t, int64_t>> seg = {{L.b_out, L.head_out}};
-  for (const HiddenLayer& h : L.hidden) {
-    seg.emplace_back(h.b_off, h.out_width);
-    for (const HeadSlice& b : h.blocks) seg.emplace_back(b.w_off, b.out_width * b.in_width);
-  }
-  // An output head's weight segment reserves rows up to a multiple of kLayoutAlign (zero
-  // padding, see ParamLayout): the CUDA kernels run its GEMMs on the padded row count.
-  for (const auto& h : L.heads) seg.emplace_back(h.w_off, h.pad_width * h.in_width);
+  // Every segment aligned, inside the buffer, and disjoint from the others. An output head's
+  // weight segment reserves rows up to a multiple of kLayoutAlign (zero padding, see
+  // ParamLayout): the CUDA kernels run its GEMMs on the padded row count.
+  std::vector<std::pair<int64_t, int64_t>> seg = L.segments(/*padded_heads=*/true);
   for (const auto& s : seg) {
     DQN_CHECK(s.first >= 0 && s.first % kLayoutAlign == 0, op, ": layout: segment offset ", s.first,
                 " is not a non-negative multiple of ", kLayoutAlign);

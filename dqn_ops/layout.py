@@ -350,7 +350,9 @@ class ParamLayout:
 
 
 def decode_config(layout: Sequence[int]) -> DQNConfig:
-    """The DQNConfig whose ``ParamLayout(...).encode()`` starts with these sizes."""
+    """The DQNConfig whose ``ParamLayout(...).encode()`` is this layout: its sizes, and then its
+    offsets and length as ParamLayout places them (the fake kernels' check; csrc/layout.h checks
+    that the offsets it reads are aligned, inside the buffer and disjoint)."""
     v = [int(x) for x in layout]
 
     def fail(why: str):
@@ -380,7 +382,13 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
         fail(f"got {H} head layers in {len(v)} entries")
     config = DQNConfig(state_dim=state_dim, trunk_hidden=trunk, value_hidden=value, adv_hidden=adv, atoms=atoms,
                        branches=branches, dueling=bool(dueling))
-    expected = len(ParamLayout(config).encode())  # the offsets csrc/layout.h reads after the sizes
-    if len(v) != expected:
-        fail(f"{expected} entries for these sizes, got {len(v)}")
+    # The offsets csrc/layout.h reads after the sizes: ParamLayout, the one place that computes
+    # them, gives the only ones the ops are documented to take.
+    expected = ParamLayout(config).encode()
+    if len(v) != len(expected):
+        fail(f"{len(expected)} entries for these sizes, got {len(v)}")
+    if v != expected:
+        i = next(i for i, (a, b) in enumerate(zip(v, expected)) if a != b)
+        what = "the buffer length" if i == len(v) - 1 else "an offset" if i >= p + H else "a size"
+        fail(f"entry {i} ({what}) {expected[i]} for these sizes, got {v[i]}")
     return config

@@ -43,6 +43,14 @@ __device__ __forceinline__ float dueling_advantage_grad(float dq, float dq_mean,
   return (dq - dq_mean) + direct;
 }
 
+// The padding columns [width, round_up_to_align(width)) of one output head in a row of a BF16
+// head gradient in the padded layout (head: the row's column pad_col), set to 0 so that the
+// bf16 backward's GEMMs on padded sizes add nothing: columns width + first, + step, ... by the
+// calling thread.
+__device__ __forceinline__ void zero_head_padding(__nv_bfloat16* head, int64_t width, int first, int step) {
+  for (int64_t i = width + first; i < round_up_to_align(width); i += step) head[i] = __float2bfloat16_rn(0.f);
+}
+
 // The public ops' dueling kernels, for the loss's composed path (_dqn_loss_on_logits on a
 // configuration the fused kernel does not take). Each launches one kernel on `stream`.
 

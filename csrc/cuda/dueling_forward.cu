@@ -197,10 +197,8 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
   std::vector<Tensor> outs;  // each layer's [count, rows, width]
   for (size_t i = 0; i < L.hidden.size(); ++i) {
     const HiddenLayer& layer = L.hidden[i];
-    const int64_t out = layer.out_width, trunk = L.trunk_layers, index = static_cast<int64_t>(i);
-    const std::string what = index < trunk ? "trunk layer " + std::to_string(index + 1)
-                                           : (index == trunk ? "merged head layer 1"
-                                                             : "head layer " + std::to_string(index - trunk + 1));
+    const int64_t out = layer.out_width;
+    const std::string what = hidden_layer_name(L, i);
     const auto* in = static_cast<const __nv_bfloat16*>(i == 0 ? x.data_ptr() : outs.back().data_ptr());
     // The first layer reads the same x for both networks (stride 0), the others their own input.
     const int64_t in_net_stride = i == 0 ? 0 : rows * layer.in_width;

@@ -94,8 +94,7 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
         const bool value = j < value_heads;  // the value head at padded column 0
         const int64_t width = value ? atoms : int64_t(atoms) * branches.size[j - value_heads];
         const int64_t pad_col = value ? 0 : branches.pad_col[j - value_heads];
-        for (int64_t i = width + grp.col; i < round_up_to_align(width); i += grp.width)
-          low[pad_col + i] = __float2bfloat16_rn(0.f);
+        zero_head_padding(low + pad_col, width, grp.col, grp.width);
       }
     }
   }
@@ -222,12 +221,7 @@ __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
 // unwritten: the layout's alignment gaps and, outside bf16 mode (whose output-head GEMMs run on
 // the padded row count), the output heads' reserved rows. In order, disjoint.
 std::vector<std::pair<int64_t, int64_t>> unwritten_ranges(const NetLayout& L, bool bf16) {
-  std::vector<std::pair<int64_t, int64_t>> written = {{L.b_out, L.head_out}};
-  for (const HiddenLayer& h : L.hidden) {
-    written.emplace_back(h.b_off, h.out_width);
-    for (const HeadSlice& b : h.blocks) written.emplace_back(b.w_off, b.out_width * b.in_width);
-  }
-  for (const HeadSlice& h : L.heads) written.emplace_back(h.w_off, (bf16 ? h.pad_width : h.out_width) * h.in_width);
+  std::vector<std::pair<int64_t, int64_t>> written = L.segments(/*padded_heads=*/bf16);
   std::sort(written.begin(), written.end());
   std::vector<std::pair<int64_t, int64_t>> gaps;
   int64_t at = 0;
@@ -245,12 +239,6 @@ struct Grad {
   const void* operand(bool bf16) const { return bf16 ? low.data_ptr() : f32.data_ptr(); }
   __nv_bfloat16* low_ptr() const { return low.defined() ? static_cast<__nv_bfloat16*>(low.data_ptr()) : nullptr; }
 };
-
-// The name of hidden layer i in error messages.
-std::string hidden_layer_name(const NetLayout& L, int64_t i) {
-  return i < L.trunk_layers ? "trunk layer " + std::to_string(i + 1)
-                            : "head layer " + std::to_string(i - L.trunk_layers + 1);
-}
 
 // The backward from d(head logits) on: d_head.f32 compact [B, head_out], and in bf16 mode
 // d_head.low in the padded layout [B, head_ld] with its padding columns 0. activations: the
@@ -383,7 +371,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     const bool need_dx = i > 0 || need_grad_states;
     Grad d_in = need_dx ? make_grad(layer.in_width) : Grad{};
     layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, i,
-                   need_dx ? d_in.f32.data_ptr<float>() : nullptr, hidden_layer_name(L, i));
+                   need_dx ? d_in.f32.data_ptr<float>() : nullptr, hidden_layer_name(L, static_cast<size_t>(i)));
     d_z.push_back(std::move(d_out));
     d_out = std::move(d_in);
   }
