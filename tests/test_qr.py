@@ -454,7 +454,7 @@ def test_cuda_graph_replay_equals_eager_and_never_syncs():
 @pytest.mark.parametrize("branches", BRANCHES, ids=lambda b: "x".join(map(str, b)))
 def test_cuda_qr_loss_matches_cpu_kernel_and_reference_at_200_quantiles(branches):
     B, N = 300, 200
-    args = qr_batch(B, branches, N, "cpu", seed=10)
+    args = qr_batch(B, branches, N, "cpu", seed=11)  # a seed whose next actions have no near tie
     assert_no_near_ties(args[1], branches)
     cpu = dqn_loss(*args[:6], branches, gamma=GAMMA, weights=args[6], loss_type="qr")
     poison_cuda_cache()
@@ -463,7 +463,7 @@ def test_cuda_qr_loss_matches_cpu_kernel_and_reference_at_200_quantiles(branches
     sub = torch.arange(0, B, 10)  # the float64 reference on every 10th sample (it is a Python loop)
     ref = reference_qr(*(t[sub] for t in args[:6]), branches, GAMMA, args[6][sub])
     torch.testing.assert_close(gpu.td_error[sub.cuda()].double().cpu(), ref[2], rtol=1e-4, atol=1e-7)
-    grad_sub = gpu.grad_q[sub.cuda()].double().cpu() * len(sub) / B  # the reference's mean runs over len(sub)
+    grad_sub = gpu.grad_q[sub.cuda()].double().cpu() * B / len(sub)  # the reference's mean runs over len(sub)
     torch.testing.assert_close(grad_sub, ref[1], rtol=1e-4, atol=1e-5 * ref[1].abs().max().item())
     assert (gpu.grad_q.cpu()[~taken_mask(args[0].shape, args[3], branches)] == 0).all()
 
