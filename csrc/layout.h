@@ -25,8 +25,8 @@ C10_HOST_DEVICE inline int64_t round_up_to_align(int64_t n) {
   return (n + kLayoutAlign - 1) / kLayoutAlign * kLayoutAlign;
 }
 
-// A block of a block-diagonal layer: an output head of the last layer (the value head, then
-// each branch's), or one head's part of a deeper head hidden layer. Hidden-layer blocks and
+// A block of a block-diagonal layer: an output head of the last layer (in head order, see
+// NetLayout::heads), or one head's part of a deeper head hidden layer. Hidden-layer blocks and
 // dense layers have no padding: pad_col = out_col, pad_width = out_width.
 struct HeadSlice {
   int64_t in_col;    // first column of its input in the layer's input activation
@@ -45,35 +45,42 @@ struct HeadSlice {
 struct HiddenLayer {
   int64_t in_width, out_width;
   int64_t b_off;                  // bias [out_width]: every block's, side by side
-  std::vector<HeadSlice> blocks;  // the dense layer's one block, or one per head (value first)
+  std::vector<HeadSlice> blocks;  // the dense layer's one block, or one per head (in head order)
 };
 
 struct NetLayout {
   int64_t state_dim, atoms;
   bool dueling;                         // a value head and the dueling aggregation; else q = a branch head's output
+  int64_t members;                      // E >= 1 ensemble members on the one trunk, each a full head set
   std::vector<int64_t> branch_sizes;    // n_d
-  std::vector<int64_t> action_offsets;  // first action index of branch d
-  int64_t total_actions;                // sum n_d
+  std::vector<int64_t> action_offsets;  // first action index of branch d within a member's rows of q
+  int64_t total_actions;                // A = sum n_d: one member's rows of q
   int64_t trunk_layers;                 // L >= 1: hidden[0 .. L)
   int64_t head_layers;                  // H >= 0: hidden[L .. L + H)
   std::vector<HiddenLayer> hidden;      // every hidden layer in forward order: the activations the backward reads
   int64_t head_in_width;                // the output layer's input: the last hidden layer's width
-  int64_t head_out;                     // NA * (dueling + total_actions)
+  int64_t head_out;                     // NA * E * (dueling + total_actions)
   // The CUDA kernels keep the output layer's GEMM results in a padded layout: head j's
   // pad_width columns start at pad_col (multiples of kLayoutAlign) and rows are head_ld apart,
   // so every GEMM operand is 16-byte aligned and every GEMM size a multiple of 8 (with
   // head_out = 510, heads at columns 51, 204, ... and 51 or 153 rows, cuBLAS fell back to
   // align-1 SM75 kernels plus split-K reductions, several times slower).
   int64_t head_ld;
-  // The output heads, value first (with dueling), then branch d at heads[value_heads() + d].
+  // The output heads in head order: the value heads of members 0..E-1 (with dueling), then
+  // member 0's branch heads 0..D-1, member 1's, ... (value_head(e), branch_head(e, d)): the
+  // heads of one shape lie adjacent with equal strides, so each kind forms one block group.
   // With H = 0 every head reads all of the last trunk layer (in_col 0): their inputs overlap.
   std::vector<HeadSlice> heads;
   int64_t b_out;                        // every output head's bias [head_out]
   int64_t numel;                        // length of the flat buffer
 
   int64_t num_branches() const { return static_cast<int64_t>(branch_sizes.size()); }
-  int64_t value_heads() const { return dueling ? 1 : 0; }
-  const HeadSlice& branch_head(int64_t d) const { return heads[value_heads() + d]; }
+  int64_t value_heads() const { return dueling ? members : 0; }
+  int64_t num_heads() const { return members * ((dueling ? 1 : 0) + num_branches()); }
+  // Rows of q [B, q_rows(), NA]: member e's branch d at rows e * total_actions + action_offsets[d].
+  int64_t q_rows() const { return members * total_actions; }
+  const HeadSlice& value_head(int64_t e) const { return heads[e]; }
+  const HeadSlice& branch_head(int64_t e, int64_t d) const { return heads[value_heads() + e * num_branches() + d]; }
   // Width of hidden activation i, i = 0 being the states (the saved activations' shapes).
   int64_t activation_width(size_t i) const { return i == 0 ? state_dim : hidden[i - 1].out_width; }
 
@@ -111,7 +118,8 @@ struct HeadGroup {
 
 // Consecutive blocks of one shape whose columns and weights lie equal distances apart form a
 // group (ParamLayout stores a layer's per-head weights back to back): the reference network's
-// output layer is two groups, the value head and the branch heads. An in_col_stride of 0 means
+// output layer is two groups, the value head and the branch heads (with E members: the E value
+// heads, and the E * D branch heads when the branch sizes are equal). An in_col_stride of 0 means
 // the group's blocks read the same input (the output heads with H = 0): a backward's dX must
 // add their products up, not run them as one batch.
 inline std::vector<HeadGroup> block_groups(const std::vector<HeadSlice>& blocks) {
@@ -146,7 +154,7 @@ inline std::vector<HeadGroup> block_groups(const std::vector<HeadSlice>& blocks)
 inline std::vector<HeadGroup> head_groups(const NetLayout& L) { return block_groups(L.heads); }
 
 // The `int[] layout` format (dqn_ops/layout.py, ParamLayout.encode: LAYOUT_FORMAT and the order).
-constexpr int64_t kLayoutFormat = 2;
+constexpr int64_t kLayoutFormat = 3;
 
 inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   const size_t n = v.size();
@@ -165,10 +173,13 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   L.state_dim = next("state_dim");
   L.atoms = next("atoms");
   const int64_t dueling = next("dueling");
+  L.members = next("the ensemble size");
   const int64_t D = next("the branch count");
   DQN_CHECK(L.state_dim >= 1, op, ": layout: state_dim must be >= 1, got ", L.state_dim);
   DQN_CHECK(L.atoms >= 1, op, ": layout: atoms must be >= 1, got ", L.atoms);
   DQN_CHECK(dueling == 0 || dueling == 1, op, ": layout: dueling must be 0 or 1, got ", dueling);
+  DQN_CHECK(L.members >= 1 && L.members <= static_cast<int64_t>(n), op,
+            ": layout: expected at least 1 ensemble member, got ", L.members);
   DQN_CHECK(D >= 1 && D <= static_cast<int64_t>(n), op, ": layout: expected at least 1 branch, got ", D);
   L.dueling = dueling == 1;
   L.total_actions = 0;
@@ -187,17 +198,20 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   L.head_layers = next("the head layer count");
   DQN_CHECK(L.head_layers >= 0 && L.head_layers <= static_cast<int64_t>(n), op,
             ": layout: expected 0 or more head layers, got ", L.head_layers);
-  const int64_t heads = L.value_heads() + D;
-  // widths[j][k]: head k's width in head layer j (value head first).
+  const int64_t heads = L.num_heads();
+  // Every head has an output weight offset: more heads than entries is a malformed layout (and
+  // would size the width table below past the layout's own length squared).
+  DQN_CHECK(heads <= static_cast<int64_t>(n), op, ": layout: ", heads, " heads (", L.members, " members of ", dueling,
+            " + ", D, ") do not fit in ", n, " entries (expected the int[] from dqn_ops.ParamLayout.encode())");
+  // Encoded as the value widths V_1..V_H (dueling), then the branch widths A_1..A_H; every value
+  // head has the V widths, every branch head the A widths.
+  std::vector<int64_t> value_widths, branch_widths;
+  for (int64_t j = 0; L.dueling && j < L.head_layers; ++j) value_widths.push_back(next("a head width"));
+  for (int64_t j = 0; j < L.head_layers; ++j) branch_widths.push_back(next("a head width"));
+  // widths[j][k]: head k's width in head layer j (head order).
   std::vector<std::vector<int64_t>> widths(L.head_layers, std::vector<int64_t>(heads));
-  for (int64_t k = 0; k < heads; ++k) {
-    // Encoded as the value widths V_1..V_H (dueling), then the branch widths A_1..A_H.
-    if (k > L.value_heads()) {
-      for (int64_t j = 0; j < L.head_layers; ++j) widths[j][k] = widths[j][L.value_heads()];
-      continue;
-    }
-    for (int64_t j = 0; j < L.head_layers; ++j) widths[j][k] = next("a head width");
-  }
+  for (int64_t j = 0; j < L.head_layers; ++j)
+    for (int64_t k = 0; k < heads; ++k) widths[j][k] = k < L.value_heads() ? value_widths[j] : branch_widths[j];
   for (int64_t i = 0; i < L.trunk_layers; ++i)
     DQN_CHECK(trunk[i] >= 1, op, ": layout: trunk width ", i, " must be >= 1, got ", trunk[i]);
   for (int64_t j = 0; j < L.head_layers; ++j)
@@ -249,7 +263,7 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
     h.in_width = in;
     in_col += in;
     h.out_col = L.head_out;
-    h.out_width = L.atoms * (value ? 1 : L.branch_sizes[k - L.value_heads()]);
+    h.out_width = L.atoms * (value ? 1 : L.branch_sizes[(k - L.value_heads()) % D]);
     h.pad_col = L.head_ld;
     h.pad_width = round_up_to_align(h.out_width);
     h.w_off = next("a weight offset");

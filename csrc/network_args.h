@@ -31,6 +31,15 @@ inline BackwardPrecision parse_precision(const std::string& s, const char* op) {
   DQN_CHECK(false, op, ": precision: expected one of 'tf32', 'bf16', 'fp32', got '", s, "'");
 }
 
+// The CUDA kernels read one member's heads (a value column, a branch table of D heads): an
+// ensemble is refused there until they are generalized. Called where every CUDA entry point that
+// takes a layout passes: check_params' CUDA branch and make_branch_table (cuda/branch_table.cuh,
+// for the loss on logits, which takes no params check).
+inline void check_cuda_members(const NetLayout& L, const char* op) {
+  DQN_CHECK(L.members == 1, op, ": ensemble (E = ", L.members,
+            ") networks run on the CPU kernels only so far; pass CPU tensors");
+}
+
 // params / params_bf16: the flat master buffer and its low-precision mirror.
 // On CUDA they must be F32 / BF16. On the CPU (the reference path) params may be F32 or F64
 // and the mirror BF16 (rounding emulated exactly as on the GPU) or params' own dtype (no
@@ -44,6 +53,7 @@ inline void check_params(const at::Tensor& params, const at::Tensor& params_bf16
   check_contiguous(params_bf16, op, mirror_name);
   check_device(params_bf16, op, mirror_name, params.device());
   if (params.is_cuda()) {
+    check_cuda_members(L, op);
     check_dtype(params, op, name, at::kFloat);
     check_dtype(params_bf16, op, mirror_name, at::kBFloat16);
     check_aligned(params, op, name, 32);
@@ -102,7 +112,7 @@ inline void check_backward_args(const c10::optional<at::Tensor>& grad_q, const c
   const int64_t B = check_saved_activations(activations, params_bf16, L, op);
   DQN_CHECK(grad_q.has_value() || grad_head.has_value(), op, ": grad_q and grad_head are both None; give at least one");
   if (grad_q.has_value()) {
-    check_shape(*grad_q, op, "grad_q", {B, L.total_actions, L.atoms});
+    check_shape(*grad_q, op, "grad_q", {B, L.q_rows(), L.atoms});
     check_dtype(*grad_q, op, "grad_q", params.scalar_type());
     check_device(*grad_q, op, "grad_q", params.device());
     check_contiguous(*grad_q, op, "grad_q");

@@ -54,17 +54,18 @@ Tensor head_from_logits(const Tensor& logits, const Tensor& params, const NetLay
 
 Tensor dueling_aggregate(const Tensor& head, const NetLayout& L) {
   const int64_t B = head.size(0), NA = L.atoms;
-  auto q = at::empty({B, L.total_actions, NA}, head.options());
-  for (int64_t d = 0; d < L.num_branches(); ++d) {
-    const int64_t n = L.branch_sizes[d], off = L.action_offsets[d];
-    auto a = head.narrow(1, L.branch_head(d).out_col, n * NA).view({B, n, NA});
-    if (L.dueling) {
-      auto v = head.narrow(1, L.heads[0].out_col, NA).unsqueeze(1);
-      q.narrow(1, off, n).copy_(v + a - a.mean(1, /*keepdim=*/true));
-    } else {
-      q.narrow(1, off, n).copy_(a);
+  auto q = at::empty({B, L.q_rows(), NA}, head.options());
+  for (int64_t e = 0; e < L.members; ++e)
+    for (int64_t d = 0; d < L.num_branches(); ++d) {
+      const int64_t n = L.branch_sizes[d], row = e * L.total_actions + L.action_offsets[d];
+      auto a = head.narrow(1, L.branch_head(e, d).out_col, n * NA).view({B, n, NA});
+      if (L.dueling) {
+        auto v = head.narrow(1, L.value_head(e).out_col, NA).unsqueeze(1);
+        q.narrow(1, row, n).copy_(v + a - a.mean(1, /*keepdim=*/true));
+      } else {
+        q.narrow(1, row, n).copy_(a);
+      }
     }
-  }
   return q;
 }
 
@@ -74,16 +75,19 @@ Tensor dueling_backward(const c10::optional<Tensor>& grad_q, const c10::optional
   const int64_t B = any.size(0), NA = L.atoms;
   Tensor d_head = grad_head.has_value() ? grad_head->clone() : at::zeros({B, L.head_out}, any.options());
   if (grad_q.has_value()) {
-    const Tensor& dq = *grad_q;
-    if (L.dueling) d_head.narrow(1, L.heads[0].out_col, NA).add_(dq.sum(1));
-    for (int64_t d = 0; d < L.num_branches(); ++d) {
-      const int64_t n = L.branch_sizes[d], off = L.action_offsets[d];
-      auto dqd = dq.narrow(1, off, n);
-      auto da = d_head.narrow(1, L.branch_head(d).out_col, n * NA).view({B, n, NA});
-      if (L.dueling)
-        da.add_(dqd - dqd.mean(1, /*keepdim=*/true));
-      else
-        da.add_(dqd);
+    for (int64_t e = 0; e < L.members; ++e) {
+      // Member e's rows of dq: its value head takes the sum over its own actions only.
+      const Tensor dq = grad_q->narrow(1, e * L.total_actions, L.total_actions);
+      if (L.dueling) d_head.narrow(1, L.value_head(e).out_col, NA).add_(dq.sum(1));
+      for (int64_t d = 0; d < L.num_branches(); ++d) {
+        const int64_t n = L.branch_sizes[d], off = L.action_offsets[d];
+        auto dqd = dq.narrow(1, off, n);
+        auto da = d_head.narrow(1, L.branch_head(e, d).out_col, n * NA).view({B, n, NA});
+        if (L.dueling)
+          da.add_(dqd - dqd.mean(1, /*keepdim=*/true));
+        else
+          da.add_(dqd);
+      }
     }
   }
   return d_head;

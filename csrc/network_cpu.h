@@ -53,12 +53,14 @@ at::Tensor output_logits(const at::Tensor& last, const NetViews& p, const NetLay
 // head logits [rows, head_out] (compact) = padded logits + the output bias b_out of `params`.
 at::Tensor head_from_logits(const at::Tensor& logits, const at::Tensor& params, const NetLayout& L);
 
-// q [rows, total_actions, NA] from the head logits. With dueling (BDQ local mean, per atom):
-// q_d[b, k, :] = v[b, :] + a_d[b, k, :] - mean_k a_d[b, k, :]; without: q_d = a_d.
+// q [rows, E * total_actions, NA] from the head logits, member e's branch d at rows
+// e * total_actions + off_d. With dueling (BDQ local mean per member, per atom):
+// q_{e,d}[b, k, :] = v_e[b, :] + a_{e,d}[b, k, :] - mean_k a_{e,d}[b, k, :]; without: q_{e,d} = a_{e,d}.
 at::Tensor dueling_aggregate(const at::Tensor& head, const NetLayout& L);
 
 // d(head logits) [B, head_out] = grad_head + the aggregation's backward of grad_q (with
-// dueling: dv = sum over every action of dq, da_d = dq_d - mean_k dq_d; without: da_d = dq_d);
+// dueling: dv_e = sum over member e's actions of dq_e, da_{e,d} = dq_{e,d} - mean_k dq_{e,d};
+// without: da_{e,d} = dq_{e,d});
 // either may be absent, not both.
 at::Tensor dueling_backward(const c10::optional<at::Tensor>& grad_q, const c10::optional<at::Tensor>& grad_head,
                             const NetLayout& L);

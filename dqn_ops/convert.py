@@ -6,7 +6,8 @@ network, ``dqn_ops.rl.baseline.TorchQNet``); ``to_torch(net)`` gives the plain n
 (``TorchQNet``) with the net's weights, or writes them into a given module.
 
 Each of our layers (the names of ``ParamLayout``: ``s<i>``, ``v<j>``, ``a<j>.<d>`` or
-``q<j>.<d>``) is matched with one layer of the module, the first way that applies:
+``q<j>.<d>``; an ensemble's head layers prefixed by their member, ``e<m>.v<j>``, ``e<m>.a<j>.<d>``)
+is matched with one layer of the module, the first way that applies:
 
 1. ``mapping`` given: ``{our_name: their_module_path}`` for every layer of ours (module paths
    as ``named_modules()`` spells them: ``"network.0"``).
@@ -14,7 +15,8 @@ Each of our layers (the names of ``ParamLayout``: ``s<i>``, ``v<j>``, ``a<j>.<d>
    layer of ours (a ``TorchQNet``, a ``DuelingBranchQNet``, a module built with our names).
 3. By order: the module's ``nn.Linear`` layers in the order it registers them
    (``named_modules()``) are ours in ParamLayout's order of weights: the trunk ``s1..sL``, then
-   head by head (the value head first with dueling, then branch 0, 1, ...) its layers
+   head by head in head order (the value head first with dueling, then branch 0, 1, ...; an
+   ensemble's E value heads, then member 0's branch heads, member 1's, ...) its layers
    ``1..H`` and its output layer ``H + 1``.
 
 By name and by order, every parameter of the module must be in a matched layer (a module with
@@ -151,7 +153,7 @@ def from_torch(module: nn.Module, config: DQNConfig, mapping: Optional[Mapping[s
     The layers are matched by ``mapping`` ({our_name: their_module_path}) when given, else by
     our names when the module's state dict has them all, else by the order the module
     registers its nn.Linear layers (= ParamLayout's order: trunk, then per head its layers,
-    value head first); see docs/networks.md. Every mismatch (layer count, a shape, a missing
+    in head order: value heads first); see docs/networks.md. Every mismatch (layer count, a shape, a missing
     name or bias, a parameter left over) raises an error naming both sides.
 
     The network is on the device of the module's first matched weight; float64 when all of

@@ -12,6 +12,12 @@ The network (docs/design.md), for L >= 1 trunk layers and H >= 0 hidden layers p
     dueling q_d[b, k, :] = v[b, :] + a_d[b, k, :] - mean_k a_d[b, k, :]
     without dueling (no value head) q_d = a_d.
 
+An ensemble (``ensemble`` = E > 1) is E members on the one trunk, each a full head set (its
+value head with dueling, one head per branch): every head list above runs over the E members'
+heads, the value heads of members 0..E-1 first, then member 0's branch heads, member 1's, ...;
+member e's dueling uses its own value head, and q holds member e's branches at rows e*A + off_d
+(A = sum n_d). E = 1 is the network above, offsets and names included.
+
 All parameters live in one flat buffer (F32 master, same offsets in the BF16 mirror, the
 gradient and the Adam moments). Each segment starts at a multiple of ``ALIGN`` elements, so
 every weight matrix is 16-byte aligned in the BF16 mirror and 32-byte aligned in F32. The
@@ -20,7 +26,8 @@ one bias vector for all heads, and all output biases are one vector b_out, so th
 runs them as one GEMM / one pass.
 
 The per-layer names (``s1.weight``, ``v1.bias``, ``a1.0.weight``, ``a2.2.bias`` ...; ``q<j>.<d>``
-for a branch head without dueling) are those of a plain ``nn.Linear`` network
+for a branch head without dueling; member m's head layers prefixed ``e<m>.`` when E > 1:
+``e0.v1.weight``, ``e2.a1.1.bias``) are those of a plain ``nn.Linear`` network
 (``dqn_ops.rl.baseline.TorchQNet``), so state dicts move between the two.
 """
 from __future__ import annotations
@@ -126,6 +133,9 @@ class DQNConfig:
         branches: the action count of each action branch.
         dueling: a value head plus per-branch advantages (BDQ's local-mean aggregation), or
             (False) one Q head per branch and no value head.
+        ensemble: E >= 1 members sharing the trunk, each with its own heads (value head and
+            branch heads); q holds the members' Q logits one after the other ([B, E * sum n_d, NA]).
+            1: the plain network.
 
     After construction ``value_hidden`` holds the resolved widths (a tuple), so configs compare
     equal however they were written. ``dataclasses.replace`` keeps them: pass
@@ -139,10 +149,11 @@ class DQNConfig:
     atoms: int = 51
     branches: Tuple[int, ...] = (3, 3, 3)
     dueling: bool = True
+    ensemble: int = 1
 
     def __post_init__(self):
         name = "DQNConfig"
-        for field in ("state_dim", "atoms"):
+        for field in ("state_dim", "atoms", "ensemble"):
             object.__setattr__(self, field, check_int(name, field, getattr(self, field), minimum=1))
         dueling = check_bool(name, "dueling", self.dueling)
         trunk = check_int_tuple(name, "trunk_hidden", self.trunk_hidden, minimum=1,
@@ -173,9 +184,20 @@ class DQNConfig:
         return sum(self.branches)
 
     @property
+    def members(self) -> int:
+        """Ensemble members (E): each a value head (with dueling) and one head per branch."""
+        return self.ensemble
+
+    @property
+    def q_rows(self) -> int:
+        """Rows of the Q logits: E * sum n_d (member e's branches at rows e * A + off_d)."""
+        return self.members * self.total_actions
+
+    @property
     def num_heads(self) -> int:
-        """Output heads: the value head (with dueling), then one per branch."""
-        return int(self.dueling) + self.num_branches
+        """Output heads, in head order: the E value heads (with dueling), then member 0's branch
+        heads, member 1's, ..."""
+        return self.members * (int(self.dueling) + self.num_branches)
 
     @property
     def head_depth(self) -> int:
@@ -183,12 +205,15 @@ class DQNConfig:
         return len(self.adv_hidden)
 
     def head_widths(self, j: int) -> Tuple[int, ...]:
-        """Width of each head's j-th hidden layer (j = 0 .. H-1), value head first."""
-        return ((self.value_hidden[j],) if self.dueling else ()) + (self.adv_hidden[j],) * self.num_branches
+        """Width of each head's j-th hidden layer (j = 0 .. H-1), in head order."""
+        E = self.members
+        return ((self.value_hidden[j],) * E if self.dueling else ()) + (self.adv_hidden[j],) * (E * self.num_branches)
 
     def head_out_widths(self) -> Tuple[int, ...]:
-        """Width of each output head's logits, value head first: NA, then n_d * NA."""
-        return ((self.atoms,) if self.dueling else ()) + tuple(n * self.atoms for n in self.branches)
+        """Width of each output head's logits, in head order: NA per value head, then n_d * NA
+        per branch head."""
+        E = self.members
+        return ((self.atoms,) * E if self.dueling else ()) + tuple(n * self.atoms for n in self.branches) * E
 
     @property
     def hidden_widths(self) -> Tuple[int, ...]:
@@ -199,7 +224,7 @@ class DQNConfig:
 
     @property
     def head_out(self) -> int:
-        """Width of the raw output logits: NA value logits (with dueling) + n_d*NA per branch."""
+        """Width of the raw output logits: per member, NA value logits (with dueling) + n_d*NA per branch."""
         return sum(self.head_out_widths())
 
     @property
@@ -236,20 +261,23 @@ def shape_numel(shape) -> int:
 
 # The first entry of ParamLayout.encode(): a layout of another format (a stale one, or one
 # written by hand) fails csrc/layout.h's check with a clear error instead of being misread.
-LAYOUT_FORMAT = 2
+LAYOUT_FORMAT = 3
 
 
 class ParamLayout:
     """Offsets of every segment of the flat parameter buffer.
 
     Segments, in buffer order: each trunk layer's weight W_s<i>; the heads' first layer W_h1
-    (value rows, then each branch's); for each deeper head layer j, one weight W_h<j>.<k> per head
-    k (value first); one output weight W_out<k> per head; then the biases b_s<i>, b_h<j> (all
-    heads of layer j in one vector) and b_out (every head's output bias).
+    (rows in head order); for each deeper head layer j, one weight W_h<j>.<k> per head k; one
+    output weight W_out<k> per head; then the biases b_s<i>, b_h<j> (all heads of layer j in one
+    vector) and b_out (every head's output bias). Head order (``DQNConfig.num_heads`` heads): the
+    value heads of members 0..E-1 (with dueling), then member 0's branch heads 0..D-1, member
+    1's, ... (same-shape heads adjacent with equal strides, so each kind runs as one batched
+    GEMM: csrc/layout.h, block_groups).
 
     ``encode()`` gives the ``int[] layout`` argument of the ops:
 
-        [LAYOUT_FORMAT, state_dim, atoms, dueling, D, n_1..n_D, L, T_1..T_L, H,
+        [LAYOUT_FORMAT, state_dim, atoms, dueling, E, D, n_1..n_D, L, T_1..T_L, H,
          (value widths V_1..V_H with dueling), branch widths A_1..A_H,
          per trunk layer: W_s<i>, b_s<i>;  with H >= 1: W_h1, b_h1;
          per head layer j = 2..H: W_h<j>.<k> for each head k, b_h<j>;
@@ -288,16 +316,21 @@ class ParamLayout:
         self.tensors = self._views()
 
     def head_names(self) -> List[str]:
-        """Each head's name prefix, value head first: 'v', then 'a.<d>' (dueling) or 'q.<d>'."""
+        """Each head's name prefix, in head order: 'v', then 'a.<d>' (dueling) or 'q.<d>'; with
+        E > 1 each prefixed by its member: 'e0.v', 'e1.v', ..., 'e0.a.0', 'e0.a.1', 'e1.a.0', ..."""
         c = self.config
         stream = "a" if c.dueling else "q"
-        return (["v"] if c.dueling else []) + [f"{stream}.{d}" for d in range(c.num_branches)]
+        member = (lambda m: f"e{m}.") if c.members > 1 else (lambda m: "")
+        values = [f"{member(m)}v" for m in range(c.members)] if c.dueling else []
+        return values + [f"{member(m)}{stream}.{d}" for m in range(c.members) for d in range(c.num_branches)]
 
     @staticmethod
     def head_layer_name(head: str, layer: int) -> str:
-        """The nn.Linear name of a head's layer (1-based; the output layer is H + 1): 'v2', 'a1.0'."""
-        stream, _, index = head.partition(".")
-        return f"{stream}{layer}" + (f".{index}" if index else "")
+        """The nn.Linear name of a head's layer (1-based; the output layer is H + 1): 'v2', 'a1.0',
+        'e1.a2.0'."""
+        member, stream = ("", head) if not head.startswith("e") else head.split(".", 1)
+        stream, _, index = stream.partition(".")
+        return (f"{member}." if member else "") + f"{stream}{layer}" + (f".{index}" if index else "")
 
     def _views(self) -> List[Tuple[str, Tuple[int, ...], int]]:
         """Per-layer views, named as in a plain nn.Linear network: (name, shape, offset)."""
@@ -336,7 +369,7 @@ class ParamLayout:
     def encode(self) -> List[int]:
         c, seg = self.config, self.segments
         H = c.head_depth
-        sizes = [LAYOUT_FORMAT, c.state_dim, c.atoms, int(c.dueling), c.num_branches, *c.branches,
+        sizes = [LAYOUT_FORMAT, c.state_dim, c.atoms, int(c.dueling), c.members, c.num_branches, *c.branches,
                  len(c.trunk_hidden), *c.trunk_hidden, H, *(c.value_hidden if c.dueling else ()), *c.adv_hidden]
         offsets: List[int] = []
         for i in range(len(c.trunk_hidden)):
@@ -359,13 +392,13 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
         raise ValueError(f"layout: expected the int[] from dqn_ops.ParamLayout.encode() (format {LAYOUT_FORMAT}), "
                          f"{why}")
 
-    if len(v) < 5 or v[0] != LAYOUT_FORMAT:
+    if len(v) < 6 or v[0] != LAYOUT_FORMAT:
         fail(f"got {v[:5]}{'...' if len(v) > 5 else ''}")
     p = 1
-    state_dim, atoms, dueling, D = v[p:p + 4]
-    p += 4
-    if dueling not in (0, 1) or D < 1 or len(v) < p + D + 1:
-        fail(f"got dueling={dueling}, {D} branches in {len(v)} entries")
+    state_dim, atoms, dueling, E, D = v[p:p + 5]
+    p += 5
+    if dueling not in (0, 1) or E < 1 or D < 1 or len(v) < p + D + 1:
+        fail(f"got dueling={dueling}, {E} members, {D} branches in {len(v)} entries")
     branches = tuple(v[p:p + D])
     p += D
     L = v[p]
@@ -381,7 +414,7 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
     if H < 0 or len(v) < p + H:
         fail(f"got {H} head layers in {len(v)} entries")
     config = DQNConfig(state_dim=state_dim, trunk_hidden=trunk, value_hidden=value, adv_hidden=adv, atoms=atoms,
-                       branches=branches, dueling=bool(dueling))
+                       branches=branches, dueling=bool(dueling), ensemble=E)
     # The offsets csrc/layout.h reads after the sizes: ParamLayout, the one place that computes
     # them, gives the only ones the ops are documented to take.
     expected = ParamLayout(config).encode()

@@ -23,10 +23,10 @@ class DuelingBranchQNet(nn.Module):
     ``nn.Linear`` network (``s1.weight``, ``v2.bias``, ``a1.0.weight``, ``q1.0.bias`` ...:
     ``ParamLayout``), so state dicts load both ways.
 
-    ``forward(states)`` returns the Q logits ``[B, sum(branches), atoms]`` (dueling-aggregated,
-    or the branch heads' logits without dueling);
-    ``split_branches`` cuts them per branch. ``forward_full`` also returns the raw head logits
-    and the saved activations.
+    ``forward(states)`` returns the Q logits ``[B, E * sum(branches), atoms]`` (dueling-aggregated,
+    or the branch heads' logits without dueling; E = ``config.members``, member e's rows after
+    member e-1's); ``split_members`` cuts them per member, ``split_branches`` per branch.
+    ``forward_full`` also returns the raw head logits and the saved activations.
 
     While ``sync_mirror`` is True the mirror is refreshed from ``flat_params`` by ``forward``
     whenever the master changed since the last refresh: autograd's version counter of
@@ -153,15 +153,25 @@ class DuelingBranchQNet(nn.Module):
         return ops.act(states, self.flat_params.detach(), self.params_bf16, self._layout_ints, v_min, v_max,
                        epsilon, rng, loss_type)
 
+    def split_members(self, q_logits: Tensor):
+        """[B, E * sum n_d, NA] -> a tuple of E views [B, sum n_d, NA], one per ensemble member."""
+        return torch.split(q_logits, self.config.total_actions, dim=1)
+
     def split_branches(self, q_logits: Tensor):
-        """[B, sum n_d, NA] -> a tuple of [B, n_d, NA], one per branch (views)."""
-        return torch.split(q_logits, list(self.config.branches), dim=1)
+        """[B, sum n_d, NA] -> a tuple of [B, n_d, NA], one per branch (views). An ensemble's
+        [B, E * sum n_d, NA] -> a tuple of E such tuples, one per member (member e's branch d
+        at ``[e][d]``); one member's rows (``split_members``) split as a single network's."""
+        c = self.config
+        if c.members > 1 and q_logits.shape[1] == c.q_rows:
+            return tuple(torch.split(m, list(c.branches), dim=1) for m in self.split_members(q_logits))
+        return torch.split(q_logits, list(c.branches), dim=1)
 
     def extra_repr(self) -> str:
         c = self.config
         return (f"state_dim={c.state_dim}, trunk_hidden={c.trunk_hidden}, value_hidden={c.value_hidden}, "
                 f"adv_hidden={c.adv_hidden}, atoms={c.atoms}, branches={c.branches}, dueling={c.dueling}, "
-                f"parameters={c.num_parameters}, backward_precision={self.backward_precision!r}")
+                + (f"ensemble={c.ensemble}, " if c.ensemble > 1 else "")
+                + f"parameters={c.num_parameters}, backward_precision={self.backward_precision!r}")
 
 
 def _numel(shape) -> int:

@@ -93,8 +93,12 @@ def _check_activation_count(op: str, c, activations) -> None:
 # bf16_dueling_forward
 
 class ForwardOutput(NamedTuple):
-    q_logits: Tensor      # [B, sum n_d, NA]   dueling-aggregated (without dueling: the branch logits)
-    head_logits: Tensor   # [B, NA * (dueling + sum n_d)]  raw value logits (dueling), then each branch's
+    # [B, E * sum n_d, NA]  dueling-aggregated (without dueling: the branch logits); member e's
+    # rows after member e-1's (E = 1 but for an ensemble)
+    q_logits: Tensor
+    # [B, NA * E * (dueling + sum n_d)]  raw logits in head order: the value heads (dueling),
+    # then member 0's branches, member 1's, ...
+    head_logits: Tensor
     # Saved for the backward, at the mirror's precision: the states [B, SD], then every hidden
     # layer [B, w] for w in config.hidden_widths (the trunk's, then the heads' side by side).
     activations: List[Tensor]
@@ -129,7 +133,7 @@ def _(states, params, params_bf16, layout, backward_precision="tf32"):
            f"{op}: backward_precision: expected one of {BACKWARD_PRECISIONS}, got {backward_precision!r}")
     _check_network_inputs(op, c, states, params, params_bf16, layout)
     B = states.shape[0]
-    return (params.new_empty(B, c.total_actions, c.atoms), params.new_empty(B, c.head_out),
+    return (params.new_empty(B, c.q_rows, c.atoms), params.new_empty(B, c.head_out),
             _fake_activations(c, states, B, params_bf16.dtype))
 
 
@@ -182,7 +186,7 @@ def mixed_backward(grad_q: Optional[Tensor], grad_head: Optional[Tensor], saved:
     """Backward pass: the flat gradient (every dW and db) and, if asked, d(states).
 
     Args:
-        grad_q: d(loss)/d(q_logits) [B, sum n_d, NA], or None.
+        grad_q: d(loss)/d(q_logits) [B, E * sum n_d, NA], or None.
         grad_head: d(loss)/d(head_logits) [B, head_out], or None (not both None).
         saved: the forward's output, or its activation list (the states at the mirror's
             precision, then every hidden layer, as the forward returned them).

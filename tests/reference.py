@@ -55,13 +55,19 @@ SHAPES = {
 #   q_d = v + a_d - mean_k a_d with dueling, else q_d = a_d.
 # Layer names are nn.Linear's: s<i>; the value head v<j>; branch d's head a<j>.<d> (dueling)
 # or q<j>.<d> (no dueling); j = H + 1 is the output layer.
+# An ensemble (E = c.members > 1): E such head sets on the one trunk, member m's layers named
+# e<m>.<name>; heads listed value heads of every member first, then member 0's branches, member
+# 1's, ...; q holds member e's q_d at rows e * sum(n) + off_d, each with its own value head.
 
 def head_widths(c: DQNConfig) -> List[Tuple[str, Tuple[int, ...], int]]:
-    """Per output head, value first: (name stem and suffix as a format 'v{}' / 'a{}.0', hidden
-    widths, output width)."""
-    heads = [("v{}", tuple(c.value_hidden), c.atoms)] if c.dueling else []
+    """Per output head, in head order: (name stem and suffix as a format 'v{}' / 'a{}.0' /
+    'e1.a{}.0', hidden widths, output width)."""
+    E = c.members
+    member = [f"e{m}." if E > 1 else "" for m in range(E)]
+    heads = [(member[m] + "v{}", tuple(c.value_hidden), c.atoms) for m in range(E)] if c.dueling else []
     stream = "a" if c.dueling else "q"
-    return heads + [(stream + "{}." + str(d), tuple(c.adv_hidden), n * c.atoms) for d, n in enumerate(c.branches)]
+    return heads + [(member[m] + stream + "{}." + str(d), tuple(c.adv_hidden), n * c.atoms)
+                    for m in range(E) for d, n in enumerate(c.branches)]
 
 
 def layer_shapes(c: DQNConfig) -> Dict[str, Tuple[int, int]]:
@@ -104,13 +110,19 @@ def reference_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]], s:
     for j in range(len(c.adv_hidden)):
         acts.append(torch.cat([ys[j] for ys in per_head], 1))
     head = torch.cat(outs, 1)
-    B, NA = s.shape[0], c.atoms
-    branch_outs = outs[1:] if c.dueling else outs
+    return aggregate(c, outs), head, acts
+
+
+def aggregate(c: DQNConfig, outs: Sequence[Tensor]) -> Tensor:
+    """q [B, E * sum n, NA] from the output heads' logits (head order), member after member."""
+    E, D, NA = c.members, c.num_branches, c.atoms
+    values = E if c.dueling else 0
     qs = []
-    for a, n in zip(branch_outs, c.branches):
-        a = a.view(B, n, NA)
-        qs.append(outs[0].view(B, 1, NA) + a - a.mean(1, keepdim=True) if c.dueling else a)
-    return torch.cat(qs, 1), head, acts
+    for e in range(E):
+        for a, n in zip(outs[values + e * D:values + (e + 1) * D], c.branches):
+            a = a.reshape(-1, n, NA)
+            qs.append(outs[e].reshape(-1, 1, NA) + a - a.mean(1, keepdim=True) if c.dueling else a)
+    return torch.cat(qs, 1)
 
 
 class ReferenceNet(nn.Module):
@@ -122,17 +134,16 @@ class ReferenceNet(nn.Module):
         super().__init__()
         self.config = c
         for name, (out, inp) in layer_shapes(c).items():
-            stem, _, index = name.partition(".")
-            if index:
-                if stem not in self._modules:
-                    self.add_module(stem, nn.ModuleDict())
-                self._modules[stem][index] = nn.Linear(inp, out)
-            else:
-                self.add_module(name, nn.Linear(inp, out))
+            *path, last = name.split(".")  # 'e1.a2.0': ModuleDicts 'e1' and 'a2', layer '0'
+            parent = self
+            for part in path:
+                if part not in parent._modules:
+                    parent.add_module(part, nn.ModuleDict())
+                parent = parent._modules[part]
+            parent.add_module(last, nn.Linear(inp, out))
 
     def linear(self, name: str) -> nn.Linear:
-        stem, _, index = name.partition(".")
-        return self._modules[stem][index] if index else self._modules[stem]
+        return self.get_submodule(name)
 
     def layers(self) -> Dict[str, Tuple[Tensor, Tensor]]:
         return {name: (self.linear(name).weight, self.linear(name).bias) for name in layer_shapes(self.config)}
@@ -170,16 +181,7 @@ def dueling_head_grad(c: DQNConfig, grad_q: torch.Tensor) -> torch.Tensor:
     """d(loss)/d(head) for a given d(loss)/d(q), by autograd of the aggregation (dueling or not)."""
     B = grad_q.shape[0]
     head = torch.zeros(B, c.head_out, dtype=torch.float64, requires_grad=True)
-    col = 0
-    if c.dueling:
-        v = head[:, :c.atoms].view(B, 1, c.atoms)
-        col = c.atoms
-    qs = []
-    for n in c.branches:
-        a = head[:, col:col + n * c.atoms].view(B, n, c.atoms)
-        qs.append(v + a - a.mean(1, keepdim=True) if c.dueling else a)
-        col += n * c.atoms
-    torch.cat(qs, 1).backward(grad_q.double().cpu())
+    aggregate(c, head.split([out for _, _, out in head_widths(c)], 1)).backward(grad_q.double().cpu())
     return head.grad
 
 

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "layout.h"
+#include "network_args.h"
 
 namespace dqn_ops {
 namespace cuda {
@@ -20,12 +21,13 @@ struct BranchTable {
   int32_t dueling;
   int32_t size[kMaxBranches];
   int32_t action_offset[kMaxBranches];
-  // Branch d's first column in the padded logits layout (NetLayout::branch_head(d).pad_col);
+  // Branch d's first column in the padded logits layout (NetLayout::branch_head(0, d).pad_col);
   // filled only by the NetLayout overload (dqn_loss's table, from branch sizes alone, has none).
   int32_t pad_col[kMaxBranches];
 };
 
 inline BranchTable make_branch_table(const NetLayout& L, const char* op) {
+  check_cuda_members(L, op);  // one member's heads: the table has no member dimension yet
   DQN_CHECK(L.num_branches() <= kMaxBranches, op, ": the CUDA kernels take at most ", kMaxBranches,
               " branches, got ", L.num_branches());
   BranchTable t{};
@@ -34,7 +36,7 @@ inline BranchTable make_branch_table(const NetLayout& L, const char* op) {
   for (int64_t d = 0; d < L.num_branches(); ++d) {
     t.size[d] = static_cast<int32_t>(L.branch_sizes[d]);
     t.action_offset[d] = static_cast<int32_t>(L.action_offsets[d]);
-    t.pad_col[d] = static_cast<int32_t>(L.branch_head(d).pad_col);
+    t.pad_col[d] = static_cast<int32_t>(L.branch_head(0, d).pad_col);
   }
   return t;
 }

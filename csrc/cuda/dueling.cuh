@@ -19,7 +19,7 @@
 // (dq_k - 0) + g_k, with g_k = 0 where there is no direct gradient (so a -0 becomes +0, on every
 // path alike). Branch d's head
 // logits and bias start at column atoms * (dueling + action_offset[d]) of the compact head
-// (NetLayout::branch_head(d).out_col), its padded logits at BranchTable::pad_col[d].
+// (NetLayout::branch_head(0, d).out_col), its padded logits at BranchTable::pad_col[d].
 #pragma once
 
 #include <cstdint>

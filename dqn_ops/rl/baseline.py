@@ -24,7 +24,9 @@ class TorchQNet(nn.Module):
     dicts of this module and of ``DuelingBranchQNet`` match key for key: the trunk ``s1..sL``;
     the value head ``v1..v<H+1>`` (with dueling); branch d's head ``a<j>.<d>`` (``q<j>.<d>``
     without dueling), ``a<j>`` being a ModuleList over the branches; layer H + 1 of a head is
-    its output layer (with H = 0 it reads the last trunk layer).
+    its output layer (with H = 0 it reads the last trunk layer). An ensemble (E > 1) has the
+    trunk and one submodule ``e<m>`` per member holding that member's heads under the same
+    names (``e0.v1``, ``e1.a2.0``).
     """
 
     def __init__(self, c: DQNConfig):
@@ -32,23 +34,29 @@ class TorchQNet(nn.Module):
         self.config = c
         layout = ParamLayout(c)
         for name, (out_features, in_features) in layout.layers():
-            stream, _, branch = name.partition(".")
+            # 'e1.a2.0': container 'e1' (a module), 'a2' (a ModuleList over the branches), index 0.
+            *path, last = name.split(".")
+            parent = self
+            for i, part in enumerate(path):
+                if part not in parent._modules:
+                    parent.add_module(part, nn.ModuleList() if last.isdigit() and i == len(path) - 1 else nn.Module())
+                parent = parent._modules[part]
             layer = nn.Linear(in_features, out_features)
-            if not branch:
-                self.add_module(stream, layer)
-                continue
-            if stream not in self._modules:
-                self.add_module(stream, nn.ModuleList())
-            self._modules[stream].append(layer)  # ParamLayout lists the branches in order: index = branch
+            if isinstance(parent, nn.ModuleList):
+                assert len(parent) == int(last)  # ParamLayout lists the branches in order: index = branch
+                parent.append(layer)
+            else:
+                parent.add_module(last, layer)
         # Plain lists (not submodules: the layers are registered above under their names)
-        # of the trunk's layers and of each head's layers, value head first.
+        # of the trunk's layers and of each head's layers, in head order.
         self._trunk = [self.get_submodule(f"s{i + 1}") for i in range(len(c.trunk_hidden))]
         self._heads = [[self.get_submodule(layout.head_layer_name(head, j + 1)) for j in range(c.head_depth + 1)]
                        for head in layout.head_names()]
 
     def forward(self, s):
-        """Returns (q [B, sum n_d, NA]: dueling-aggregated, or the branches' logits without
-        dueling; head [B, NA * (dueling + sum n_d)]: every output head's logits, value first)."""
+        """Returns (q [B, E * sum n_d, NA]: dueling-aggregated, or the branches' logits without
+        dueling, member after member; head [B, NA * E * (dueling + sum n_d)]: every output head's
+        logits in head order: the value heads first, then member 0's branches, member 1's, ...)."""
         c = self.config
         h = s
         for layer in self._trunk:
@@ -59,10 +67,14 @@ class TorchQNet(nn.Module):
             for layer in layers[:-1]:
                 x = F.relu(layer(x))
             heads.append(layers[-1](x))
-        qs = [a.view(-1, n, c.atoms) for a, n in zip(heads[int(c.dueling):], c.branches)]
-        if c.dueling:
-            v = heads[0].view(-1, 1, c.atoms)
-            qs = [v + a - a.mean(1, keepdim=True) for a in qs]
+        E, D, values = c.members, c.num_branches, c.members * int(c.dueling)
+        qs = []
+        for e in range(E):
+            member = [a.view(-1, n, c.atoms) for a, n in zip(heads[values + e * D:values + (e + 1) * D], c.branches)]
+            if c.dueling:
+                v = heads[e].view(-1, 1, c.atoms)
+                member = [v + a - a.mean(1, keepdim=True) for a in member]
+            qs += member
         return torch.cat(qs, 1), torch.cat(heads, 1)
 
 
