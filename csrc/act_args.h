@@ -26,13 +26,14 @@ constexpr int64_t kActMaxRows = int64_t(1) << 32;
 // epsilon: one F32 element, rng: int64 [2] = (seed, call counter), both on the states' device;
 // loss_type: how the outputs become Q-values (dqn_loss's names: 'c51' the expected value over
 // the support, 'qr' the mean of the quantiles, 'mse' / 'huber' one atom, the Q-value itself);
-// v_min < v_max, both finite, for C51 with atoms > 1 (anything else ignores them). Returns the
-// parsed loss type.
+// v_min < v_max, both finite, for C51 with atoms > 1 (anything else ignores them); ucb finite,
+// either sign (csrc/dqn_ops.cpp: Inf times a std of 0 would be NaN). Returns the parsed loss type.
 inline LossType check_act_args(const at::Tensor& states, const at::Tensor& params, const at::Tensor& params_bf16,
                                const NetLayout& L, double v_min, double v_max, const at::Tensor& epsilon,
-                               const at::Tensor& rng, const std::string& loss_type) {
+                               const at::Tensor& rng, const std::string& loss_type, double ucb) {
   const char* op = kActOp;
   const LossType type = parse_loss_type(loss_type, op);
+  DQN_CHECK(std::isfinite(ucb), op, ": ucb: expected a finite value (either sign), got ", std::to_string(ucb));
   check_params(params, params_bf16, L, op);
   check_tensor(states, op, "states", params.device(), params.scalar_type(), {-1, L.state_dim});
   DQN_CHECK(states.size(0) < kActMaxRows, op, ": states: at most ", kActMaxRows - 1, " rows (philox's row is 32 bits), got ",
@@ -52,6 +53,12 @@ inline LossType check_act_args(const at::Tensor& states, const at::Tensor& param
               std::to_string(v_min), ", v_max=", std::to_string(v_max));
   }
   return type;
+}
+
+// The CUDA act takes one member and ucb = 0 (ensembles: CPU only so far).
+inline void check_act_cuda_limits(const NetLayout& L, double ucb) {
+  DQN_CHECK(layout_members(L) == 1 && ucb == 0, kActOp, ": ensembles (E > 1 members) and ucb != 0 run on the CPU ",
+            "kernels only so far, got E = ", layout_members(L), ", ucb = ", std::to_string(ucb));
 }
 
 // The distance between two atoms of the C51 support z_i = v_min + i * dz (0 for one atom).

@@ -1,7 +1,8 @@
 // CPU reference kernel of act: bf16_dueling_forward's network pieces (network_cpu.h, so the
 // Q logits are its q_logits bit for bit), the expected Q of every action in double precision
-// (as the CPU loss's double-DQN choice computes it; QR: the quantiles' mean), the per-branch argmax (the first of equal
-// maxima; a NaN wins, as torch.argmax), and epsilon-greedy on csrc/philox.h's stream layout.
+// (as the CPU loss's double-DQN choice computes it; QR: the quantiles' mean), an ensemble's
+// score of each action (mean + ucb * std over the members), the per-branch argmax (the first of
+// equal maxima; a NaN wins, as torch.argmax), and epsilon-greedy on csrc/philox.h's stream layout.
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -41,10 +42,31 @@ double expected_q(const scalar_t* x, int64_t atoms, LossType type, double v_min,
   return sz / s;
 }
 
-// q [N, total_actions, atoms] (contiguous) -> greedy actions and their expected Q [N, D].
+// act's score of one action (csrc/dqn_ops.cpp): x = member 0's atoms of the action, member e's
+// `stride` elements after member e - 1's. Writes mean_e Q_e to *mean and returns mean_e Q_e +
+// ucb * std_e Q_e (population std, two passes in double). One member: its Q itself, whatever
+// ucb (no sum: act's bits without members, -0 included); ucb = 0: the mean (no std, which a
+// non-finite Q would make NaN).
 template <typename scalar_t>
-void greedy(const Tensor& q, const NetLayout& L, LossType type, double v_min, double dz, int64_t* act,
-            scalar_t* greedy_q) {
+double ensemble_score(const scalar_t* x, int64_t members, int64_t stride, int64_t atoms, LossType type,
+                      double v_min, double dz, double ucb, double* mean) {
+  double sum = expected_q(x, atoms, type, v_min, dz);
+  for (int64_t e = 1; e < members; ++e) sum += expected_q(x + e * stride, atoms, type, v_min, dz);
+  *mean = members == 1 ? sum : sum / double(members);
+  if (members == 1 || ucb == 0) return *mean;
+  double sq = 0;
+  for (int64_t e = 0; e < members; ++e) {
+    const double dev = expected_q(x + e * stride, atoms, type, v_min, dz) - *mean;
+    sq += dev * dev;
+  }
+  return *mean + ucb * std::sqrt(sq / double(members));
+}
+
+// q [N, E * total_actions, atoms] (contiguous; member e's branch d at rows e * total_actions +
+// off_d) -> greedy actions and their mean expected Q over the members [N, D].
+template <typename scalar_t>
+void greedy(const Tensor& q, const NetLayout& L, int64_t members, LossType type, double v_min, double dz, double ucb,
+            int64_t* act, scalar_t* greedy_q) {
   const int64_t N = q.size(0), A = L.total_actions, NA = L.atoms, D = L.num_branches();
   const scalar_t* x = q.data_ptr<scalar_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -52,27 +74,31 @@ void greedy(const Tensor& q, const NetLayout& L, LossType type, double v_min, do
       for (int64_t d = 0; d < D; ++d) {
         const int64_t off = L.action_offsets[d], n = L.branch_sizes[d];
         int64_t arg = 0;
-        double best = -std::numeric_limits<double>::infinity();
+        double best = -std::numeric_limits<double>::infinity(), best_mean = best;
         for (int64_t a = 0; a < n; ++a) {
-          const double qv = expected_q(x + (b * A + off + a) * NA, NA, type, v_min, dz);
-          if (qv > best || std::isnan(qv)) {  // first of equal maxima; the first NaN wins
-            best = qv;
+          double mean;
+          const double score =
+              ensemble_score(x + (b * members * A + off + a) * NA, members, A * NA, NA, type, v_min, dz, ucb, &mean);
+          if (score > best || std::isnan(score)) {  // first of equal maxima; the first NaN wins
+            best = score;
+            best_mean = mean;
             arg = a;
-            if (std::isnan(qv)) break;
+            if (std::isnan(score)) break;
           }
         }
         act[b * D + d] = arg;
-        greedy_q[b * D + d] = static_cast<scalar_t>(best);  // F32: rounds (overflow gives inf)
+        greedy_q[b * D + d] = static_cast<scalar_t>(best_mean);  // F32: rounds (overflow gives inf)
       }
   });
 }
 
 std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, const Tensor& params_bf16,
                                    c10::IntArrayRef layout, double v_min, double v_max, const Tensor& epsilon,
-                                   Tensor& rng, c10::string_view loss_type) {
+                                   Tensor& rng, c10::string_view loss_type, double ucb) {
   const NetLayout L = parse_layout(layout, kActOp);
   const LossType type =
-      check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type));
+      check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type), ucb);
+  const int64_t members = layout_members(L);
   const int64_t N = states.size(0), D = L.num_branches();
   Tensor actions = at::empty({N, D}, states.options().dtype(at::kLong));
   Tensor greedy_q = at::empty({N, D}, params.options());
@@ -83,11 +109,13 @@ std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, c
   const Tensor x = states.to(params_bf16.scalar_type());
   const Tensor last = hidden_layers(x, p, L).back();
   const Tensor q = dueling_aggregate(head_from_logits(output_logits(last, p, L), params, L), L).contiguous();
+  TORCH_INTERNAL_ASSERT(q.size(1) == members * L.total_actions, "act: q_logits of ", q.size(1), " rows, expected ",
+                        members, " members of ", L.total_actions, " actions");
 
   int64_t* act = actions.data_ptr<int64_t>();
   const double dz = support_step(v_min, v_max, L.atoms);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dqn_ops.act", [&] {
-    greedy<scalar_t>(q, L, type, v_min, dz, act, greedy_q.data_ptr<scalar_t>());
+    greedy<scalar_t>(q, L, members, type, v_min, dz, ucb, act, greedy_q.data_ptr<scalar_t>());
   });
 
   int64_t* r = rng.data_ptr<int64_t>();

@@ -105,11 +105,16 @@ TORCH_LIBRARY(dqn_ops, m) {
       "batched_spectral_norm(Tensor(a!) params, Tensor(b!) params_bf16, Tensor(c!) u, Tensor(d!) v, "
       "Tensor(e!) sigma, int[] matrices, float[] sigma_max, int n_power_iterations=1, float eps=1e-12, "
       "bool one_launch_per_matrix=False) -> ()");
-  // The DQN loss on q logits [B, sum n_d, atoms] (bf16_dueling_forward's q_logits) (q: online on s;
+  // The DQN loss on q logits [B, E * sum n_d, atoms] (bf16_dueling_forward's q_logits) (q: online on s;
   // q_next_online: online on s', which picks the next action per branch (double DQN);
-  // q_next_target: target on s'). actions [B, D] int64; rewards, dones [B] F32 (dones 1 = terminal);
-  // gamma is the discount of the stored return (gamma^n for n-step returns); weights [B]:
-  // importance weights (prioritized replay), 1 when None.
+  // q_next_target: target on s'). E >= 1 ensemble members, inferred from q's width (a positive
+  // multiple of sum n_d, else an error): member e's branch d at rows e * sum n_d + off_d. Each member
+  // is its own double-DQN learner: its next action and its target come from its own rows (the
+  // per-member terms L_bed below); E = 1 is the plain network. actions [B, D] int64 (shared by
+  // the members); rewards, dones [B] F32 (dones 1 = terminal); gamma is the discount of the stored
+  // return (gamma^n for n-step returns); weights [B]: importance weights (prioritized replay), 1
+  // when None; masks [B, E] F32: bootstrap masks m_be (which members learn from which sample), 1
+  // when None.
   //   'c51': projection of r + gamma (1 - done) z onto the support [v_min, v_max], cross-entropy
   //          on the taken action, mean over branches; td_error = that per-sample cross-entropy.
   //   'qr' (QR-DQN, atoms = N >= 1 quantiles at fractions tau_i = (2i + 1) / 2N): the next
@@ -119,15 +124,21 @@ TORCH_LIBRARY(dqn_ops, m) {
   //          td_error = that per-sample loss. v_min / v_max are not used.
   //   'mse' / 'huber' (atoms == 1): BDQ target y = r + gamma (1 - done) mean_d Q_target_d(s', a*_d),
   //          loss mean_d (y - Q_d(s, a_d))^2 or Huber(delta 1); td_error = mean_d |y - Q_d|.
-  // loss = mean_b w_b loss_b; grad_q = d(loss)/d(q), computed in the same pass; mean_q = mean over
-  // samples and branches of the expected Q of the taken action. A NaN/Inf reward or done (which
+  // With L_bed the term of sample b, member e, branch d (C51: the cross-entropy; QR: the quantile
+  // loss; MSE / Huber: on the member's target y_be = r + gamma (1 - done) mean_d Q_target_{e,d}(s', a*_{e,d})):
+  //   loss = (1/B) sum_b w_b (1/(E D)) sum_e m_be sum_d L_bed; grad_q = d(loss)/d(q), computed in
+  //   the same pass; td_error[b] = (1/(E D)) sum_{e,d} L_bed (|y_be - Q_{e,d}| for MSE / Huber),
+  //   unmasked (the transition's priority); mean_q = mean over samples, members and branches of
+  //   the expected Q of the taken action, unmasked. E = 1 with masks None is the loss without
+  //   members, bit for bit. A NaN/Inf reward or done (which
   // clamping onto the support would hide; 'qr': any non-finite target quantile) makes that sample's loss and gradient NaN, so that an
-  // optimizer skips the step; so does an out-of-range action on CUDA (no host sync can report
-  // it), while the CPU kernel raises.
+  // optimizer skips the step (a mask of 0 does not clear it); so does an out-of-range action on
+  // CUDA (no host sync can report it), while the CPU kernel raises. Ensembles (E > 1) and masks
+  // run on the CPU kernels only so far; the CUDA kernel refuses them.
   m.def(
       "dqn_loss(Tensor q, Tensor q_next_online, Tensor q_next_target, Tensor actions, Tensor rewards, "
       "Tensor dones, Tensor? weights, int[] branches, float v_min, float v_max, float gamma, "
-      "str loss_type=\"c51\") -> (Tensor loss, Tensor grad_q, Tensor td_error, Tensor mean_q)");
+      "str loss_type=\"c51\", Tensor? masks=None) -> (Tensor loss, Tensor grad_q, Tensor td_error, Tensor mean_q)");
 
   // The trainer's step (dqn_ops/step.py): the three ops above with the dueling aggregation
   // and its backward moved into the loss, so that on CUDA the logits make one trip through
@@ -144,7 +155,8 @@ TORCH_LIBRARY(dqn_ops, m) {
   //     target also runs on s, rows it drops): fewer launches, more FLOPs. The results are the
   //     same either way, and on the CPU the flag changes nothing.
   //   _dqn_loss_on_logits: the output bias and the dueling aggregation of the three passes
-  //     (biases read from each network's params at b_out), dqn_loss with loss_type, and
+  //     (biases read from each network's params at b_out), dqn_loss with loss_type and masks
+  //     ([B, E], E = the layout's ensemble members; CPU only so far, as for dqn_loss), and
   //     d(loss)/d(head logits) as mixed_backward's dueling step forms it from grad_q: F32
   //     compact [B, head_out] and BF16 padded [B, head_ld] (padding 0). F32 logits and params
   //     only, as dqn_loss takes F32 only. On CUDA, C51 with atoms <= FUSED_LOSS_MAX_ATOMS and
@@ -161,8 +173,8 @@ TORCH_LIBRARY(dqn_ops, m) {
   m.def(
       "_dqn_loss_on_logits(Tensor logits, Tensor logits_next_online, Tensor logits_next_target, Tensor params, "
       "Tensor target_params, Tensor actions, Tensor rewards, Tensor dones, Tensor? weights, int[] layout, "
-      "float v_min, float v_max, float gamma, str loss_type=\"c51\") -> (Tensor loss, Tensor grad_head, "
-      "Tensor grad_head_bf16, Tensor td_error, Tensor mean_q)");
+      "float v_min, float v_max, float gamma, str loss_type=\"c51\", Tensor? masks=None) -> (Tensor loss, "
+      "Tensor grad_head, Tensor grad_head_bf16, Tensor td_error, Tensor mean_q)");
   m.def(
       "_mixed_backward_from_head(Tensor grad_head, Tensor grad_head_bf16, Tensor[] activations, Tensor params, "
       "Tensor params_bf16, int[] layout, str precision=\"bf16\") -> Tensor");
@@ -178,9 +190,16 @@ TORCH_LIBRARY(dqn_ops, m) {
   // = (seed, call), read on the device and advanced by one call per op with N > 0 (N = 0 leaves
   // it), so a graph replay draws new numbers. actions [N, D] int64; greedy_q [N, D] the greedy
   // action's expected Q before exploration (params' dtype: F32, F64 on the CPU's float64 path).
+  // An ensemble of E members (the layout's) scores action k of a branch by
+  //   score_k = mean_e Q_e(k) + ucb * std_e Q_e(k)   (population std over the members, in double),
+  // the greedy action the first argmax of the score (a NaN wins), greedy_q its mean_e Q_e. ucb:
+  // any finite value (> 0 optimism, UCB exploration; < 0 pessimism, a lower confidence bound);
+  // NaN or Inf raises (Inf * a std of 0 would be NaN). With one member the std is 0 and ucb
+  // changes nothing; ucb = 0 takes the argmax of the mean. Ensembles and ucb != 0 run on the
+  // CPU kernel only so far; the CUDA kernel refuses them.
   m.def(
       "act(Tensor states, Tensor params, Tensor params_bf16, int[] layout, float v_min, float v_max, "
-      "Tensor epsilon, Tensor(a!) rng, str loss_type=\"c51\") -> (Tensor actions, Tensor greedy_q)");
+      "Tensor epsilon, Tensor(a!) rng, str loss_type=\"c51\", float ucb=0.0) -> (Tensor actions, Tensor greedy_q)");
 
   // Replay
   // The replay buffer on the device (dqn_ops/rl/replay.py), internal (the schemas may change).

@@ -28,6 +28,9 @@ enum class LossType {
 
 struct LossShape {
   int64_t batch, total_actions, atoms;
+  // E >= 1 ensemble members (csrc/dqn_ops.cpp): q is [B, E * total_actions, atoms], member e's
+  // branch d at rows e * total_actions + action_offsets[d] of a sample.
+  int64_t members;
   std::vector<int64_t> branch_sizes, action_offsets;
   LossType type;
 };
@@ -58,20 +61,28 @@ inline LossType check_loss_constants(const char* op, int64_t atoms, double v_min
   return type;
 }
 
-// The per-sample inputs of both losses: actions [B, D] int64, rewards and dones [B] F32, weights [B] F32 or None.
+// The ensemble members of a network layout. ENSEMBLE-SWITCH: 1 until part A's NetLayout.members
+// lands; then this one line becomes `return L.members;` (the loss on logits and act read it).
+inline int64_t layout_members(const NetLayout& /*L*/) { return 1; }
+
+// The per-sample inputs of both losses: actions [B, D] int64, rewards and dones [B] F32, weights [B] F32 or None,
+// masks [B, E] F32 or None.
 inline void check_sample_args(const char* op, const at::Tensor& actions, const at::Tensor& rewards,
-                              const at::Tensor& dones, const c10::optional<at::Tensor>& weights, int64_t batch,
-                              int64_t branches, const at::Device& dev) {
+                              const at::Tensor& dones, const c10::optional<at::Tensor>& weights,
+                              const c10::optional<at::Tensor>& masks, int64_t batch, int64_t branches,
+                              int64_t members, const at::Device& dev) {
   check_tensor(actions, op, "actions", dev, at::kLong, {batch, branches});
   const std::pair<const at::Tensor*, const char*> per_sample[] = {{&rewards, "rewards"}, {&dones, "dones"}};
   for (const auto& t : per_sample) check_tensor(*t.first, op, t.second, dev, at::kFloat, {batch});
   if (weights.has_value()) check_tensor(*weights, op, "weights", dev, at::kFloat, {batch});
+  if (masks.has_value()) check_tensor(*masks, op, "masks", dev, at::kFloat, {batch, members});
 }
 
 inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_online, const at::Tensor& q_next_target,
                                  const at::Tensor& actions, const at::Tensor& rewards, const at::Tensor& dones,
                                  const c10::optional<at::Tensor>& weights, c10::IntArrayRef branches, double v_min,
-                                 double v_max, double gamma, const std::string& loss_type) {
+                                 double v_max, double gamma, const std::string& loss_type,
+                                 const c10::optional<at::Tensor>& masks) {
   const char* op = kLossOp;
   LossShape s;
   s.type = parse_loss_type(loss_type, op);
@@ -86,24 +97,33 @@ inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_o
   DQN_CHECK(q.dim() == 3, op, ": q: expected shape [B, ", s.total_actions, ", atoms], got ", shape_str(q.sizes()));
   s.batch = q.size(0);
   s.atoms = q.size(2);
+  // The members are q's rows per sample over the actions of one head set: a width that is no
+  // positive multiple of sum(branches) is a wrong q (or wrong branches), not a smaller ensemble.
+  const int64_t width = q.size(1);
+  DQN_CHECK(width >= s.total_actions && width % s.total_actions == 0, op, ": q: expected shape [", s.batch, ", ",
+            s.total_actions, ", ", s.atoms, "], got ", shape_str(q.sizes()), " (an ensemble of E members: [", s.batch,
+            ", E * ", s.total_actions, ", ", s.atoms, "])");
+  s.members = width / s.total_actions;
   const at::Device dev = q.device();
   DQN_CHECK(dev.is_cpu() || dev.is_cuda(), op, ": q: expected a CPU or CUDA tensor, got one on ", dev);
   const int64_t D = static_cast<int64_t>(branches.size());
   const std::pair<const at::Tensor*, const char*> logits[] = {
       {&q, "q"}, {&q_next_online, "q_next_online"}, {&q_next_target, "q_next_target"}};
-  for (const auto& t : logits)
-    check_tensor(*t.first, op, t.second, dev, at::kFloat, {s.batch, s.total_actions, s.atoms});
-  check_sample_args(op, actions, rewards, dones, weights, s.batch, D, dev);
+  for (const auto& t : logits) check_tensor(*t.first, op, t.second, dev, at::kFloat, {s.batch, width, s.atoms});
+  check_sample_args(op, actions, rewards, dones, weights, masks, s.batch, D, s.members, dev);
   DQN_CHECK(s.batch >= 1, op, ": q: expected a batch of at least 1 sample, got 0");
   check_loss_constants(op, s.atoms, v_min, v_max, gamma, loss_type);
   return s;
 }
 
 // The sizes the CUDA loss kernels take (both ops): the general C51 version's shared memory
-// per warp, and the int indices.
+// per warp, and the int indices; and one member without masks (ensembles: CPU only so far).
 constexpr int64_t kLossCudaMaxAtoms = 256;
 
-inline void check_loss_cuda_limits(const char* op, int64_t batch, int64_t total_actions, int64_t atoms) {
+inline void check_loss_cuda_limits(const char* op, int64_t batch, int64_t total_actions, int64_t atoms,
+                                   int64_t members, bool has_masks) {
+  DQN_CHECK(members == 1 && !has_masks, op, ": ensembles (E > 1 members) and bootstrap masks run on the CPU kernels ",
+            "only so far, got E = ", members, has_masks ? " with masks" : " without masks");
   DQN_CHECK(atoms <= kLossCudaMaxAtoms, op, ": the CUDA kernel takes at most ", kLossCudaMaxAtoms, " atoms, got ",
             atoms);
   DQN_CHECK(batch <= INT_MAX / 2 && batch * total_actions * atoms <= (int64_t(1) << 40), op, ": batch too large (",
@@ -112,12 +132,13 @@ inline void check_loss_cuda_limits(const char* op, int64_t batch, int64_t total_
 
 // _dqn_loss_on_logits: the three passes' output-layer GEMM results in the padded layout
 // ([B, head_ld] F32, no bias), each network's F32 params (their b_out is the output bias), the
-// samples as for dqn_loss. Returns the loss type; B is logits.size(0).
+// samples (masks [B, E], E = the layout's members) as for dqn_loss. Returns the loss type; B is logits.size(0).
 inline LossType check_loss_on_logits_args(const at::Tensor& logits, const at::Tensor& logits_next_online,
                                           const at::Tensor& logits_next_target, const at::Tensor& params,
                                           const at::Tensor& target_params, const at::Tensor& actions,
                                           const at::Tensor& rewards, const at::Tensor& dones,
-                                          const c10::optional<at::Tensor>& weights, const NetLayout& L, double v_min,
+                                          const c10::optional<at::Tensor>& weights,
+                                          const c10::optional<at::Tensor>& masks, const NetLayout& L, double v_min,
                                           double v_max, double gamma, const std::string& loss_type) {
   const char* op = kLossOnLogitsOp;
   const LossType type = check_loss_constants(op, L.atoms, v_min, v_max, gamma, loss_type);
@@ -130,7 +151,7 @@ inline LossType check_loss_on_logits_args(const at::Tensor& logits, const at::Te
   check_tensor(logits_next_target, op, "logits_next_target", dev, at::kFloat, {B, L.head_ld});
   check_tensor(params, op, "params", dev, at::kFloat, {L.numel});
   check_tensor(target_params, op, "target_params", dev, at::kFloat, {L.numel});
-  check_sample_args(op, actions, rewards, dones, weights, B, L.num_branches(), dev);
+  check_sample_args(op, actions, rewards, dones, weights, masks, B, L.num_branches(), layout_members(L), dev);
   return type;
 }
 

@@ -1,5 +1,6 @@
 // CPU reference kernels of dqn_loss (one sample after the other; C51 and QR in double precision,
-// MSE / Huber in F32 as on CUDA, so that both devices overflow alike) and of
+// MSE / Huber in F32 as on CUDA, so that both devices overflow alike; an ensemble's members one
+// after the other within a sample, each its own double-DQN learner, csrc/dqn_ops.cpp) and of
 // _dqn_loss_on_logits (the output bias, the dueling aggregation (q = the branch logits without
 // dueling), dqn_loss and the aggregation's backward: network_cpu.h's pieces around the same loss).
 #include <algorithm>
@@ -38,64 +39,81 @@ float to_f32(double v) {
   return v > 0 ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
 }
 
+// The row of member e's action a of branch d (at offset off) of sample b in q [B, E * A, atoms]:
+// [B, E * A] is [B * E, A], member e of sample b its row b * E + e.
+inline int64_t q_row(const LossShape& S, int64_t b, int64_t e, int64_t off, int64_t a) {
+  return (b * S.members + e) * S.total_actions + off + a;
+}
+
+// The bootstrap mask m_be of sample b's member e (1 without masks).
+inline float mask_of(const float* masks, const LossShape& S, int64_t b, int64_t e) {
+  return masks ? masks[b * S.members + e] : 1.f;
+}
+
 // MSE / Huber on the BDQ target, in F32 with the CUDA kernel's arithmetic (bdq_sample in
-// csrc/cuda/loss/kernels.cuh): y = r + gamma (1 - done) mean_d Q_target_d(s', argmax Q_online_d(s')).
-// A non-finite y (NaN/Inf reward or done, an Inf target, or y overflowing F32) poisons the
-// sample: NaN loss, TD error and gradient rows of every action. A finite y whose squared error
-// overflows gives an inf loss with a finite gradient, as on CUDA; either way the optimizer then
-// sees a non-finite loss or gradient norm and skips the step.
+// csrc/cuda/loss/kernels.cuh): y = r + gamma (1 - done) mean_d Q_target_d(s', argmax Q_online_d(s')),
+// per member from its own rows. A non-finite y (NaN/Inf reward or done, an Inf target, or y
+// overflowing F32) poisons the sample: NaN loss and TD error, NaN gradient rows of every action
+// of that member. A finite y whose squared error overflows gives an inf loss with a finite
+// gradient, as on CUDA; either way the optimizer then sees a non-finite loss or gradient norm
+// and skips the step. A mask scales its member's loss and gradient (0 * NaN is NaN: a poisoned
+// sample stays poisoned), never the TD error or mean_q.
 void bdq_loss_f32(const float* x, const float* xo, const float* xt, const int64_t* act, const float* r,
-                  const float* dn, const float* w, const LossShape& S, float gamma, float* g, float* td,
-                  Tensor& loss, Tensor& mean_q) {
-  const int64_t B = S.batch, A = S.total_actions, D = static_cast<int64_t>(S.branch_sizes.size());
+                  const float* dn, const float* w, const float* masks, const LossShape& S, float gamma, float* g,
+                  float* td, Tensor& loss, Tensor& mean_q) {
+  const int64_t B = S.batch, E = S.members, D = static_cast<int64_t>(S.branch_sizes.size());
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float fd = static_cast<float>(E * D);  // the terms of a sample: E = 1 divides by D, as before members
   float loss_acc = 0.f, q_acc = 0.f;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t row = b * A;
-    float target = 0.f;
-    for (int64_t d = 0; d < D; ++d) {
-      const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
-      int64_t a_star = 0;
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t a = 0; a < n; ++a) {
-        const float qv = xo[row + off + a];
-        if (qv > best || std::isnan(qv)) {
-          best = qv;
-          a_star = a;
-          if (std::isnan(qv)) break;
-        }
-      }
-      target += xt[row + off + a_star];
-    }
-    const float y = r[b] + gamma * (1.f - dn[b]) * (target / static_cast<float>(D));
     const float wb = w ? w[b] : 1.f;
-    const float scale = wb / (static_cast<float>(B) * static_cast<float>(D));
-    float sample_loss = 0.f, sample_td = 0.f, qsum = 0.f;
-    for (int64_t d = 0; d < D; ++d) {
-      const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
-      const int64_t a = act[b * D + d];
-      if (!std::isfinite(y)) {  // poisoned sample (NaN must reach the gradient: the optimizer skips)
-        for (int64_t k = 0; k < n; ++k) g[row + off + k] = nan;
-        sample_loss = sample_td = qsum = nan;
-        continue;
+    float sample_loss = 0.f, sample_td = 0.f, qsum = 0.f;  // sample_loss masked, the others not
+    for (int64_t e = 0; e < E; ++e) {
+      float target = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+        int64_t a_star = 0;
+        float best = -std::numeric_limits<float>::infinity();
+        for (int64_t a = 0; a < n; ++a) {
+          const float qv = xo[q_row(S, b, e, off, a)];
+          if (qv > best || std::isnan(qv)) {
+            best = qv;
+            a_star = a;
+            if (std::isnan(qv)) break;
+          }
+        }
+        target += xt[q_row(S, b, e, off, a_star)];
       }
-      const float qv = x[row + off + a];
-      const float delta = y - qv;
-      float l, dl;  // loss and d(loss)/d(q)
-      if (S.type == LossType::kMSE) {
-        l = delta * delta;
-        dl = -2.f * delta;
-      } else {
-        const float ad = std::abs(delta);
-        l = ad <= 1.f ? 0.5f * delta * delta : ad - 0.5f;
-        dl = std::isnan(delta) ? delta : -std::min(std::max(delta, -1.f), 1.f);  // NaN must reach the gradient
+      const float y = r[b] + gamma * (1.f - dn[b]) * (target / static_cast<float>(D));
+      const float me = mask_of(masks, S, b, e);
+      const float scale = wb * me / (static_cast<float>(B) * fd);
+      float member_loss = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+        const int64_t a = act[b * D + d];
+        if (!std::isfinite(y)) {  // poisoned sample (NaN must reach the gradient: the optimizer skips)
+          for (int64_t k = 0; k < n; ++k) g[q_row(S, b, e, off, k)] = nan;
+          member_loss = sample_td = qsum = nan;
+          continue;
+        }
+        const float qv = x[q_row(S, b, e, off, a)];
+        const float delta = y - qv;
+        float l, dl;  // loss and d(loss)/d(q)
+        if (S.type == LossType::kMSE) {
+          l = delta * delta;
+          dl = -2.f * delta;
+        } else {
+          const float ad = std::abs(delta);
+          l = ad <= 1.f ? 0.5f * delta * delta : ad - 0.5f;
+          dl = std::isnan(delta) ? delta : -std::min(std::max(delta, -1.f), 1.f);  // NaN must reach the gradient
+        }
+        member_loss += l;
+        sample_td += std::abs(delta);
+        qsum += qv;
+        g[q_row(S, b, e, off, a)] = dl * scale;
       }
-      sample_loss += l;
-      sample_td += std::abs(delta);
-      qsum += qv;
-      g[row + off + a] = dl * scale;
+      sample_loss += me * member_loss;
     }
-    const float fd = static_cast<float>(D);
     td[b] = sample_td / fd;
     loss_acc = std::fma(wb, sample_loss / fd, loss_acc);
     q_acc += qsum / fd;
@@ -126,13 +144,26 @@ double quantile_huber(const float* theta, const std::vector<double>& t, int64_t 
   return loss;
 }
 
-// QR-DQN on the whole batch: per branch the next action by the mean of the online quantiles
-// (the first of equal maxima; a NaN wins), the target quantiles r + gamma (1 - done) theta_target,
-// quantile_huber on the taken action; per sample the mean over branches. A non-finite target
+// The NaN gradient of a poisoned sample: every member's taken-action rows, so that the
+// optimizer skips the step whatever the masks.
+void poison_sample_grad(const LossShape& S, const int64_t* act, int64_t b, float* g) {
+  const int64_t D = static_cast<int64_t>(S.branch_sizes.size()), NA = S.atoms;
+  for (int64_t e = 0; e < S.members; ++e)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t j = 0; j < NA; ++j)
+        g[q_row(S, b, e, S.action_offsets[d], act[b * D + d]) * NA + j] = std::numeric_limits<float>::quiet_NaN();
+}
+
+// QR-DQN on the whole batch: per member and branch the next action by the mean of the member's
+// online quantiles (the first of equal maxima; a NaN wins), the target quantiles r + gamma
+// (1 - done) theta_target of the member, quantile_huber on the taken action; per sample the mean
+// over members and branches (masked for the loss, not for the TD error). A non-finite target
 // quantile poisons the sample as a non-finite C51 reward does.
 void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* act, const float* r, const float* dn,
-             const float* w, const LossShape& S, double gamma, float* g, float* td, Tensor& loss, Tensor& mean_q) {
-  const int64_t B = S.batch, A = S.total_actions, NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
+             const float* w, const float* masks, const LossShape& S, double gamma, float* g, float* td, Tensor& loss,
+             Tensor& mean_q) {
+  const int64_t B = S.batch, E = S.members, NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
+  const double terms = double(E * D);  // a sample's (member, branch) terms
   std::vector<double> t(NA);
   double loss_sum = 0, q_sum = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -140,43 +171,46 @@ void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* ac
     // that both devices overflow alike and see the same targets; the rest in double.
     const float discount = static_cast<float>(gamma) * (1.f - dn[b]);
     const double wb = w ? w[b] : 1.0;
-    double sample_loss = 0, sample_q = 0;
+    double sample_loss = 0, masked_loss = 0, sample_q = 0;
     bool poisoned = false;
-    for (int64_t d = 0; d < D && !poisoned; ++d) {
-      const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
-      int64_t a_star = 0;
-      double best = -std::numeric_limits<double>::infinity();
-      for (int64_t a = 0; a < n; ++a) {
-        const float* xa = xo + ((b * A) + off + a) * NA;
-        double qv = 0;
-        for (int64_t j = 0; j < NA; ++j) qv += xa[j];
-        qv /= double(NA);
-        if (qv > best || std::isnan(qv)) {
-          best = qv;
-          a_star = a;
-          if (std::isnan(qv)) break;
+    for (int64_t e = 0; e < E && !poisoned; ++e) {
+      const double me = mask_of(masks, S, b, e);
+      for (int64_t d = 0; d < D && !poisoned; ++d) {
+        const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+        int64_t a_star = 0;
+        double best = -std::numeric_limits<double>::infinity();
+        for (int64_t a = 0; a < n; ++a) {
+          const float* xa = xo + q_row(S, b, e, off, a) * NA;
+          double qv = 0;
+          for (int64_t j = 0; j < NA; ++j) qv += xa[j];
+          qv /= double(NA);
+          if (qv > best || std::isnan(qv)) {
+            best = qv;
+            a_star = a;
+            if (std::isnan(qv)) break;
+          }
         }
+        const float* xs = xt + q_row(S, b, e, off, a_star) * NA;
+        for (int64_t j = 0; j < NA; ++j) {
+          t[j] = std::fma(discount, xs[j], r[b]);
+          poisoned = poisoned || !std::isfinite(t[j]);
+        }
+        if (poisoned) break;
+        const int64_t row = q_row(S, b, e, off, act[b * D + d]);
+        const double l = quantile_huber(x + row * NA, t, NA, wb * me / double(B * E * D), g + row * NA) / terms;
+        sample_loss += l;
+        masked_loss += me * l;
+        double qv = 0;
+        for (int64_t j = 0; j < NA; ++j) qv += x[row * NA + j];
+        sample_q += qv / double(NA) / terms;
       }
-      const float* xs = xt + ((b * A) + off + a_star) * NA;
-      for (int64_t j = 0; j < NA; ++j) {
-        t[j] = std::fma(discount, xs[j], r[b]);
-        poisoned = poisoned || !std::isfinite(t[j]);
-      }
-      if (poisoned) break;
-      const int64_t row = (b * A) + off + act[b * D + d];
-      sample_loss += quantile_huber(x + row * NA, t, NA, wb / double(B * D), g + row * NA) / double(D);
-      double qv = 0;
-      for (int64_t j = 0; j < NA; ++j) qv += x[row * NA + j];
-      sample_q += qv / double(NA) / double(D);
     }
     if (poisoned) {  // NaN must reach the gradient: the optimizer skips the step
-      const float nan = std::numeric_limits<float>::quiet_NaN();
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t j = 0; j < NA; ++j) g[((b * A) + S.action_offsets[d] + act[b * D + d]) * NA + j] = nan;
-      sample_loss = sample_q = nan;
+      poison_sample_grad(S, act, b, g);
+      sample_loss = masked_loss = sample_q = std::numeric_limits<double>::quiet_NaN();
     }
     td[b] = to_f32(sample_loss);
-    loss_sum += wb * sample_loss;
+    loss_sum += wb * masked_loss;
     q_sum += sample_q;
   }
   loss.fill_(to_f32(loss_sum / B));
@@ -188,10 +222,11 @@ void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* ac
 std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, const Tensor& q_next_online,
                                                               const Tensor& q_next_target, const Tensor& actions,
                                                               const Tensor& rewards, const Tensor& dones,
-                                                              const c10::optional<Tensor>& weights, const LossShape& S,
+                                                              const c10::optional<Tensor>& weights,
+                                                              const c10::optional<Tensor>& masks, const LossShape& S,
                                                               double v_min, double v_max, double gamma,
                                                               const char* op) {
-  const int64_t B = S.batch, A = S.total_actions, NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
+  const int64_t B = S.batch, E = S.members, NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
   Tensor loss = at::empty({}, q.options());
   Tensor grad_q = at::zeros_like(q);
   Tensor td_error = at::empty({B}, q.options());
@@ -203,6 +238,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, c
   const float* r = rewards.data_ptr<float>();
   const float* dn = dones.data_ptr<float>();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  const float* mk = masks.has_value() ? masks->data_ptr<float>() : nullptr;
   float* g = grad_q.data_ptr<float>();
   float* td = td_error.data_ptr<float>();
 
@@ -212,75 +248,80 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, c
                 " takes action ", act[b * D + d], " in branch ", d, ", which has ", S.branch_sizes[d], " actions");
 
   if (S.type == LossType::kQR) {
-    qr_loss(x, xo, xt, act, r, dn, w, S, gamma, g, td, loss, mean_q);
+    qr_loss(x, xo, xt, act, r, dn, w, mk, S, gamma, g, td, loss, mean_q);
     return {loss, grad_q, td_error, mean_q};
   }
   if (S.type != LossType::kC51) {
-    bdq_loss_f32(x, xo, xt, act, r, dn, w, S, static_cast<float>(gamma), g, td, loss, mean_q);
+    bdq_loss_f32(x, xo, xt, act, r, dn, w, mk, S, static_cast<float>(gamma), g, td, loss, mean_q);
     return {loss, grad_q, td_error, mean_q};
   }
-  // C51, in double precision.
+  // C51, in double precision; per member and branch, the sample's loss the mean over them
+  // (masked for the loss, not for the TD error).
   const double dz = (v_max - v_min) / double(NA - 1);
+  const double terms = double(E * D);  // a sample's (member, branch) terms
   std::vector<double> p(NA), pt(NA), m(NA);
   double loss_sum = 0, q_sum = 0;
   for (int64_t b = 0; b < B; ++b) {
     const double discount = gamma * (1.0 - dn[b]);
     const double wb = w ? w[b] : 1.0;
-    double sample_loss = 0, sample_td = 0;
+    double sample_loss = 0, masked_loss = 0;
     if (!std::isfinite(r[b]) || !std::isfinite(dn[b])) {
       // Clamping onto the support would hide a NaN or Inf reward: poison the sample instead, its
       // gradient too, so that the optimizer skips the step (DQN_CHECK-free, as on CUDA).
       const float nan = std::numeric_limits<float>::quiet_NaN();
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t j = 0; j < NA; ++j) g[((b * A) + S.action_offsets[d] + act[b * D + d]) * NA + j] = nan;
+      poison_sample_grad(S, act, b, g);
       td[b] = nan;
       loss_sum += nan;
       q_sum += nan;
       continue;
     }
-    for (int64_t d = 0; d < D; ++d) {
-      const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
-      // double-DQN: the online network picks the next action (first of equal maxima)
-      int64_t a_star = 0;
-      double best = -std::numeric_limits<double>::infinity();
-      for (int64_t a = 0; a < n; ++a) {
-        softmax(xo + ((b * A) + off + a) * NA, NA, p);
-        double qv = 0;
-        for (int64_t j = 0; j < NA; ++j) qv += p[j] * (v_min + j * dz);
-        if (qv > best || std::isnan(qv)) {
-          best = qv;
-          a_star = a;
-          if (std::isnan(qv)) break;
+    for (int64_t e = 0; e < E; ++e) {
+      const double me = mask_of(mk, S, b, e);
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+        // double-DQN: the member's online network picks the next action (first of equal maxima)
+        int64_t a_star = 0;
+        double best = -std::numeric_limits<double>::infinity();
+        for (int64_t a = 0; a < n; ++a) {
+          softmax(xo + q_row(S, b, e, off, a) * NA, NA, p);
+          double qv = 0;
+          for (int64_t j = 0; j < NA; ++j) qv += p[j] * (v_min + j * dz);
+          if (qv > best || std::isnan(qv)) {
+            best = qv;
+            a_star = a;
+            if (std::isnan(qv)) break;
+          }
         }
-      }
-      softmax(xt + ((b * A) + off + a_star) * NA, NA, pt);
-      // projection of r + discount * z onto the support
-      std::fill(m.begin(), m.end(), 0.0);
-      for (int64_t i = 0; i < NA; ++i) {
-        const double tz = std::min(v_max, std::max(v_min, r[b] + discount * (v_min + i * dz)));
-        const double bi = std::min(double(NA - 1), std::max(0.0, (tz - v_min) / dz));
-        int64_t l = static_cast<int64_t>(std::floor(bi)), u = static_cast<int64_t>(std::ceil(bi));
-        if (l == u) {  // the atom lands exactly on a support point: give it all its mass
-          if (u > 0) --l; else ++u;
+        softmax(xt + q_row(S, b, e, off, a_star) * NA, NA, pt);
+        // projection of r + discount * z onto the support
+        std::fill(m.begin(), m.end(), 0.0);
+        for (int64_t i = 0; i < NA; ++i) {
+          const double tz = std::min(v_max, std::max(v_min, r[b] + discount * (v_min + i * dz)));
+          const double bi = std::min(double(NA - 1), std::max(0.0, (tz - v_min) / dz));
+          int64_t l = static_cast<int64_t>(std::floor(bi)), u = static_cast<int64_t>(std::ceil(bi));
+          if (l == u) {  // the atom lands exactly on a support point: give it all its mass
+            if (u > 0) --l; else ++u;
+          }
+          m[l] += pt[i] * (u - bi);
+          m[u] += pt[i] * (bi - l);
         }
-        m[l] += pt[i] * (u - bi);
-        m[u] += pt[i] * (bi - l);
+        const int64_t row = q_row(S, b, e, off, act[b * D + d]);
+        const float* xc = x + row * NA;
+        const double lse = softmax(xc, NA, p);
+        const double scale = wb * me;
+        double ce = 0, qv = 0;
+        for (int64_t j = 0; j < NA; ++j) {
+          ce -= m[j] * (xc[j] - lse);
+          qv += p[j] * (v_min + j * dz);
+          g[row * NA + j] = static_cast<float>((p[j] - m[j]) * scale / double(B * E * D));
+        }
+        sample_loss += ce / terms;
+        masked_loss += me * (ce / terms);
+        q_sum += qv / terms;
       }
-      const int64_t a = act[b * D + d];
-      const float* xc = x + ((b * A) + off + a) * NA;
-      const double lse = softmax(xc, NA, p);
-      double ce = 0, qv = 0;
-      for (int64_t j = 0; j < NA; ++j) {
-        ce -= m[j] * (xc[j] - lse);
-        qv += p[j] * (v_min + j * dz);
-        g[((b * A) + off + a) * NA + j] = static_cast<float>((p[j] - m[j]) * wb / double(B * D));
-      }
-      sample_loss += ce / D;
-      q_sum += qv / D;
     }
-    sample_td = sample_loss;
-    td[b] = to_f32(sample_td);
-    loss_sum += wb * sample_loss;
+    td[b] = to_f32(sample_loss);
+    loss_sum += wb * masked_loss;
   }
   loss.fill_(to_f32(loss_sum / B));
   mean_q.fill_(to_f32(q_sum / B));
@@ -292,11 +333,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cpu(const Tensor& q, const T
                                                         const Tensor& rewards, const Tensor& dones,
                                                         const c10::optional<Tensor>& weights, c10::IntArrayRef branches,
                                                         double v_min, double v_max, double gamma,
-                                                        c10::string_view loss_type) {
+                                                        c10::string_view loss_type,
+                                                        const c10::optional<Tensor>& masks) {
   const LossShape S = check_loss_args(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches,
-                                      v_min, v_max, gamma, std::string(loss_type));
-  return dqn_loss_reference(q, q_next_online, q_next_target, actions, rewards, dones, weights, S, v_min, v_max, gamma,
-                            kLossOp);
+                                      v_min, v_max, gamma, std::string(loss_type), masks);
+  return dqn_loss_reference(q, q_next_online, q_next_target, actions, rewards, dones, weights, masks, S, v_min, v_max,
+                            gamma, kLossOp);
 }
 
 // _dqn_loss_on_logits: q of each pass as bf16_dueling_forward forms it from these logits, the
@@ -305,13 +347,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cpu(
     const Tensor& logits, const Tensor& logits_next_online, const Tensor& logits_next_target, const Tensor& params,
     const Tensor& target_params, const Tensor& actions, const Tensor& rewards, const Tensor& dones,
     const c10::optional<Tensor>& weights, c10::IntArrayRef layout, double v_min, double v_max, double gamma,
-    c10::string_view loss_type) {
+    c10::string_view loss_type, const c10::optional<Tensor>& masks) {
   const char* op = kLossOnLogitsOp;
   const NetLayout L = parse_layout(layout, op);
   LossShape S;
   S.type = check_loss_on_logits_args(logits, logits_next_online, logits_next_target, params, target_params, actions,
-                                     rewards, dones, weights, L, v_min, v_max, gamma, std::string(loss_type));
+                                     rewards, dones, weights, masks, L, v_min, v_max, gamma, std::string(loss_type));
   S.batch = logits.size(0);
+  S.members = layout_members(L);
   S.total_actions = L.total_actions;
   S.atoms = L.atoms;
   S.branch_sizes = L.branch_sizes;
@@ -321,7 +364,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cpu(
   };
   const auto [loss, grad_q, td_error, mean_q] =
       dqn_loss_reference(q_of(logits, params), q_of(logits_next_online, params), q_of(logits_next_target, target_params),
-                         actions, rewards, dones, weights, S, v_min, v_max, gamma, op);
+                         actions, rewards, dones, weights, masks, S, v_min, v_max, gamma, op);
   Tensor grad_head = cpu::dueling_backward(grad_q, c10::nullopt, L);
   Tensor grad_head_bf16 = cpu::padded_head_grad(grad_head, L, at::kBFloat16);
   return {loss, grad_head, grad_head_bf16, td_error, mean_q};

@@ -12,6 +12,7 @@ and say, prefixed with the op's name, what was expected and what came; the kerne
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -70,6 +71,21 @@ def _raise_missing_kernel(op: str, err: NotImplementedError) -> None:
         what = (f"has no kernel for the {backend!r} backend (device {backend.lower()!r}): dqn_ops has CPU and "
                 "CUDA kernels only; move the tensors to the CPU or a CUDA device")
     raise MissingKernelError(f"dqn_ops.{op} {what}.") from err
+
+
+def _members(c) -> int:
+    """The ensemble members of a decoded config. ENSEMBLE-SWITCH: 1 until part A's
+    ``DQNConfig.members`` lands; then this one line becomes ``return c.members`` (as
+    csrc/loss_args.h layout_members)."""
+    return 1
+
+
+def _check_masks(op: str, masks: Optional[Tensor], B: int, E: int) -> None:
+    """Bootstrap masks [B, E] F32, or None (the loss fakes; the kernels: csrc/loss_args.h)."""
+    if masks is None:
+        return
+    _check(masks.shape == (B, E) and masks.dtype == torch.float32,
+           f"{op}: masks: expected float32 [{B}, {E}], got {masks.dtype} {list(masks.shape)}")
 
 
 def _check_network_inputs(op: str, c, states: Tensor, params: Tensor, params_bf16: Tensor, layout) -> None:
@@ -372,20 +388,24 @@ def _(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations=
 # dqn_loss
 
 class LossOutput(NamedTuple):
-    loss: Tensor      # []  mean over samples of the (importance-weighted) per-sample loss
-    grad_q: Tensor    # [B, sum n_d, atoms]  d(loss)/d(q)
-    td_error: Tensor  # [B]  per-sample priority: C51 cross-entropy, or mean_d |y - Q_d| (unweighted)
+    loss: Tensor      # []  mean over samples of the (importance-weighted, masked) per-sample loss
+    grad_q: Tensor    # [B, E * sum n_d, atoms]  d(loss)/d(q)
+    td_error: Tensor  # [B]  per-sample priority: C51 cross-entropy, or mean_d |y - Q_d| (unweighted, unmasked)
     mean_q: Tensor    # []  mean expected Q of the taken actions (for logging)
 
 
 def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: Tensor, rewards: Tensor,
              dones: Tensor, branches: Sequence[int], *, v_min: float = -10.0, v_max: float = 10.0,
-             gamma: float = 0.99, weights: Optional[Tensor] = None, loss_type: str = "c51") -> LossOutput:
+             gamma: float = 0.99, weights: Optional[Tensor] = None, loss_type: str = "c51",
+             masks: Optional[Tensor] = None) -> LossOutput:
     """The double-DQN loss of a branching network, all on the device, no host sync.
 
     Args:
         q: the q logits of the online network on s (dueling-aggregated, or the branch heads'
-            logits without dueling), [B, sum(branches), atoms] F32.
+            logits without dueling), [B, sum(branches), atoms] F32; for an ensemble of E
+            members [B, E * sum(branches), atoms] (member e's rows from e * sum(branches)), E
+            inferred from the width. Each member is its own double-DQN learner (its next action
+            and target from its own rows); the loss averages over members and branches.
         q_next_online: the online network on s' (chooses the next action per branch).
         q_next_target: the target network on s' (evaluates it).
         actions: [B, num_branches] int64, the action taken in each branch.
@@ -396,7 +416,11 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
         weights: [B] importance weights (prioritized replay), or None.
         loss_type: 'c51' (atoms > 1); 'qr' (QR-DQN: atoms = N quantiles at the fractions
             (2i + 1) / 2N, quantile Huber loss with kappa 1, the next action by the mean of the
-            online quantiles); 'mse' or 'huber' (atoms == 1, BDQ's mean-over-branches target).
+            online quantiles); 'mse' or 'huber' (atoms == 1, BDQ's mean-over-branches target,
+            per member).
+        masks: [B, E] F32 bootstrap masks (member e learns from sample b with weight
+            masks[b, e]: scales its loss and gradient, not td_error or mean_q), or None (all 1).
+            CPU only so far, as E > 1.
 
     ``loss`` is differentiable w.r.t. ``q`` (its backward is ``grad_q``, already computed), so
     ``loss.backward()`` works in an autograd graph as with any PyTorch loss.
@@ -408,7 +432,8 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
     """
     try:
         return LossOutput(*torch.ops.dqn_ops.dqn_loss.default(q, q_next_online, q_next_target, actions, rewards, dones,
-                                                              weights, list(branches), v_min, v_max, gamma, loss_type))
+                                                              weights, list(branches), v_min, v_max, gamma, loss_type,
+                                                              masks))
     except NotImplementedError as e:
         _raise_missing_kernel("dqn_loss", e)
         raise
@@ -416,15 +441,18 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
 
 @torch.library.register_fake("dqn_ops::dqn_loss")
 def _(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches, v_min, v_max, gamma,
-      loss_type="c51"):
+      loss_type="c51", masks=None):
     op = "dqn_ops.dqn_loss"
     _check(loss_type in LOSS_TYPES, f"{op}: loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
-    _check(q.dim() == 3 and q.shape[1] == sum(branches),
-           f"{op}: q: expected shape [B, {sum(branches)}, atoms], got {list(q.shape)}")
+    A = sum(branches)
+    _check(q.dim() == 3 and q.shape[1] >= A and q.shape[1] % A == 0,
+           f"{op}: q: expected shape [B, {A}, atoms], got {list(q.shape)} (an ensemble of E members: "
+           f"[B, E * {A}, atoms])")
     for name, t in (("q_next_online", q_next_online), ("q_next_target", q_next_target)):
         _check(t.shape == q.shape, f"{op}: {name}: expected shape {list(q.shape)}, got {list(t.shape)}")
     _check(actions.shape == (q.shape[0], len(branches)),
            f"{op}: actions: expected shape [{q.shape[0]}, {len(branches)}], got {list(actions.shape)}")
+    _check_masks(op, masks, q.shape[0], q.shape[1] // A)
     return q.new_empty(()), torch.empty_like(q), q.new_empty(q.shape[0]), q.new_empty(())
 
 
@@ -437,7 +465,7 @@ def _loss_setup_context(ctx, inputs, output):
 
 def _loss_backward(ctx, grad_loss, _grad_grad_q, _grad_td, _grad_mean_q):
     (grad_q,) = ctx.saved_tensors
-    return grad_q * grad_loss, None, None, None, None, None, None, None, None, None, None, None
+    return grad_q * grad_loss, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("dqn_ops::dqn_loss", _loss_backward, setup_context=_loss_setup_context)
@@ -495,15 +523,16 @@ class LossOnLogits(NamedTuple):
 def _dqn_loss_on_logits(logits: Tensor, logits_next_online: Tensor, logits_next_target: Tensor, params: Tensor,
                         target_params: Tensor, actions: Tensor, rewards: Tensor, dones: Tensor,
                         weights: Optional[Tensor], layout: Sequence[int], v_min: float, v_max: float,
-                        gamma: float, loss_type: str = "c51") -> LossOnLogits:
+                        gamma: float, loss_type: str = "c51", masks: Optional[Tensor] = None) -> LossOnLogits:
     """dqn_loss on the output layer's logits (biases read from each network's params),
     returning d(loss)/d(head logits) as mixed_backward's dueling step would form it. One fused
     kernel on CUDA for C51 with at most FUSED_LOSS_MAX_ATOMS atoms and FUSED_LOSS_MAX_BRANCHES
-    branches; the public kernels' arithmetic otherwise."""
+    branches; the public kernels' arithmetic otherwise. ``masks``: [B, E] bootstrap masks (E =
+    the layout's ensemble members) or None, as for ``dqn_loss`` (CPU only so far)."""
     try:
         return LossOnLogits(*torch.ops.dqn_ops._dqn_loss_on_logits.default(
             logits, logits_next_online, logits_next_target, params, target_params, actions, rewards, dones, weights,
-            list(layout), v_min, v_max, gamma, loss_type))
+            list(layout), v_min, v_max, gamma, loss_type, masks))
     except NotImplementedError as e:
         _raise_missing_kernel("_dqn_loss_on_logits", e)
         raise
@@ -511,13 +540,14 @@ def _dqn_loss_on_logits(logits: Tensor, logits_next_online: Tensor, logits_next_
 
 @torch.library.register_fake("dqn_ops::_dqn_loss_on_logits")
 def _(logits, logits_next_online, logits_next_target, params, target_params, actions, rewards, dones, weights,
-      layout, v_min, v_max, gamma, loss_type="c51"):
+      layout, v_min, v_max, gamma, loss_type="c51", masks=None):
     c = decode_config(layout)
     op = "dqn_ops._dqn_loss_on_logits"
     _check(loss_type in LOSS_TYPES, f"{op}: loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
     _check(logits.dim() == 2 and logits.shape[1] == c.head_ld,
            f"{op}: logits: expected shape [*, {c.head_ld}], got {list(logits.shape)}")
     B = logits.shape[0]
+    _check_masks(op, masks, B, _members(c))
     return (logits.new_empty(()), logits.new_empty(B, c.head_out), logits.new_empty(B, c.head_ld, dtype=torch.bfloat16),
             logits.new_empty(B), logits.new_empty(()))
 
@@ -548,11 +578,11 @@ def _(grad_head, grad_head_bf16, activations, params, params_bf16, layout, preci
 
 class ActOutput(NamedTuple):
     actions: Tensor   # [N, D] int64: epsilon-greedy actions
-    greedy_q: Tensor  # [N, D] the greedy action's expected Q per branch, before exploration
+    greedy_q: Tensor  # [N, D] the greedy action's expected Q per branch (an ensemble's mean), before exploration
 
 
 def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[int], v_min: float, v_max: float,
-        epsilon: Tensor, rng: Tensor, loss_type: str = "c51") -> ActOutput:
+        epsilon: Tensor, rng: Tensor, loss_type: str = "c51", ucb: float = 0.0) -> ActOutput:
     """Epsilon-greedy actions of the online network, on the device, without a host sync.
 
     The network runs as ``bf16_dueling_forward`` runs it (same arguments, same GEMMs: the
@@ -573,19 +603,25 @@ def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[in
             from ``call`` and advances it by one, on the device (N = 0 leaves it).
         loss_type: the loss the network is trained with, which says what its outputs are:
             'c51' (or one atom), 'qr' (quantiles), 'mse' / 'huber' (one atom), as ``dqn_loss``.
+        ucb: an ensemble's (E members, the layout's) exploration bonus: each action scores
+            mean_e Q_e + ucb * std_e Q_e (population std), the greedy action the first argmax
+            of the score, greedy_q its mean_e Q_e. Any finite value (< 0: a lower confidence
+            bound); one member (std 0) or ucb = 0: the argmax of the mean. CPU only so far for
+            E > 1 or ucb != 0.
     """
     try:
         return ActOutput(*torch.ops.dqn_ops.act.default(states, params, params_bf16, list(layout), float(v_min),
-                                                        float(v_max), epsilon, rng, loss_type))
+                                                        float(v_max), epsilon, rng, loss_type, float(ucb)))
     except NotImplementedError as e:
         _raise_missing_kernel("act", e)
         raise
 
 
 @torch.library.register_fake("dqn_ops::act")
-def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng, loss_type="c51"):
+def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng, loss_type="c51", ucb=0.0):
     op = "dqn_ops.act"
     _check(loss_type in LOSS_TYPES, f"{op}: loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
+    _check(math.isfinite(ucb), f"{op}: ucb: expected a finite value (either sign), got {ucb}")
     c = decode_config(layout)
     _check_network_inputs(op, c, states, params, params_bf16, layout)
     _check(epsilon.numel() == 1, f"{op}: epsilon: expected one element, got shape {list(epsilon.shape)}")

@@ -169,11 +169,12 @@ __global__ void advance_call_kernel(int64_t* rng) {
 
 std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, const Tensor& params_bf16,
                                     c10::IntArrayRef layout, double v_min, double v_max, const Tensor& epsilon,
-                                    Tensor& rng, c10::string_view loss_type) {
+                                    Tensor& rng, c10::string_view loss_type, double ucb) {
   const char* op = kActOp;
   const NetLayout L = parse_layout(layout, op);
   const LossType type =
-      check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type));
+      check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type), ucb);
+  check_act_cuda_limits(L, ucb);
   DQN_CHECK(L.atoms <= kActMaxAtoms, op, ": the CUDA kernel takes at most ", kActMaxAtoms, " atoms, got ", L.atoms);
   const BranchTable branches = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(states.device());

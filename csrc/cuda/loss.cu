@@ -215,10 +215,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
                                                          const Tensor& rewards, const Tensor& dones,
                                                          const c10::optional<Tensor>& weights,
                                                          c10::IntArrayRef branches, double v_min, double v_max,
-                                                         double gamma, c10::string_view loss_type) {
+                                                         double gamma, c10::string_view loss_type,
+                                                         const c10::optional<Tensor>& masks) {
   const LossShape S = check_loss_args(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches,
-                                      v_min, v_max, gamma, std::string(loss_type));
-  check_loss_cuda_limits(kLossOp, S.batch, S.total_actions, S.atoms);
+                                      v_min, v_max, gamma, std::string(loss_type), masks);
+  check_loss_cuda_limits(kLossOp, S.batch, S.total_actions, S.atoms, S.members, masks.has_value());
   const BranchTable br = make_branch_table(branches, kLossOp);
   // Kernels must run on the tensors' device, whichever device is current.
   const c10::cuda::CUDAGuard guard(q.device());
@@ -238,14 +239,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
     const Tensor& logits, const Tensor& logits_next_online, const Tensor& logits_next_target, const Tensor& params,
     const Tensor& target_params, const Tensor& actions, const Tensor& rewards, const Tensor& dones,
     const c10::optional<Tensor>& weights, c10::IntArrayRef layout, double v_min, double v_max, double gamma,
-    c10::string_view loss_type) {
+    c10::string_view loss_type, const c10::optional<Tensor>& masks) {
   const char* op = kLossOnLogitsOp;
   const NetLayout L = parse_layout(layout, op);
   const LossType type = check_loss_on_logits_args(logits, logits_next_online, logits_next_target, params,
-                                                  target_params, actions, rewards, dones, weights, L, v_min, v_max,
-                                                  gamma, std::string(loss_type));
+                                                  target_params, actions, rewards, dones, weights, masks, L, v_min,
+                                                  v_max, gamma, std::string(loss_type));
   const int64_t B = logits.size(0);
-  check_loss_cuda_limits(op, B, L.total_actions, L.atoms);
+  check_loss_cuda_limits(op, B, L.total_actions, L.atoms, layout_members(L), masks.has_value());
   const BranchTable br = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(logits.device());
   const auto f32 = params.options();

@@ -83,13 +83,20 @@ TorchDuelingBranchNet = TorchQNet
 
 
 def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, branches, v_min, v_max, gamma,
-                   loss_type="c51", weights=None):
+                   loss_type="c51", weights=None, masks=None):
     """The loss of ``dqn_ops.dqn_loss`` in plain PyTorch ops (the anchor's C51 loop; QR-DQN's
     quantile Huber loss; BDQ's MSE/Huber for one atom). Returns (loss, td_error [B], mean_q),
-    differentiable w.r.t. q."""
-    B, _, NA = q.shape
-    rows = torch.arange(B, device=q.device)
+    differentiable w.r.t. q. An ensemble (q [B, E * sum(branches), NA]) runs as B * E samples,
+    member e of sample b at row b * E + e of q viewed as [B * E, sum(branches), NA] (each member
+    its own learner); masks [B, E] (None: 1) weight the members' losses."""
+    B, width, NA = q.shape
+    E = width // sum(branches)
     w = torch.ones(B, device=q.device, dtype=q.dtype) if weights is None else weights
+    mask = torch.ones(B, E, device=q.device, dtype=q.dtype) if masks is None else masks
+    if E > 1:  # each (sample, member) as a sample of its own, the per-sample inputs repeated
+        q, q_next_online, q_next_target = (t.reshape(B * E, width // E, NA) for t in (q, q_next_online, q_next_target))
+        actions, rewards, dones = (t.repeat_interleave(E, 0) for t in (actions, rewards, dones))
+    rows = torch.arange(q.shape[0], device=q.device)
     per_branch, q_taken, off = [], [], 0
     if loss_type == "c51":
         support = torch.linspace(v_min, v_max, NA, device=q.device, dtype=q.dtype)
@@ -104,7 +111,7 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
             with torch.no_grad():
                 a_star = (q_next_online[:, off:off + n].softmax(-1) * support).sum(-1).argmax(1)
                 p_next = q_next_target[:, off:off + n].softmax(-1)[rows, a_star]
-                m = torch.zeros(B, NA, device=q.device, dtype=q.dtype)
+                m = torch.zeros(q.shape[0], NA, device=q.device, dtype=q.dtype)
                 m.scatter_add_(1, lo, p_next * (hi.to(q.dtype) - bj))
                 m.scatter_add_(1, hi, p_next * (bj - lo.to(q.dtype)))
             logits = q[:, off:off + n][rows, actions[:, i]]
@@ -147,7 +154,9 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
         per_sample = per.mean(1)
         td = (y[:, None] - qa.detach()).abs().mean(1)
         q_taken = [qa.detach()[:, i] for i in range(len(branches))]
-    return (w * per_sample).mean(), td, torch.stack(q_taken, 1).mean()
+    # per_sample, td: [B * E] (b-major): the mean over members, masked for the loss only
+    per_sample, td = per_sample.view(B, E), td.view(B, E).mean(1)
+    return (w * (mask * per_sample).sum(1) / E).mean(), td, torch.stack(q_taken, 1).mean()
 
 
 class TorchTrainer:
