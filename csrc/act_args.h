@@ -57,8 +57,8 @@ inline LossType check_act_args(const at::Tensor& states, const at::Tensor& param
 
 // The CUDA act takes one member and ucb = 0 (ensembles: CPU only so far).
 inline void check_act_cuda_limits(const NetLayout& L, double ucb) {
-  DQN_CHECK(layout_members(L) == 1 && ucb == 0, kActOp, ": ensembles (E > 1 members) and ucb != 0 run on the CPU ",
-            "kernels only so far, got E = ", layout_members(L), ", ucb = ", std::to_string(ucb));
+  DQN_CHECK(L.members == 1 && ucb == 0, kActOp, ": ensembles (E > 1 members) and ucb != 0 run on the CPU ",
+            "kernels only so far, got E = ", L.members, ", ucb = ", std::to_string(ucb));
 }
 
 // The distance between two atoms of the C51 support z_i = v_min + i * dz (0 for one atom).

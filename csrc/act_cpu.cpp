@@ -98,7 +98,7 @@ std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, c
   const NetLayout L = parse_layout(layout, kActOp);
   const LossType type =
       check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type), ucb);
-  const int64_t members = layout_members(L);
+  const int64_t members = L.members;
   const int64_t N = states.size(0), D = L.num_branches();
   Tensor actions = at::empty({N, D}, states.options().dtype(at::kLong));
   Tensor greedy_q = at::empty({N, D}, params.options());

@@ -61,10 +61,6 @@ inline LossType check_loss_constants(const char* op, int64_t atoms, double v_min
   return type;
 }
 
-// The ensemble members of a network layout. ENSEMBLE-SWITCH: 1 until part A's NetLayout.members
-// lands; then this one line becomes `return L.members;` (the loss on logits and act read it).
-inline int64_t layout_members(const NetLayout& /*L*/) { return 1; }
-
 // The per-sample inputs of both losses: actions [B, D] int64, rewards and dones [B] F32, weights [B] F32 or None,
 // masks [B, E] F32 or None.
 inline void check_sample_args(const char* op, const at::Tensor& actions, const at::Tensor& rewards,
@@ -151,7 +147,7 @@ inline LossType check_loss_on_logits_args(const at::Tensor& logits, const at::Te
   check_tensor(logits_next_target, op, "logits_next_target", dev, at::kFloat, {B, L.head_ld});
   check_tensor(params, op, "params", dev, at::kFloat, {L.numel});
   check_tensor(target_params, op, "target_params", dev, at::kFloat, {L.numel});
-  check_sample_args(op, actions, rewards, dones, weights, masks, B, L.num_branches(), layout_members(L), dev);
+  check_sample_args(op, actions, rewards, dones, weights, masks, B, L.num_branches(), L.members, dev);
   return type;
 }
 

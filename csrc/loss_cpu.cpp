@@ -354,7 +354,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cpu(
   S.type = check_loss_on_logits_args(logits, logits_next_online, logits_next_target, params, target_params, actions,
                                      rewards, dones, weights, masks, L, v_min, v_max, gamma, std::string(loss_type));
   S.batch = logits.size(0);
-  S.members = layout_members(L);
+  S.members = L.members;
   S.total_actions = L.total_actions;
   S.atoms = L.atoms;
   S.branch_sizes = L.branch_sizes;

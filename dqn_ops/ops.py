@@ -73,13 +73,6 @@ def _raise_missing_kernel(op: str, err: NotImplementedError) -> None:
     raise MissingKernelError(f"dqn_ops.{op} {what}.") from err
 
 
-def _members(c) -> int:
-    """The ensemble members of a decoded config. ENSEMBLE-SWITCH: 1 until part A's
-    ``DQNConfig.members`` lands; then this one line becomes ``return c.members`` (as
-    csrc/loss_args.h layout_members)."""
-    return 1
-
-
 def _check_masks(op: str, masks: Optional[Tensor], B: int, E: int) -> None:
     """Bootstrap masks [B, E] F32, or None (the loss fakes; the kernels: csrc/loss_args.h)."""
     if masks is None:
@@ -547,7 +540,7 @@ def _(logits, logits_next_online, logits_next_target, params, target_params, act
     _check(logits.dim() == 2 and logits.shape[1] == c.head_ld,
            f"{op}: logits: expected shape [*, {c.head_ld}], got {list(logits.shape)}")
     B = logits.shape[0]
-    _check_masks(op, masks, B, _members(c))
+    _check_masks(op, masks, B, c.members)
     return (logits.new_empty(()), logits.new_empty(B, c.head_out), logits.new_empty(B, c.head_ld, dtype=torch.bfloat16),
             logits.new_empty(B), logits.new_empty(()))
 

@@ -246,7 +246,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
                                                   target_params, actions, rewards, dones, weights, masks, L, v_min,
                                                   v_max, gamma, std::string(loss_type));
   const int64_t B = logits.size(0);
-  check_loss_cuda_limits(op, B, L.total_actions, L.atoms, layout_members(L), masks.has_value());
+  check_loss_cuda_limits(op, B, L.total_actions, L.atoms, L.members, masks.has_value());
   const BranchTable br = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(logits.device());
   const auto f32 = params.options();
