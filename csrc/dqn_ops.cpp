@@ -14,12 +14,14 @@
 #include <torch/library.h>
 
 #include "fused_loss_limits.h"
+#include "loss_args.h"
 #include "spectral_args.h"
 
 // `import dqn_ops._C` loads this library, whose static initialisers register the ops. The
 // module also carries the limits the Python side chooses a path by:
 //   FUSED_LOSS_MAX_ATOMS, FUSED_LOSS_MAX_BRANCHES: the largest C51 configuration whose
 //     _dqn_loss_on_logits runs as the single fused kernel on CUDA (csrc/fused_loss_limits.h);
+//   LOSS_CUDA_MAX_ATOMS: the most atoms (C51) or quantiles (QR) the CUDA loss takes (csrc/loss_args.h);
 // and one test hook, not part of the API:
 //   _set_spectral_strategy(name) -> previous name: "auto" (the default) or "cooperative" (every
 //     matrix of batched_spectral_norm on CUDA takes the cooperative strategy; csrc/spectral_args.h).
@@ -51,7 +53,8 @@ PyObject* PyInit__C(void) {
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   if (PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_ATOMS", dqn_ops::kFusedLossMaxAtoms) < 0 ||
-      PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_BRANCHES", dqn_ops::kFusedLossMaxBranches) < 0) {
+      PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_BRANCHES", dqn_ops::kFusedLossMaxBranches) < 0 ||
+      PyModule_AddIntConstant(module, "LOSS_CUDA_MAX_ATOMS", dqn_ops::kLossCudaMaxAtoms) < 0) {
     Py_DECREF(module);
     return nullptr;
   }
@@ -121,9 +124,9 @@ TORCH_LIBRARY(dqn_ops, m) {
   //          loss mean_d (y - Q_d(s, a_d))^2 or Huber(delta 1); td_error = mean_d |y - Q_d|.
   // loss = mean_b w_b loss_b; grad_q = d(loss)/d(q), computed in the same pass; mean_q = mean over
   // samples and branches of the expected Q of the taken action. A NaN/Inf reward or done (which
-  // clamping onto the support would hide; 'qr': any non-finite target quantile) makes that sample's loss and gradient NaN, so that an
-  // optimizer skips the step; so does an out-of-range action on CUDA (no host sync can report
-  // it), while the CPU kernel raises.
+  // clamping onto the support would hide; 'qr': any non-finite target quantile) makes that
+  // sample's loss and gradient NaN, so that an optimizer skips the step; so does an out-of-range
+  // action on CUDA (no host sync can report it), while the CPU kernel raises.
   m.def(
       "dqn_loss(Tensor q, Tensor q_next_online, Tensor q_next_target, Tensor actions, Tensor rewards, "
       "Tensor dones, Tensor? weights, int[] branches, float v_min, float v_max, float gamma, "

@@ -65,7 +65,8 @@ def main():
                     dones=torch.zeros(7, device=dev)))
     # QR-DQN: the quantile loss at small and large quantile counts (shared-memory staging up to the
     # 256-quantile limit), a poisoned sample, the trainer's composed path and act's quantile mean
-    for B, branches, atoms in ((9, (3, 2), 1), (9, (3, 2), 7), (9, (4,), 33), (9, (3, 3, 3), 200), (5, (2, 2), 256)):
+    for B, branches, atoms in ((9, (3, 2), 1), (9, (3, 2), 7), (9, (4,), 33), (9, (3, 3, 3), 200), (5, (2, 2), 256),
+                               (9, (2,) * 10, 200)):  # more branches than a block's warps
         q = [torch.randn(B, sum(branches), atoms, device=dev) for _ in range(3)]
         a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in branches], 1)
         r = torch.randn(B, device=dev) * 20
