@@ -44,9 +44,7 @@ inline LossType check_act_args(const at::Tensor& states, const at::Tensor& param
   check_tensor(rng, op, "rng", states.device(), at::kLong, {2});
   // rng is written after every input is read, but an epsilon inside it would change with it.
   check_no_overlap(rng, "rng", epsilon, "epsilon", op);
-  if (type == LossType::kMSE || type == LossType::kHuber)
-    DQN_CHECK(L.atoms == 1, op, ": loss_type '", loss_type, "' takes plain Q-values (1 atom), got a network of ",
-              L.atoms, " atoms (use 'c51' or 'qr')");
+  if (type != LossType::kC51) check_loss_fits_atoms(op, type, L.atoms, loss_type);  // C51 also reads 1 atom
   if (type == LossType::kC51 && L.atoms > 1) {
     DQN_CHECK(std::isfinite(v_min) && std::isfinite(v_max) && v_min < v_max, op,
               ": v_min must be below v_max, both finite (the C51 support of ", L.atoms, " atoms), got v_min=",

@@ -14,6 +14,7 @@
 
 #include "act_args.h"
 #include "network_cpu.h"
+#include "quantile_math.h"
 
 namespace dqn_ops {
 namespace cpu {
@@ -26,11 +27,7 @@ using at::Tensor;
 template <typename scalar_t>
 double expected_q(const scalar_t* x, int64_t atoms, LossType type, double v_min, double dz) {
   if (atoms == 1) return double(x[0]);
-  if (type == LossType::kQR) {
-    double s = 0;
-    for (int64_t j = 0; j < atoms; ++j) s += double(x[j]);
-    return s / double(atoms);
-  }
+  if (type == LossType::kQR) return quantile_mean(x, atoms);
   double m = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < atoms; ++j) m = std::max(m, double(x[j]));
   double s = 0, sz = 0;

@@ -14,12 +14,14 @@
 #include <torch/library.h>
 
 #include "fused_loss_limits.h"
+#include "loss_args.h"
 #include "spectral_args.h"
 
 // `import dqn_ops._C` loads this library, whose static initialisers register the ops. The
 // module also carries the limits the Python side chooses a path by:
 //   FUSED_LOSS_MAX_ATOMS, FUSED_LOSS_MAX_BRANCHES: the largest C51 configuration whose
 //     _dqn_loss_on_logits runs as the single fused kernel on CUDA (csrc/fused_loss_limits.h);
+//   LOSS_CUDA_MAX_ATOMS: the most atoms (C51) or quantiles (QR) the CUDA loss takes (csrc/loss_args.h);
 // and one test hook, not part of the API:
 //   _set_spectral_strategy(name) -> previous name: "auto" (the default) or "cooperative" (every
 //     matrix of batched_spectral_norm on CUDA takes the cooperative strategy; csrc/spectral_args.h).
@@ -51,7 +53,8 @@ PyObject* PyInit__C(void) {
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   if (PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_ATOMS", dqn_ops::kFusedLossMaxAtoms) < 0 ||
-      PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_BRANCHES", dqn_ops::kFusedLossMaxBranches) < 0) {
+      PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_BRANCHES", dqn_ops::kFusedLossMaxBranches) < 0 ||
+      PyModule_AddIntConstant(module, "LOSS_CUDA_MAX_ATOMS", dqn_ops::kLossCudaMaxAtoms) < 0) {
     Py_DECREF(module);
     return nullptr;
   }
@@ -130,11 +133,11 @@ TORCH_LIBRARY(dqn_ops, m) {
   //   the same pass; td_error[b] = (1/(E D)) sum_{e,d} L_bed (|y_be - Q_{e,d}| for MSE / Huber),
   //   unmasked (the transition's priority); mean_q = mean over samples, members and branches of
   //   the expected Q of the taken action, unmasked. E = 1 with masks None is the loss without
-  //   members, bit for bit. A NaN/Inf reward or done (which
-  // clamping onto the support would hide; 'qr': any non-finite target quantile) makes that sample's loss and gradient NaN, so that an
-  // optimizer skips the step (a mask of 0 does not clear it); so does an out-of-range action on
-  // CUDA (no host sync can report it), while the CPU kernel raises. Ensembles (E > 1) and masks
-  // run on the CPU kernels only so far; the CUDA kernel refuses them.
+  //   members, bit for bit. A NaN/Inf reward or done (which clamping onto the support would hide;
+  //   'qr': any non-finite target quantile) makes that sample's loss and gradient NaN, so that an
+  //   optimizer skips the step (a mask of 0 does not clear it); so does an out-of-range action on
+  //   CUDA (no host sync can report it), while the CPU kernel raises. Ensembles (E > 1) and masks
+  //   run on the CPU kernels only so far; the CUDA kernel refuses them.
   m.def(
       "dqn_loss(Tensor q, Tensor q_next_online, Tensor q_next_target, Tensor actions, Tensor rewards, "
       "Tensor dones, Tensor? weights, int[] branches, float v_min, float v_max, float gamma, "

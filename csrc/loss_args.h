@@ -43,20 +43,26 @@ inline LossType parse_loss_type(const std::string& s, const char* op = kLossOp) 
   DQN_CHECK(false, op, ": loss_type: expected one of 'c51', 'qr', 'mse', 'huber', got '", s, "'");
 }
 
+// Whether the network's outputs fit the loss type: C51 needs >= 2 atoms, MSE / Huber plain
+// Q-values (1 atom), QR any count of quantiles (the losses' and act's check).
+inline void check_loss_fits_atoms(const char* op, LossType type, int64_t atoms, const std::string& loss_type) {
+  if (type == LossType::kC51)
+    DQN_CHECK(atoms >= 2, op, ": loss_type 'c51' needs at least 2 atoms, got ", atoms,
+              " (use 'mse' or 'huber' for plain Q-values)");
+  if (type == LossType::kMSE || type == LossType::kHuber)
+    DQN_CHECK(atoms == 1, op, ": loss_type '", loss_type, "' takes plain Q-values (1 atom), got ", atoms,
+              " atoms (use 'c51' or 'qr')");
+}
+
 // The checks of the loss type against the atom count, and of the support and the discount:
 // dqn_loss's and _dqn_loss_on_logits's. Returns the parsed type.
 inline LossType check_loss_constants(const char* op, int64_t atoms, double v_min, double v_max, double gamma,
                                      const std::string& loss_type) {
   const LossType type = parse_loss_type(loss_type, op);
-  if (type == LossType::kC51) {
-    DQN_CHECK(atoms >= 2, op, ": loss_type 'c51' needs at least 2 atoms, got ", atoms,
-              " (use 'mse' or 'huber' for plain Q-values)");
+  check_loss_fits_atoms(op, type, atoms, loss_type);
+  if (type == LossType::kC51)
     DQN_CHECK(v_min < v_max, op, ": v_min must be below v_max, got v_min=", std::to_string(v_min), ", v_max=",
               std::to_string(v_max));
-  } else if (type != LossType::kQR) {
-    DQN_CHECK(atoms == 1, op, ": loss_type '", loss_type, "' takes plain Q-values (1 atom), got ", atoms,
-              " atoms (use 'c51' or 'qr')");
-  }
   DQN_CHECK(gamma >= 0 && gamma <= 1, op, ": gamma: expected a value in [0, 1], got ", std::to_string(gamma));
   return type;
 }
@@ -112,16 +118,18 @@ inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_o
   return s;
 }
 
-// The sizes the CUDA loss kernels take (both ops): the general C51 version's shared memory
-// per warp, and the int indices; and one member without masks (ensembles: CPU only so far).
+// The sizes the CUDA loss kernels take (both ops): one member without masks (ensembles: CPU
+// only so far); the atoms (C51) or quantiles (QR) a warp stages in shared memory (the general
+// C51 version's rows, QR's target quantiles), and the int indices. The atom limit is exported
+// to Python as dqn_ops.ops.LOSS_CUDA_MAX_ATOMS.
 constexpr int64_t kLossCudaMaxAtoms = 256;
 
 inline void check_loss_cuda_limits(const char* op, int64_t batch, int64_t total_actions, int64_t atoms,
                                    int64_t members, bool has_masks) {
   DQN_CHECK(members == 1 && !has_masks, op, ": ensembles (E > 1 members) and bootstrap masks run on the CPU kernels ",
             "only so far, got E = ", members, has_masks ? " with masks" : " without masks");
-  DQN_CHECK(atoms <= kLossCudaMaxAtoms, op, ": the CUDA kernel takes at most ", kLossCudaMaxAtoms, " atoms, got ",
-            atoms);
+  DQN_CHECK(atoms <= kLossCudaMaxAtoms, op, ": the CUDA kernel takes at most ", kLossCudaMaxAtoms,
+            " atoms (C51) or quantiles (QR), got ", atoms, " (the CPU kernel takes any)");
   DQN_CHECK(batch <= INT_MAX / 2 && batch * total_actions * atoms <= (int64_t(1) << 40), op, ": batch too large (",
             batch, " samples)");
 }

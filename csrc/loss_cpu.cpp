@@ -15,6 +15,7 @@
 #include "layout.h"
 #include "loss_args.h"
 #include "network_cpu.h"
+#include "quantile_math.h"
 
 namespace dqn_ops {
 namespace {
@@ -122,6 +123,16 @@ void bdq_loss_f32(const float* x, const float* xo, const float* xt, const int64_
   mean_q.fill_(q_acc / static_cast<float>(B));
 }
 
+// A poisoned sample b (a non-finite target): NaN in the taken action's rows of grad_q, in every
+// branch of every member, so that the optimizer's non-finite check skips the step whatever the masks.
+void poison_taken_rows(float* g, const LossShape& S, const int64_t* act, int64_t b) {
+  const int64_t NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
+  for (int64_t e = 0; e < S.members; ++e)
+    for (int64_t d = 0; d < D; ++d)
+      std::fill_n(g + q_row(S, b, e, S.action_offsets[d], act[b * D + d]) * NA, NA,
+                  std::numeric_limits<float>::quiet_NaN());
+}
+
 // QR-DQN (Dabney et al. 2017, eq. 10, kappa 1) in double precision, for one branch of one
 // sample: theta (the taken action's N quantiles of q) against the target quantiles t[0..N).
 // Returns sum_i (1/N) sum_j |tau_i - 1{u_ij < 0}| huber(u_ij), u_ij = t_j - theta_i, tau_i =
@@ -129,7 +140,7 @@ void bdq_loss_f32(const float* x, const float* xo, const float* xt, const int64_
 double quantile_huber(const float* theta, const std::vector<double>& t, int64_t N, double scale, float* g) {
   double loss = 0;
   for (int64_t i = 0; i < N; ++i) {
-    const double tau = (2.0 * double(i) + 1.0) / (2.0 * double(N));
+    const double tau = quantile_fraction(i, N);
     double li = 0, gi = 0;
     for (int64_t j = 0; j < N; ++j) {
       const double u = t[j] - double(theta[i]);
@@ -142,16 +153,6 @@ double quantile_huber(const float* theta, const std::vector<double>& t, int64_t 
     g[i] = static_cast<float>(gi / double(N) * scale);
   }
   return loss;
-}
-
-// The NaN gradient of a poisoned sample: every member's taken-action rows, so that the
-// optimizer skips the step whatever the masks.
-void poison_sample_grad(const LossShape& S, const int64_t* act, int64_t b, float* g) {
-  const int64_t D = static_cast<int64_t>(S.branch_sizes.size()), NA = S.atoms;
-  for (int64_t e = 0; e < S.members; ++e)
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t j = 0; j < NA; ++j)
-        g[q_row(S, b, e, S.action_offsets[d], act[b * D + d]) * NA + j] = std::numeric_limits<float>::quiet_NaN();
 }
 
 // QR-DQN on the whole batch: per member and branch the next action by the mean of the member's
@@ -180,10 +181,7 @@ void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* ac
         int64_t a_star = 0;
         double best = -std::numeric_limits<double>::infinity();
         for (int64_t a = 0; a < n; ++a) {
-          const float* xa = xo + q_row(S, b, e, off, a) * NA;
-          double qv = 0;
-          for (int64_t j = 0; j < NA; ++j) qv += xa[j];
-          qv /= double(NA);
+          const double qv = quantile_mean(xo + q_row(S, b, e, off, a) * NA, NA);
           if (qv > best || std::isnan(qv)) {
             best = qv;
             a_star = a;
@@ -200,13 +198,11 @@ void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* ac
         const double l = quantile_huber(x + row * NA, t, NA, wb * me / double(B * E * D), g + row * NA) / terms;
         sample_loss += l;
         masked_loss += me * l;
-        double qv = 0;
-        for (int64_t j = 0; j < NA; ++j) qv += x[row * NA + j];
-        sample_q += qv / double(NA) / terms;
+        sample_q += quantile_mean(x + row * NA, NA) / terms;
       }
     }
     if (poisoned) {  // NaN must reach the gradient: the optimizer skips the step
-      poison_sample_grad(S, act, b, g);
+      poison_taken_rows(g, S, act, b);
       sample_loss = masked_loss = sample_q = std::numeric_limits<double>::quiet_NaN();
     }
     td[b] = to_f32(sample_loss);
@@ -269,7 +265,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, c
       // Clamping onto the support would hide a NaN or Inf reward: poison the sample instead, its
       // gradient too, so that the optimizer skips the step (DQN_CHECK-free, as on CUDA).
       const float nan = std::numeric_limits<float>::quiet_NaN();
-      poison_sample_grad(S, act, b, g);
+      poison_taken_rows(g, S, act, b);
       td[b] = nan;
       loss_sum += nan;
       q_sum += nan;

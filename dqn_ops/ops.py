@@ -28,6 +28,7 @@ LOSS_TYPES = ("c51", "qr", "mse", "huber")
 # aggregation inside the C51 loss); it composes the public kernels' arithmetic otherwise.
 # Read from the extension, which sizes the kernel by them.
 FUSED_LOSS_MAX_ATOMS: int = _C.FUSED_LOSS_MAX_ATOMS
+LOSS_CUDA_MAX_ATOMS: int = _C.LOSS_CUDA_MAX_ATOMS  # atoms (C51) or quantiles (QR) the CUDA loss takes
 FUSED_LOSS_MAX_BRANCHES: int = _C.FUSED_LOSS_MAX_BRANCHES
 
 
@@ -383,7 +384,8 @@ def _(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations=
 class LossOutput(NamedTuple):
     loss: Tensor      # []  mean over samples of the (importance-weighted, masked) per-sample loss
     grad_q: Tensor    # [B, E * sum n_d, atoms]  d(loss)/d(q)
-    td_error: Tensor  # [B]  per-sample priority: C51 cross-entropy, or mean_d |y - Q_d| (unweighted, unmasked)
+    td_error: Tensor  # [B]  per-sample priority (unweighted, unmasked): C51 cross-entropy, QR quantile Huber loss,
+    #                        or mean_d |y - Q_d|; the mean over members
     mean_q: Tensor    # []  mean expected Q of the taken actions (for logging)
 
 
@@ -419,9 +421,10 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
     ``loss.backward()`` works in an autograd graph as with any PyTorch loss.
 
     Non-finite data: a NaN/Inf reward or done (which clamping onto the support would otherwise
-    hide; 'qr': any non-finite target quantile) makes that sample's loss, td_error and gradient NaN, so ``FusedAdamBF16`` skips the
-    step and the trainer reports it. On CUDA an out-of-range action cannot be reported without
-    a host sync, so it is treated the same way; on the CPU it raises.
+    hide; 'qr': any non-finite target quantile) makes that sample's loss, td_error and gradient
+    NaN (every member's, whatever the masks), so ``FusedAdamBF16`` skips the step and the trainer
+    reports it. On CUDA an out-of-range action cannot be reported without a host sync, so it is
+    treated the same way; on the CPU it raises.
     """
     try:
         return LossOutput(*torch.ops.dqn_ops.dqn_loss.default(q, q_next_online, q_next_target, actions, rewards, dones,
@@ -617,6 +620,8 @@ def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng, loss_type
     _check(math.isfinite(ucb), f"{op}: ucb: expected a finite value (either sign), got {ucb}")
     c = decode_config(layout)
     _check_network_inputs(op, c, states, params, params_bf16, layout)
+    _check(loss_type not in ("mse", "huber") or c.atoms == 1,
+           f"{op}: loss_type '{loss_type}' takes plain Q-values (1 atom), got {c.atoms} atoms (use 'c51' or 'qr')")
     _check(epsilon.numel() == 1, f"{op}: epsilon: expected one element, got shape {list(epsilon.shape)}")
     _check(rng.shape == (2,) and rng.dtype == torch.int64,
            f"{op}: rng: expected int64 [2] (seed, call), got {rng.dtype} {list(rng.shape)}")

@@ -356,8 +356,8 @@ class Trainer:
     @torch.no_grad()
     def act(self, states: Tensor) -> Tensor:
         """Greedy actions [B, D] of the online network (expected Q over the support for C51, the
-        quantiles' mean for QR; the first of equal maxima), from ``dqn_ops.ops.act`` with epsilon 0: no host sync, graph-capturable.
-        [0, D] for an empty batch."""
+        quantiles' mean for QR; the first of equal maxima), from ``dqn_ops.ops.act`` with epsilon
+        0: no host sync, graph-capturable. [0, D] for an empty batch."""
         with self._on_device():
             return self.online.act(states, self._act_epsilon0, self._act_greedy_rng, self.config.v_min,
                                    self.config.v_max, self.loss_type).actions
@@ -390,6 +390,12 @@ class Trainer:
         if DQNConfig(**state["net_config"]) != self.net_config:
             raise ValueError(f"Trainer.load_state_dict: the checkpoint's network {state['net_config']} is not "
                              f"this trainer's {dataclasses.asdict(self.net_config)}")
+        # C51 and QR heads have the same shape: the loss type tells their outputs apart
+        saved = resolve_loss_type(state.get("config", {}).get("loss_type"), self.net_config.atoms,
+                                  "Trainer.load_state_dict")
+        if saved != self.loss_type:
+            raise ValueError(f"Trainer.load_state_dict: the checkpoint was trained with loss_type {saved!r}, this "
+                             f"trainer's is {self.loss_type!r} (the outputs mean different things)")
         self.online.load_state_dict(state["online"])
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -70,7 +70,7 @@ def main():
                                status="ok",
                                step_us=round(us, 2), kernels=k, setup_s=round(time.time() - t0, 1))
                 except Exception as e:  # reported; the run goes on
-                    row = dict(network=name, params=c.num_parameters, batch=B, mode=mode,
+                    row = dict(network=name, loss=loss_type or "c51", params=c.num_parameters, batch=B, mode=mode,
                                status=f"failed: {type(e).__name__}: {str(e)[:300]}")
                 rows.append(row)
                 print(f"{name:12s} B={B:5d}  {mode:26s}  " +

@@ -8,6 +8,7 @@
 #   TRAIN_EPOCHS=5 bash scripts/gpu_check.sh     # also a short training run per backend
 #   PARITY_EPOCHS=50 bash scripts/gpu_check.sh   # also the convergence-parity check
 #   PARITY_EPOCHS=50 PARITY_ARGS="--seeds 0 1 2 3 4 5 --jobs 6" bash scripts/gpu_check.sh   # more seeds, runs at once
+#   PARITY_EPOCHS=50 PARITY_ARGS="--name parity-qr" PARITY_TRAIN_ARGS="--loss-type qr --atoms 200" bash scripts/gpu_check.sh
 #   BENCHES=step STEP_BENCH_ARGS="--batches 256 4096" bash scripts/gpu_check.sh   # the whole-step benchmark
 #   BENCHES=batch_networks bash scripts/gpu_check.sh   # the trainer's batched online + target layers vs two passes
 #   BENCHES=loop LOOP_BENCH_ARGS="--prioritized --n-step 3" bash scripts/gpu_check.sh   # the training loop (bench_loop.py)
@@ -97,7 +98,8 @@ if [ -n "${TRAIN_EPOCHS:-}" ]; then
 fi
 if [ -n "${PARITY_EPOCHS:-}" ]; then
   echo "== convergence parity (${PARITY_EPOCHS} epochs)"
-  timeout "${PARITY_TIMEOUT:-3600}" $PY scripts/parity.py --epochs "$PARITY_EPOCHS" --out "$OUT" --runs runs/parity ${PARITY_ARGS:-} 2>&1 | tee "$OUT/parity.log" | tail -20
+  timeout "${PARITY_TIMEOUT:-3600}" $PY scripts/parity.py --epochs "$PARITY_EPOCHS" --out "$OUT" --runs runs/parity ${PARITY_ARGS:-} \
+    ${PARITY_TRAIN_ARGS:+--train-args "$PARITY_TRAIN_ARGS"} 2>&1 | tee "$OUT/parity.log" | tail -20
 fi
 if [ -n "${SOAK:-}" ]; then
   echo "== soak"

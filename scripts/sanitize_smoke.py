@@ -63,6 +63,22 @@ def main():
         a = torch.stack([torch.randint(0, n, (7,), device=dev) for n in c.branches], 1)
         t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=torch.randn(7, device=dev),
                     dones=torch.zeros(7, device=dev)))
+    # QR-DQN: the quantile loss at small and large quantile counts (shared-memory staging up to the
+    # 256-quantile limit), a poisoned sample, the trainer's composed path and act's quantile mean
+    for B, branches, atoms in ((9, (3, 2), 1), (9, (3, 2), 7), (9, (4,), 33), (9, (3, 3, 3), 200), (5, (2, 2), 256),
+                               (9, (2,) * 10, 200)):  # more branches than a block's warps
+        q = [torch.randn(B, sum(branches), atoms, device=dev) for _ in range(3)]
+        a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in branches], 1)
+        r = torch.randn(B, device=dev) * 20
+        r[1] = float("nan")
+        dqn_ops.dqn_loss(*q, a, r, (torch.rand(B, device=dev) < 0.3).float(), branches, loss_type="qr")
+    c = DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=(8,), adv_hidden=(8,), atoms=40, branches=(3, 2))
+    t = Trainer(c, TrainerConfig(batch_size=7, use_cuda_graph=False, loss_type="qr"), device=dev)
+    s = torch.randn(7, c.state_dim, device=dev)
+    a = torch.stack([torch.randint(0, n, (7,), device=dev) for n in c.branches], 1)
+    t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=torch.randn(7, device=dev),
+                dones=torch.zeros(7, device=dev)))
+    t.act_explore(s, torch.full((1,), 0.5, device=dev))
     # FusedAdamBF16 over several tensors: one global norm (per-tensor norms combined), one skip
     ps = [torch.randn(n, device=dev, requires_grad=True) for n in (5, 300, 33)]
     opt = dqn_ops.FusedAdamBF16(ps, lr=1e-3, max_grad_norm=1.0)

@@ -36,7 +36,7 @@ GAMMA = 0.97
 V_MIN, V_MAX = -10.0, 10.0  # passed where an API takes them: 'qr' does not use them
 LOSS_OP = torch.ops.dqn_ops.dqn_loss.default
 ACT_OP = torch.ops.dqn_ops.act.default
-CUDA_MAX_ATOMS = 256  # the CUDA QR kernel's limit (the brief's interface)
+CUDA_MAX_ATOMS = ops.LOSS_CUDA_MAX_ATOMS  # the CUDA loss's limit (csrc/loss_args.h)
 
 BRANCHES = [(3, 3, 3), (2,), (4, 1, 6)]
 QUANTILES = [1, 2, 7, 51, 200]
@@ -119,6 +119,25 @@ def test_reference_on_one_hand_computed_sample():
 
 # ----------------------------------------------------------------------------------------
 # dqn_loss 'qr' against the float64 reference
+
+# More branches than a CUDA block has warps (a warp then runs several branches of a sample, and
+# marks several of them NaN when the sample is poisoned).
+MANY_BRANCHES = (2,) * 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N", [7, 51])
+def test_qr_loss_with_more_branches_than_warps_matches_float64_reference(device, N):
+    B = 12
+    q, qo, qt, actions, rewards, dones, weights = qr_batch(B, MANY_BRANCHES, N, device, seed=2)
+    assert_no_near_ties(qo, MANY_BRANCHES)
+    if device == "cuda":
+        poison_cuda_cache()
+    out = dqn_loss(q, qo, qt, actions, rewards, dones, MANY_BRANCHES, gamma=GAMMA, weights=weights, loss_type="qr")
+    check_against_reference(out, reference_qr(q, qo, qt, actions, rewards, dones, MANY_BRANCHES, GAMMA, weights),
+                            f"{len(MANY_BRANCHES)} branches")
+    assert (out.grad_q.cpu()[~taken_mask(q.shape, actions, MANY_BRANCHES)] == 0).all()
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("N", QUANTILES)
@@ -225,9 +244,10 @@ def _poisoned_batch(device, case, B=32, branches=(3, 3), N=7, b=7):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("branches", [(3, 3), MANY_BRANCHES], ids=lambda b: "x".join(map(str, b)))
 @pytest.mark.parametrize("case", POISON_CASES)
-def test_non_finite_target_poisons_the_sample(device, case):
-    B, branches, b = 32, (3, 3), 7
+def test_non_finite_target_poisons_the_sample(device, case, branches):
+    B, b = 32, 7
     q, qo, qt, actions, rewards, dones, weights = _poisoned_batch(device, case, B, branches, b=b)
     if device == "cuda":
         poison_cuda_cache()
@@ -250,17 +270,22 @@ def test_non_finite_target_poisons_the_sample(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_nan_quantile_of_the_taken_action_poisons_its_sample(device):
-    """theta_i NaN: every u_ij of it is NaN, so is the sample's loss, and its gradient (the
-    optimizer must skip the step, as for a NaN state with C51)."""
+def test_a_nan_quantile_makes_the_loss_and_its_own_gradient_nan(device):
+    """theta_i NaN (a NaN online output, not a bad target): every u_ij of it is NaN, so are the
+    sample's loss, TD error and mean Q, and theta_i's gradient (the optimizer's non-finite check
+    then skips the step); the sample's other quantiles and branches keep finite gradients, as
+    torch's huber_loss backward gives them (unlike a poisoned target, which NaNs every branch)."""
     B, branches, b = 32, (3, 3), 7
     q, qo, qt, actions, rewards, dones, weights = _poisoned_batch(device, "nan_q", B, branches, b=b)
     out = dqn_loss(q, qo, qt, actions, rewards, dones, branches, gamma=GAMMA, weights=weights, loss_type="qr")
     assert out.loss.isnan() and out.td_error[b].isnan() and out.mean_q.isnan()
     row = out.grad_q[b, actions[b, 0]]
     assert row[2].isnan(), f"the NaN quantile's gradient is {row[2].item()}"
+    nan_at = torch.zeros_like(out.grad_q, dtype=torch.bool)
+    nan_at[b, actions[b, 0], 2] = True
+    assert torch.isfinite(out.grad_q[~nan_at]).all()
     keep = torch.arange(B, device=device) != b
-    assert torch.isfinite(out.td_error[keep]).all() and torch.isfinite(out.grad_q[keep]).all()
+    assert torch.isfinite(out.td_error[keep]).all()
 
 
 def test_out_of_range_action_raises_on_cpu():
@@ -324,7 +349,8 @@ def test_qr_takes_any_number_of_quantiles_on_the_cpu(N):
 @requires_cuda
 def test_cuda_atom_limit_is_a_clear_error():
     args = list(_op_args("cuda", CUDA_MAX_ATOMS + 1))
-    with pytest.raises(RuntimeError, match=rf"dqn_ops.dqn_loss: .*\b{CUDA_MAX_ATOMS}\b"):
+    with pytest.raises(RuntimeError, match=rf"dqn_ops.dqn_loss: the CUDA kernel takes at most {CUDA_MAX_ATOMS} "
+                                           rf"atoms \(C51\) or quantiles \(QR\), got {CUDA_MAX_ATOMS + 1}"):
         LOSS_OP(*args)
     # the limit itself runs, and agrees with the CPU kernel
     args = list(_op_args("cuda", CUDA_MAX_ATOMS))
@@ -605,8 +631,9 @@ def test_act_loss_type_errors(device):
     net = make_net(TINY_QR, device, seed=14)  # 11 atoms
     s = torch.randn(4, TINY_QR.state_dim, device=device)
     rng = rng_of(1, 0, device)
-    with pytest.raises(RuntimeError, match=r"dqn_ops.act: loss_type 'mse' takes plain Q-values \(1 atom\), got a "
-                                           r"network of 11 atoms \(use 'c51' or 'qr'\)"):
+    mse_on_11_atoms = (r"dqn_ops.act: loss_type 'mse' takes plain Q-values \(1 atom\), got 11 atoms "
+                       r"\(use 'c51' or 'qr'\)")
+    with pytest.raises(RuntimeError, match=mse_on_11_atoms):
         ACT_OP(s, *net_args(net), V_MIN, V_MAX, eps_of(0.0, device), rng, "mse")
     with pytest.raises(RuntimeError, match="dqn_ops.act: loss_type: expected one of 'c51', 'qr', 'mse', 'huber', "
                                            "got 'quantile'"):
@@ -620,6 +647,8 @@ def test_act_loss_type_errors(device):
         with pytest.raises(RuntimeError, match=r"dqn_ops.act: loss_type: expected one of \('c51', 'qr', 'mse', "
                                                r"'huber'\), got 'quantile'"):
             ACT_OP(fs, fp, fm, net._layout_ints, V_MIN, V_MAX, fe, fr, "quantile")
+        with pytest.raises(RuntimeError, match=mse_on_11_atoms):  # traced calls fail as the kernel does
+            ACT_OP(fs, fp, fm, net._layout_ints, V_MIN, V_MAX, fe, fr, "mse")
 
 
 @requires_cuda
@@ -756,6 +785,19 @@ def test_resolve_loss_type_says_what_is_needed(owner):
     with pytest.raises(ValueError, match=r"TrainerConfig: loss_type must be 'c51' or 'qr' or 'mse' or 'huber' or "
                                          r"None, got 'quantile'"):
         TrainerConfig(loss_type="quantile")
+
+
+def test_a_checkpoint_loads_only_into_a_trainer_of_its_loss_type():
+    """C51 and QR networks of one config have the same parameters: the loss type decides what
+    the outputs mean, so a checkpoint of one does not load into the other."""
+    c51 = Trainer(TINY_QR, TrainerConfig(batch_size=4), device="cpu", seed=3)
+    qr = Trainer(TINY_QR, TrainerConfig(batch_size=4, loss_type="qr"), device="cpu", seed=3)
+    with pytest.raises(ValueError, match=r"Trainer.load_state_dict: the checkpoint was trained with loss_type 'c51', "
+                                         r"this trainer's is 'qr'"):
+        qr.load_state_dict(c51.state_dict())
+    with pytest.raises(ValueError, match=r"loss_type 'qr', this trainer's is 'c51'"):
+        c51.load_state_dict(qr.state_dict())
+    qr.load_state_dict(Trainer(TINY_QR, TrainerConfig(batch_size=4, loss_type="qr"), device="cpu").state_dict())
 
 
 # ----------------------------------------------------------------------------------------
