@@ -193,7 +193,7 @@ def test_members_are_independent_learners(loss_type):
     torch.testing.assert_close(full[0].double(), loss, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("loss_type", ["c51", "huber"])
+@pytest.mark.parametrize("loss_type", ["c51", "qr", "huber"])
 def test_a_masked_member_still_carries_a_poisoned_sample(loss_type):
     """A NaN reward poisons the sample whatever its masks (0 * NaN is NaN): the optimizer skips the step."""
     B, E = 6, 2
