@@ -229,16 +229,17 @@ def test_non_finite_inputs_poison_loss_and_gradient(device, atoms, loss_type, fi
 
 
 @requires_cuda
-def test_cuda_graph_replay_equals_eager_and_never_syncs():
+@pytest.mark.parametrize("loss_type", ["c51", "qr"])
+def test_cuda_graph_replay_equals_eager_and_never_syncs(loss_type):
     q, qo, qt, actions, rewards, dones, weights = sample_batch(1000, (3, 3, 3), 51, "cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights)
+        dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights, loss_type=loss_type)
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        static = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights)
+        static = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights, loss_type=loss_type)
     results = []
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -246,7 +247,7 @@ def test_cuda_graph_replay_equals_eager_and_never_syncs():
             q.normal_()
             rewards.uniform_(-12, 12)
             g.replay()
-            eager = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights)
+            eager = dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights, loss_type=loss_type)
             results.append(([t.clone() for t in static], eager))
     finally:
         torch.cuda.set_sync_debug_mode(0)

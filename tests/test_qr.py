@@ -30,7 +30,7 @@ from dqn_ops.rl.baseline import TorchTrainer, torch_dqn_loss
 from dqn_ops.trainer import greedy_actions, greedy_from_logits, resolve_loss_type
 from poison import poison_cuda_cache
 from reference import SHAPES, huber1, qr_targets, quantile_fractions, reference_net_like, reference_qr
-from step_check import check_trainer_step_is_the_public_ops_step, same_bits
+from step_check import check_graphed_trainer_equals_eager, check_trainer_step_is_the_public_ops_step, same_bits
 
 GAMMA = 0.97
 V_MIN, V_MAX = -10.0, 10.0  # passed where an API takes them: 'qr' does not use them
@@ -448,35 +448,6 @@ def test_compile_fullgraph_matches_eager():
 
 
 @requires_cuda
-def test_cuda_graph_replay_equals_eager_and_never_syncs():
-    branches = (3, 3, 3)
-    q, qo, qt, actions, rewards, dones, weights = qr_batch(512, branches, 51, "cuda", seed=9)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        dqn_loss(q, qo, qt, actions, rewards, dones, branches, gamma=GAMMA, weights=weights, loss_type="qr")
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static = dqn_loss(q, qo, qt, actions, rewards, dones, branches, gamma=GAMMA, weights=weights, loss_type="qr")
-    results = []
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            q.normal_()
-            rewards.uniform_(-12, 12)
-            g.replay()
-            eager = dqn_loss(q, qo, qt, actions, rewards, dones, branches, gamma=GAMMA, weights=weights,
-                             loss_type="qr")
-            results.append(([t.clone() for t in static], eager))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    for replayed, eager in results:
-        for x, y in zip(replayed, eager):
-            assert torch.equal(x, y)  # deterministic: the same bits
-
-
-@requires_cuda
 @pytest.mark.parametrize("branches", BRANCHES, ids=lambda b: "x".join(map(str, b)))
 def test_cuda_qr_loss_matches_cpu_kernel_and_reference_at_200_quantiles(branches):
     B, N = 300, 200
@@ -741,29 +712,7 @@ def test_graphed_trainer_equals_eager_trainer_and_never_syncs():
     batches = [trainer_batch(c, B, "cuda", seed=i) for i in range(8)]
     for b in batches:
         del b["state_pairs"]
-    cfg = dict(batch_size=B, readback_interval=4, loss_type="qr")
-    graphed = Trainer(c, TrainerConfig(**cfg), device="cuda", seed=1)
-    eager = Trainer(c, TrainerConfig(**cfg, use_cuda_graph=False), device="cuda", seed=1)
-    for b in batches[:4]:  # 3 warm-up steps, then the capture
-        graphed.step(b)
-        eager.step(b)
-    assert graphed.graphed and not eager.graphed
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for b in batches[4:]:
-            graphed.step(b)
-            eager.step(b)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    # (as tests/test_trainer.py's graph test: the trainers agree to F32 rounding; the graphed step is
-    # checked bit for bit against the eager public ops in test_trainer_step_is_the_public_ops_step)
-    torch.testing.assert_close(graphed.online.flat_params, eager.online.flat_params, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(graphed.target.flat_params, eager.target.flat_params, rtol=1e-5, atol=1e-6)
-    mg, me = graphed.readback(), eager.readback()
-    assert mg["steps"] == me["steps"] == 8
-    for k in ("loss", "grad_norm_mean", "mean_q"):
-        assert math.isfinite(me[k]) and abs(mg[k] - me[k]) <= 1e-4 * abs(me[k]) + 1e-6
+    check_graphed_trainer_equals_eager(c, batches, batch_size=B, readback_interval=4, loss_type="qr")
 
 
 @pytest.mark.parametrize("owner", [Trainer, TorchTrainer])

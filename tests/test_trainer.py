@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICES, requires_cuda
+from step_check import check_graphed_trainer_equals_eager
 from dqn_ops import DQNConfig, NonFiniteError, Trainer, TrainerConfig
 from dqn_ops.trainer import load_batch
 from dqn_ops.rl.baseline import TorchTrainer
@@ -217,26 +218,7 @@ def test_checkpoint_round_trip_continues_identically(device):
 def test_graph_replay_equals_eager_and_no_host_sync(c):
     B = 256
     batches = [batch_for(c, B, "cuda", seed=i) for i in range(10)]
-    graphed = Trainer(c, TrainerConfig(batch_size=B, readback_interval=4), device="cuda", seed=1)
-    eager = Trainer(c, TrainerConfig(batch_size=B, readback_interval=4, use_cuda_graph=False), device="cuda", seed=1)
-    for b in batches[:4]:  # 3 warm-up steps (eager on a side stream), then the capture
-        graphed.step(b)
-        eager.step(b)
-    assert graphed.graphed and not eager.graphed
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for b in batches[4:]:
-            graphed.step(b)
-            eager.step(b)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.testing.assert_close(graphed.online.flat_params, eager.online.flat_params, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(graphed.target.flat_params, eager.target.flat_params, rtol=1e-5, atol=1e-6)
-    mg, me = graphed.readback(), eager.readback()
-    assert mg["steps"] == me["steps"] == 10
-    for k in ("loss", "grad_norm_mean", "mean_q"):
-        assert abs(mg[k] - me[k]) <= 1e-4 * abs(me[k]) + 1e-6
+    check_graphed_trainer_equals_eager(c, batches, batch_size=B, readback_interval=4)
 
 
 @requires_cuda

@@ -17,9 +17,11 @@
 //     reach it, found by binary search (projected_mass).
 // QR (its own instantiation): a warp per (sample, branch): the double-DQN choice by the mean of
 //   the online quantiles (quantiles.cuh, act's arithmetic), the target quantiles staged in the
-//   warp's shared memory, then the N^2 quantile Huber terms, the arithmetic-bound part: a lane
-//   owns quantiles `lane`, `lane + 32`, ... of the taken action, two at a time, and reads the
-//   staged targets four at a time (broadcast loads). A sample that one branch poisons (a
+//   warp's shared memory, then the quantile Huber sums of the taken action's quantiles (a lane
+//   owns quantiles `lane`, `lane + 32`, ...): up to 32 quantiles the N^2 terms directly (the
+//   staged targets read four at a time, broadcast loads), beyond in closed form over the
+//   sorted targets and their prefix sums (three binary searches per quantile; the choice and
+//   its instruction counts: loss/quantile.cuh). A sample that one branch poisons (a
 //   non-finite target quantile, an out-of-range action) gets NaN rows in every branch after
 //   the block's barrier.
 // MSE / Huber (one atom): a warp per sample, lanes over the branches.
@@ -158,8 +160,9 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
                                             : c51_floats_per_warp(atoms, max_actions, staged);
   const size_t smem = size_t(warps) * work_floats * sizeof(float);
   // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 128 atoms, 24 KiB at
-  // kLossCudaMaxAtoms), QR's at most kLossCudaMaxAtoms (8 KiB at 8 warps): within the budget
-  // of any device these kernels build for.
+  // kLossCudaMaxAtoms), QR's at most 5,136 bytes (the sorted targets and their double prefix
+  // sums at kLossCudaMaxAtoms: 41,088 bytes at 8 warps): within the budget of any device
+  // these kernels build for.
   DQN_CHECK(smem <= budget, op, ": the CUDA loss kernel needs ", smem, " bytes of shared memory for ", atoms,
             " atoms, the device allows it ", budget);
   // A resident grid: as many blocks as fit on the GPU at once (the occupancy API), each looping

@@ -347,9 +347,10 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // which was slower still.
 // kRowsInRegisters: every branch has at most kQChunk actions (BranchQ).
 // kQuantiles: QR (qr_branch), a warp per branch as C51's; dqn_loss's rows only (the fused loss
-// is C51's). Its N^2 inner loop is arithmetic-bound, and more warps hide more of its FMA
-// latency: 4 blocks (32 warps) per SM, at most 64 registers, which it fits without spilling
-// (unbounded it takes more and fits 3 blocks; at 5 blocks, 48 registers, it spills).
+// is C51's). Its inner loops (the direct pairs' FMAs, the sorted version's dependent shared
+// loads) are latency-bound, and more warps hide more: 4 blocks (32 warps) per SM, at most 64
+// registers, which it fits without spilling (its sorted version's shared memory, 34 KiB a
+// block at 200 quantiles, still lets 4 blocks reside).
 constexpr int kSmallAtomsMinBlocks = 3;
 constexpr int kQuantileMinBlocks = 4;
 

@@ -1,9 +1,12 @@
 // The QR-DQN loss of one (sample, branch) (loss.cu's parts: see loss.cu). A warp per branch:
 // the double-DQN choice by the mean of the online quantiles (quantiles.cuh), the target
 // quantiles T_j = r + gamma (1 - done) theta_target(s', a*)_j staged in the warp's shared
-// memory, then the N x N quantile Huber terms: lane l owns the quantiles i = l, l + 32, ...
-// of the taken action and loops over every T_j, read from shared memory (a broadcast: every
-// lane reads the same T_j).
+// memory, then the quantile Huber sums of the taken action's quantiles over every T_j, one of
+// two ways (the same sums; lane l owns the quantiles i = l, l + 32, ...):
+//   direct (N <= kQrDirectMaxQuantiles): the N x N pairs, every lane reading the same T_j from
+//     shared memory (a broadcast);
+//   sorted (larger N): T sorted in shared memory with its prefix sums, and each quantile's sums
+//     in closed form from three binary searches: O(N log N) per branch instead of O(N^2).
 #pragma once
 
 #include <cstdint>
@@ -17,9 +20,37 @@ namespace dqn_ops {
 namespace cuda {
 namespace {  // see loss/params.cuh
 
-// Floats of shared memory per warp: the target quantiles, padded to whole float4s (the inner
-// loop reads them four at a time, so every warp's area must start 16-byte aligned).
-__host__ __device__ inline int64_t qr_floats_per_warp(int64_t quantiles) { return (quantiles + 3) / 4 * 4; }
+// The direct N^2 version up to this many quantiles (one round: a lane owns at most one), the
+// sorted one beyond. Per lane, in issued instructions (counted in the loops' SASS, sm_90):
+//   direct: ~9.5 per pair (u, |u| clamped, the weight's select, the Huber piece's two, the two
+//     FMAs, the copysign, the shared loads shared by 4 pairs), N pairs per owned quantile:
+//     ~300 at N = 32, ~1,200 at N = 64, ~13,300 at N = 200 (7 rounds x 200 pairs);
+//   sorted, n2 the power of two >= N: the sort's log2(n2) (log2(n2) + 1) / 2 steps of n2 / 64
+//     compare-exchanges (~15 each), the scan's ~75 per 32 targets, and per owned quantile
+//     ~22 per step of the three interleaved searches (log2(n2) + 1 steps) and ~110 for the
+//     closed form: ~600 at N = 32 (the sort's steps on half a warp), ~1,100 at N = 64,
+//     ~4,900 at N = 200 (sort 36 x 4 x 15 ~ 2,200, scan 7 x 75 ~ 500, 7 x (9 x 22 + 110)
+//     ~ 2,200 for the quantiles).
+// Even at N = 64 and clearly below, so the direct loop keeps N <= 32, its one round.
+constexpr int kQrDirectMaxQuantiles = 32;
+
+// The sorted version's sort size: the power of two >= N (a bitonic network's), >= 64 there.
+__host__ __device__ inline int qr_sort_size(int quantiles) {
+  int n2 = 1;
+  while (n2 < quantiles) n2 <<= 1;
+  return n2;
+}
+
+// Floats of shared memory per warp, every warp's area a multiple of 16 bytes (the direct loop
+// reads T as float4s, the sorted version's prefix sums are double2s):
+//   direct: the target quantiles, padded to whole float4s;
+//   sorted: the targets padded with +inf to qr_sort_size(N) (a multiple of 4), then the N + 1
+//   prefix sums (S1, S2) as double2s: 5,136 bytes at N = 256, 41,088 for kMaxWarps warps, within
+//   the 48 KiB a launch may have without an opt-in.
+__host__ __device__ inline int64_t qr_floats_per_warp(int64_t quantiles) {
+  if (quantiles <= kQrDirectMaxQuantiles) return (quantiles + 3) / 4 * 4;
+  return qr_sort_size(static_cast<int>(quantiles)) + 4 * (quantiles + 1);
+}
 
 // A poisoned sample's gradient rows in branch d: the taken action's N quantiles NaN, or, when
 // the action is out of range (no row is taken), every action's.
@@ -38,8 +69,8 @@ __device__ void qr_poison_rows(const BranchTable& br, const LossParams& P, int b
 //   loss += |tau - 1{u < 0}| huber(u),  grad += |tau - 1{u < 0}| clamp(u, -1, 1)
 // (huber with kappa 1 as c (|u| - c / 2), c = min(|u|, 1): 0.5 u^2 for |u| <= 1, |u| - 0.5
 // beyond, without a branch). A NaN theta gives a NaN loss here but not a NaN grad (fminf drops
-// the NaN): the caller sees to that. The pairs are N^2 per branch, so this loop is the kernel's
-// work: kRows quantiles share each T read, four T at a time (one 16-byte shared load), and
+// the NaN): the caller sees to that. The pairs are N^2 per branch, so this loop is the direct
+// version's work: kRows quantiles share each T read, four T at a time (one 16-byte shared load), and
 // each quantile's two sums are independent chains of FMAs.
 template <int kRows>
 __device__ __forceinline__ void quantile_huber_sums(const float* __restrict__ T, int N, const float (&theta)[kRows],
@@ -93,6 +124,123 @@ __device__ __forceinline__ void qr_round(const float* T, const float* theta_row,
     loss_sum += loss[e];
     theta_sum += theta[e];
   }
+}
+
+// The sorted version (N > kQrDirectMaxQuantiles). With the targets sorted, the sums of one
+// quantile theta over every T_j split into four runs of j by u = T_j - theta:
+//   A: u < -1, B: -1 <= u < 0 (weight 1 - tau), C: 0 <= u <= 1, D: u > 1 (weight tau),
+// and each run's sum of huber(u) (|u| - 1/2 on A and D, u^2 / 2 on B and C) and of clamp(u)
+// (-1, u, u, 1) is a closed form in its count and its sums of T_j and T_j^2: differences of
+// prefix sums. At the runs' borders (u = -1, 0, 1) both neighbouring pieces and weights give
+// the same term, so which run a border target joins does not matter.
+
+// Sorts T[0..n2) ascending in place, n2 a power of two >= 64: a bitonic network,
+// log2(n2) (log2(n2) + 1) / 2 steps of n2 / 2 compare-exchanges, n2 / 64 per lane (disjoint
+// pairs within a step, a __syncwarp between steps). No NaN reaches it (a branch with a
+// non-finite target is poisoned before).
+__device__ void qr_sort(float* T, int n2, int lane) {
+  for (int k = 2; k <= n2; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int p = lane; p < n2 / 2; p += 32) {
+        const int i = 2 * p - (p & (j - 1)), l = i + j;  // pair p of the step: (p / j) 2j + p % j
+        const float x = T[i], y = T[l];
+        const float lo = fminf(x, y), hi = fmaxf(x, y);
+        const bool up = (i & k) == 0;  // this pair's block of k sorts ascending
+        T[i] = up ? lo : hi;
+        T[l] = up ? hi : lo;
+      }
+      __syncwarp();
+    }
+}
+
+// S[k] = (sum_{j<k} t_j, sum_{j<k} t_j^2) for k = 0..N, t_j = T_j - c, in double: a warp scan
+// of each 32 targets plus the carry of those before, in a fixed order (deterministic). The
+// shift c (a target) keeps the closed form's differences of sums of squares from cancelling
+// away their digits when the targets sit far from 0 (a large reward): every term there is a
+// function of T_j - theta, so shifting both changes nothing else.
+__device__ void qr_prefix_sums(const float* T, int N, double c, double2* S, int lane) {
+  double c1 = 0.0, c2 = 0.0;
+  if (lane == 0) S[0] = make_double2(0.0, 0.0);
+  for (int j0 = 0; j0 < N; j0 += 32) {  // uniform across the warp
+    const int j = j0 + lane;
+    double s1 = j < N ? double(T[j]) - c : 0.0;
+    double s2 = s1 * s1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const double a1 = __shfl_up_sync(0xffffffffu, s1, o), a2 = __shfl_up_sync(0xffffffffu, s2, o);
+      if (lane >= o) {
+        s1 += a1;
+        s2 += a2;
+      }
+    }
+    s1 += c1;
+    s2 += c2;
+    if (j < N) S[j + 1] = make_double2(s1, s2);
+    c1 = __shfl_sync(0xffffffffu, s1, 31);
+    c2 = __shfl_sync(0xffffffffu, s2, 31);
+  }
+}
+
+// #{T_j < ka}, #{T_j < kb}, #{T_j <= kc} in the sorted T[0..n2), n2 a power of two: three
+// branch-free binary searches, interleaved for their loads' latency (before the step of size s
+// a count lies in [k, k + 2s], after the last in [k, k + 1], which T[k] decides). The +inf
+// padding is below no key, and at most an infinite kc: the caller clamps that count to N.
+__device__ __forceinline__ void qr_counts(const float* T, int n2, float ka, float kb, float kc, int& ca, int& cb,
+                                          int& cc) {
+  ca = cb = cc = 0;
+  for (int s = n2 >> 1; s > 0; s >>= 1) {
+    if (T[ca + s - 1] < ka) ca += s;
+    if (T[cb + s - 1] < kb) cb += s;
+    if (T[cc + s - 1] <= kc) cc += s;
+  }
+  ca += T[ca] < ka;
+  cb += T[cb] < kb;
+  cc += T[cc] <= kc;
+}
+
+// The lane's quantiles i = lane, lane + 32, ... over the sorted targets T[0..n2) and their
+// prefix sums S (c: the sums' shift): writes each one's gradient (gscale = -w_b / (B D N)) and
+// adds its loss sum and theta to the lane's sums, in the order of i (the lane's loss sum in
+// double, rounded once). A run's terms are evaluated only when it has a target: an infinite
+// theta then gives an infinite loss and a finite gradient, as the direct sums do, never
+// 0 * inf. A NaN theta finds no target below any key (every comparison false): all of them in
+// D, so its loss is NaN; its gradient is set NaN, as the direct version does.
+__device__ __forceinline__ void qr_sorted_sums(const float* T, const double2* S, int n2, int N, double c,
+                                               const float* theta_row, float* grad_row, int lane, float gscale,
+                                               float& loss_sum, float& theta_sum) {
+  const double2 total = S[N];
+  const double half_over_n = 0.5 / N;  // one division per branch, not per quantile
+  double lane_loss = 0.0;
+#pragma unroll 1
+  for (int i = lane; i < N; i += 32) {
+    const float th = theta_row[i];
+    // The runs' borders exactly in F32 (T_j and theta are floats): T_j < theta - 1 iff T_j is
+    // below theta - 1 rounded up, T_j <= theta + 1 iff T_j <= theta + 1 rounded down.
+    int kA, kB, kC;
+    qr_counts(T, n2, __fadd_ru(th, -1.f), th, __fadd_rd(th, 1.f), kA, kB, kC);
+    kC = min(kC, N);
+    const double t = double(th) - c;  // theta, shifted as the sums are
+    const double2 pA = S[kA], pB = S[kB], pC = S[kC];
+    const double nA = kA, nB = kB - kA, nC = kC - kB, nD = N - kC;
+    const double s1B = pB.x - pA.x, s2B = pB.y - pA.y;
+    const double s1C = pC.x - pB.x, s2C = pC.y - pB.y;
+    const double s1D = total.x - pC.x;
+    // huber: A sum(theta - T - 1/2), B sum((T - theta)^2) / 2, C likewise, D sum(T - theta - 1/2)
+    const double hA = kA > 0 ? nA * (t - 0.5) - pA.x : 0.0;
+    const double hB = kB > kA ? 0.5 * (s2B - t * (2.0 * s1B - nB * t)) : 0.0;
+    const double hC = kC > kB ? 0.5 * (s2C - t * (2.0 * s1C - nC * t)) : 0.0;
+    const double hD = N > kC ? s1D - nD * (t + 0.5) : 0.0;
+    // clamp(u): -1 on A, u on B and C, 1 on D
+    const double uB = kB > kA ? s1B - nB * t : 0.0;
+    const double uC = kC > kB ? s1C - nC * t : 0.0;
+    const double tau = double(2 * i + 1) * half_over_n;  // the fraction tau_i = (2i + 1) / 2N
+    lane_loss += (1.0 - tau) * (hA + hB) + tau * (hC + hD);
+    const double gsum = (1.0 - tau) * (uB - nA) + tau * (uC + nD);
+    // d(huber)/d(theta) = -clamp(u): NaN for a NaN theta, as torch's huber_loss backward gives
+    grad_row[i] = th != th ? th : float(gsum * double(gscale));
+    theta_sum += th;
+  }
+  loss_sum += float(lane_loss);
 }
 
 // The QR loss of branch d of sample b: returns (loss_bd, the mean of the taken action's
@@ -156,15 +304,25 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
   }
   __syncwarp();
 
-  // the quantile Huber loss on the taken action: the lane's quantiles two rounds at a time
+  // the quantile Huber loss on the taken action
   const float* theta_row = P.q + (row0 + a) * N;
   float* g = P.grad_q + (row0 + a) * N;
   const float gscale = -scale / N;
-  const int rounds = (N + 31) / 32;
   float loss_sum = 0.f, theta_sum = 0.f;
-  int k = 0;
-  for (; k + 2 <= rounds; k += 2) qr_round<2>(stage, theta_row, g, N, k, lane, gscale, loss_sum, theta_sum);
-  if (k < rounds) qr_round<1>(stage, theta_row, g, N, k, lane, gscale, loss_sum, theta_sum);
+  static_assert(kQrDirectMaxQuantiles <= 32, "the direct version runs one round");
+  if (N <= kQrDirectMaxQuantiles) {
+    qr_round<1>(stage, theta_row, g, N, 0, lane, gscale, loss_sum, theta_sum);
+  } else {
+    const int n2 = qr_sort_size(N);
+    for (int j = N + lane; j < n2; j += 32) stage[j] = INFINITY;
+    __syncwarp();
+    qr_sort(stage, n2, lane);
+    const double c = stage[(N - 1) / 2];  // the median target: the prefix sums' shift
+    double2* S = reinterpret_cast<double2*>(stage + n2);
+    qr_prefix_sums(stage, N, c, S, lane);
+    __syncwarp();
+    qr_sorted_sums(stage, S, n2, N, c, theta_row, g, lane, gscale, loss_sum, theta_sum);
+  }
   __syncwarp();  // the warp's next branch reuses the stage
   return make_float3(warp_sum(loss_sum) / N, quantile_mean(theta_sum, N), 0.f);
 }
