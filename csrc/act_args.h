@@ -53,12 +53,6 @@ inline LossType check_act_args(const at::Tensor& states, const at::Tensor& param
   return type;
 }
 
-// The CUDA act takes one member and ucb = 0 (ensembles: CPU only so far).
-inline void check_act_cuda_limits(const NetLayout& L, double ucb) {
-  DQN_CHECK(L.members == 1 && ucb == 0, kActOp, ": ensembles (E > 1 members) and ucb != 0 run on the CPU ",
-            "kernels only so far, got E = ", L.members, ", ucb = ", std::to_string(ucb));
-}
-
 // The distance between two atoms of the C51 support z_i = v_min + i * dz (0 for one atom).
 inline double support_step(double v_min, double v_max, int64_t atoms) {
   return atoms > 1 ? (v_max - v_min) / double(atoms - 1) : 0.0;

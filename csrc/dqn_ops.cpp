@@ -136,8 +136,7 @@ TORCH_LIBRARY(dqn_ops, m) {
   //   members, bit for bit. A NaN/Inf reward or done (which clamping onto the support would hide;
   //   'qr': any non-finite target quantile) makes that sample's loss and gradient NaN, so that an
   //   optimizer skips the step (a mask of 0 does not clear it); so does an out-of-range action on
-  //   CUDA (no host sync can report it), while the CPU kernel raises. Ensembles (E > 1) and masks
-  //   run on the CPU kernels only so far; the CUDA kernel refuses them.
+  //   CUDA (no host sync can report it), while the CPU kernel raises.
   m.def(
       "dqn_loss(Tensor q, Tensor q_next_online, Tensor q_next_target, Tensor actions, Tensor rewards, "
       "Tensor dones, Tensor? weights, int[] branches, float v_min, float v_max, float gamma, "

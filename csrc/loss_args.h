@@ -118,19 +118,16 @@ inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_o
   return s;
 }
 
-// The sizes the CUDA loss kernels take (both ops): one member without masks (ensembles: CPU
-// only so far); the atoms (C51) or quantiles (QR) a warp stages in shared memory (the general
-// C51 version's rows, QR's target quantiles), and the int indices. The atom limit is exported
+// The sizes the CUDA loss kernels take (both ops; q_rows: q's rows per sample, E * A): the
+// atoms (C51) or quantiles (QR) a warp stages in shared memory (the general C51 version's rows,
+// QR's target quantiles), and the int indices (the (member, branch) entries: BranchTable). The atom limit is exported
 // to Python as dqn_ops.ops.LOSS_CUDA_MAX_ATOMS.
 constexpr int64_t kLossCudaMaxAtoms = 256;
 
-inline void check_loss_cuda_limits(const char* op, int64_t batch, int64_t total_actions, int64_t atoms,
-                                   int64_t members, bool has_masks) {
-  DQN_CHECK(members == 1 && !has_masks, op, ": ensembles (E > 1 members) and bootstrap masks run on the CPU kernels ",
-            "only so far, got E = ", members, has_masks ? " with masks" : " without masks");
+inline void check_loss_cuda_limits(const char* op, int64_t batch, int64_t q_rows, int64_t atoms) {
   DQN_CHECK(atoms <= kLossCudaMaxAtoms, op, ": the CUDA kernel takes at most ", kLossCudaMaxAtoms,
             " atoms (C51) or quantiles (QR), got ", atoms, " (the CPU kernel takes any)");
-  DQN_CHECK(batch <= INT_MAX / 2 && batch * total_actions * atoms <= (int64_t(1) << 40), op, ": batch too large (",
+  DQN_CHECK(batch <= INT_MAX / 2 && batch * q_rows * atoms <= (int64_t(1) << 40), op, ": batch too large (",
             batch, " samples)");
 }
 

@@ -31,15 +31,6 @@ inline BackwardPrecision parse_precision(const std::string& s, const char* op) {
   DQN_CHECK(false, op, ": precision: expected one of 'tf32', 'bf16', 'fp32', got '", s, "'");
 }
 
-// The CUDA kernels read one member's heads (a value column, a branch table of D heads): an
-// ensemble is refused there until they are generalized. Called where every CUDA entry point that
-// takes a layout passes: check_params' CUDA branch and make_branch_table (cuda/branch_table.cuh,
-// for the loss on logits, which takes no params check).
-inline void check_cuda_members(const NetLayout& L, const char* op) {
-  DQN_CHECK(L.members == 1, op, ": ensemble (E = ", L.members,
-            ") networks run on the CPU kernels only so far; pass CPU tensors");
-}
-
 // params / params_bf16: the flat master buffer and its low-precision mirror.
 // On CUDA they must be F32 / BF16. On the CPU (the reference path) params may be F32 or F64
 // and the mirror BF16 (rounding emulated exactly as on the GPU) or params' own dtype (no
@@ -53,7 +44,6 @@ inline void check_params(const at::Tensor& params, const at::Tensor& params_bf16
   check_contiguous(params_bf16, op, mirror_name);
   check_device(params_bf16, op, mirror_name, params.device());
   if (params.is_cuda()) {
-    check_cuda_members(L, op);
     check_dtype(params, op, name, at::kFloat);
     check_dtype(params_bf16, op, mirror_name, at::kBFloat16);
     check_aligned(params, op, name, 32);

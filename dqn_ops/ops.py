@@ -415,7 +415,6 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
             per member).
         masks: [B, E] F32 bootstrap masks (member e learns from sample b with weight
             masks[b, e]: scales its loss and gradient, not td_error or mean_q), or None (all 1).
-            CPU only so far, as E > 1.
 
     ``loss`` is differentiable w.r.t. ``q`` (its backward is ``grad_q``, already computed), so
     ``loss.backward()`` works in an autograd graph as with any PyTorch loss.
@@ -523,8 +522,8 @@ def _dqn_loss_on_logits(logits: Tensor, logits_next_online: Tensor, logits_next_
     """dqn_loss on the output layer's logits (biases read from each network's params),
     returning d(loss)/d(head logits) as mixed_backward's dueling step would form it. One fused
     kernel on CUDA for C51 with at most FUSED_LOSS_MAX_ATOMS atoms and FUSED_LOSS_MAX_BRANCHES
-    branches; the public kernels' arithmetic otherwise. ``masks``: [B, E] bootstrap masks (E =
-    the layout's ensemble members) or None, as for ``dqn_loss`` (CPU only so far)."""
+    branches, one member and no masks; the public kernels' arithmetic otherwise. ``masks``:
+    [B, E] bootstrap masks (E = the layout's ensemble members) or None, as for ``dqn_loss``."""
     try:
         return LossOnLogits(*torch.ops.dqn_ops._dqn_loss_on_logits.default(
             logits, logits_next_online, logits_next_target, params, target_params, actions, rewards, dones, weights,
@@ -602,8 +601,8 @@ def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[in
         ucb: an ensemble's (E members, the layout's) exploration bonus: each action scores
             mean_e Q_e + ucb * std_e Q_e (population std), the greedy action the first argmax
             of the score, greedy_q its mean_e Q_e. Any finite value (< 0: a lower confidence
-            bound); one member (std 0) or ucb = 0: the argmax of the mean. CPU only so far for
-            E > 1 or ucb != 0.
+            bound); one member (std 0) or ucb = 0: the argmax of the mean. The CUDA kernel
+            scores in F32 (|ucb| up to F32's largest finite value).
     """
     try:
         return ActOutput(*torch.ops.dqn_ops.act.default(states, params, params_bf16, list(layout), float(v_min),

@@ -79,6 +79,28 @@ def main():
     t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=torch.randn(7, device=dev),
                 dones=torch.zeros(7, device=dev)))
     t.act_explore(s, torch.full((1,), 0.5, device=dev))
+    # ensembles: the network ops with a value head per member (dueling and not), the loss with
+    # masks on every kernel version (C51 register / staged, QR direct / sorted, Huber), act's ucb
+    for c in (DQNConfig(state_dim=8, trunk_hidden=(16, 12), value_hidden=(8,), adv_hidden=(6,), atoms=11,
+                        branches=(3, 2), ensemble=3),
+              DQNConfig(state_dim=8, trunk_hidden=(16,), adv_hidden=(), atoms=1, branches=(2, 4), dueling=False,
+                        ensemble=4)):
+        net = dqn_ops.DuelingBranchQNet(c).to(dev)
+        s = torch.randn(9, c.state_dim, device=dev)
+        out = net.forward_full(s)
+        dqn_ops.mixed_backward(torch.randn_like(out.q_logits), torch.randn_like(out.head_logits), out,
+                               net.flat_params.detach(), net.params_bf16, net._layout_ints, "bf16", True)
+        for ucb in (0.0, 1.0):
+            dqn_ops.ops.act(s, net.flat_params.detach(), net.params_bf16, net._layout_ints, -10.0, 10.0,
+                            torch.full((1,), 0.5, device=dev), torch.zeros(2, dtype=torch.long, device=dev),
+                            "c51" if c.atoms > 1 else "mse", ucb)
+    for loss_type, atoms in (("c51", 11), ("c51", 101), ("qr", 7), ("qr", 200), ("huber", 1)):
+        B, E, branches = 9, 5, (3, 2)
+        q = [torch.randn(B, E * sum(branches), atoms, device=dev) for _ in range(3)]
+        a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in branches], 1)
+        masks = (torch.rand(B, E, device=dev) < 0.5).float()
+        dqn_ops.dqn_loss(*q, a, torch.randn(B, device=dev), (torch.rand(B, device=dev) < 0.3).float(), branches,
+                         loss_type=loss_type, masks=masks)
     # FusedAdamBF16 over several tensors: one global norm (per-tensor norms combined), one skip
     ps = [torch.randn(n, device=dev, requires_grad=True) for n in (5, 300, 33)]
     opt = dqn_ops.FusedAdamBF16(ps, lr=1e-3, max_grad_norm=1.0)

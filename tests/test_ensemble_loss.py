@@ -1,4 +1,4 @@
-"""Ensembles in the loss and in acting (CPU kernels; the CUDA kernels refuse them so far).
+"""Ensembles in the loss and in acting, on the CPU and CUDA kernels.
 
 dqn_loss with E members (q [B, E * sum n_d, NA]) and bootstrap masks [B, E] against a float64
 reference written here from the formulas of csrc/dqn_ops.cpp (independent of the kernels and
@@ -8,12 +8,12 @@ of dqn_ops/rl/baseline.py), every loss type, its gradient by autograd of that re
   loss = (1/B) sum_b w_b (1/(E D)) sum_e m_be sum_d L_bed, td[b] = (1/(E D)) sum_{e,d} L_bed
   (|y_be - Q| for 'mse' / 'huber'), mean_q = the mean expected Q of the taken actions;
 masks scale the loss and gradient only. E = 1 with masks of ones gives masks=None's bits.
-act's ucb: unchanged for one member; the ensemble's hand-checkable case needs part A's
-ensemble networks (DQNConfig(ensemble=...)) and is skipped until they exist.
+act's ucb: unchanged for one member; a hand-checkable case and float64 scores.
 
 Tolerances (kernel vs float64 on F32 inputs): C51 is computed in double and rounded to F32
 (rtol 1e-5); QR's targets are F32 (as on CUDA): rtol 1e-4 with an absolute bar of 1e-5 of the
-largest gradient element (tests/test_qr.py says why); MSE / Huber run in F32: rtol 1e-4.
+largest gradient element (tests/test_qr.py says why); MSE / Huber run in F32: rtol 1e-4. The
+CUDA kernels compute C51 in F32 too: rtol 1e-4 for every loss type there (CUDA_TOL).
 """
 import math
 
@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dqn_ops
-from conftest import requires_cuda
+from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, dqn_loss, ops
 from dqn_ops.rl.baseline import torch_dqn_loss
 from dqn_ops.step import InternalOpsStep, PublicOpsStep
@@ -36,15 +36,17 @@ LOSS_TYPES = ("c51", "qr", "mse", "huber")
 ATOMS = {"c51": 11, "qr": 7, "mse": 1, "huber": 1}
 TOL = {"c51": dict(rtol=1e-5, atol=1e-7), "qr": dict(rtol=1e-4, atol=1e-6), "mse": dict(rtol=1e-4, atol=1e-6),
        "huber": dict(rtol=1e-4, atol=1e-6)}
+CUDA_TOL = dict(rtol=1e-4, atol=1e-6)
 BRANCHES = (3, 2)
 
 
-def batch(B, E, branches, loss_type, seed=0):
-    """q, q_next_online, q_next_target [B, E * A, NA], actions, rewards, dones, weights. C51
-    logits ~ N(0, 1); QR quantiles and plain Q ~ N(0, 2^2); rewards on [-4, 4] (Huber's both
-    sides, C51 targets inside and beyond the support's ends with gamma z); dones 25 %."""
+def batch(B, E, branches, loss_type, seed=0, atoms=None):
+    """q, q_next_online, q_next_target [B, E * A, NA] (NA = atoms, else ATOMS[loss_type]),
+    actions, rewards, dones, weights. C51 logits ~ N(0, 1); QR quantiles and plain Q ~ N(0, 2^2);
+    rewards on [-4, 4] (Huber's both sides, C51 targets inside and beyond the support's ends with
+    gamma z); dones 25 %."""
     g = torch.Generator().manual_seed(100 * seed + 10 * E + B)
-    NA, A = ATOMS[loss_type], sum(branches)
+    NA, A = atoms or ATOMS[loss_type], sum(branches)
     scale = 1.0 if loss_type == "c51" else 2.0
     q, qo, qt = (torch.randn(B, E * A, NA, generator=g) * scale for _ in range(3))
     actions = torch.stack([torch.randint(0, n, (B,), generator=g) for n in branches], 1)
@@ -135,10 +137,14 @@ def reference(q, qo, qt, actions, rewards, dones, branches, loss_type, weights=N
     return loss.detach(), x.grad, td, mean_q
 
 
-def assert_matches_reference(out, ref, loss_type):
-    loss, grad, td, mean_q = (t.double() for t in out)
+def to(device, *tensors):
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+def assert_matches_reference(out, ref, loss_type, device="cpu"):
+    loss, grad, td, mean_q = (t.double().cpu() for t in out)
     rl, rg, rtd, rq = ref
-    tol = TOL[loss_type]
+    tol = TOL[loss_type] if device == "cpu" else CUDA_TOL
     torch.testing.assert_close(loss, rl, **tol)
     torch.testing.assert_close(td, rtd, **tol)
     torch.testing.assert_close(mean_q, rq, rtol=1e-5, atol=1e-6)
@@ -148,43 +154,65 @@ def assert_matches_reference(out, ref, loss_type):
 # ----------------------------------------------------------------------------------------
 # The loss
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("E", [1, 2, 5])
 @pytest.mark.parametrize("mask_kind", ["none", "random"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["no_weights", "weights"])
-def test_loss_matches_float64_reference(loss_type, E, mask_kind, weighted):
-    B = 12
-    q, qo, qt, actions, rewards, dones, weights = batch(B, E, BRANCHES, loss_type, seed=E)
+def test_loss_matches_float64_reference(device, loss_type, E, mask_kind, weighted):
+    check_loss_against_reference(device, loss_type, ATOMS[loss_type], E, mask_kind, weighted, B=12, seed=E)
+
+
+# The CUDA kernel's versions: C51's register (<= 64 atoms) and staged (more) versions, QR's
+# direct (<= 32 quantiles) and sorted ones; 10 branches over 5 members is more entries than a
+# block has warps.
+CUDA_VERSIONS = [("c51", 51), ("c51", 101), ("qr", 7), ("qr", 200), ("huber", 1)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("loss_type,atoms", CUDA_VERSIONS)
+@pytest.mark.parametrize("E", [3, 5])
+@pytest.mark.parametrize("mask_kind", ["none", "random"])
+def test_cuda_kernel_versions_take_members_and_masks(loss_type, atoms, E, mask_kind):
+    check_loss_against_reference("cuda", loss_type, atoms, E, mask_kind, True, B=70, seed=atoms)
+
+
+def check_loss_against_reference(device, loss_type, atoms, E, mask_kind, weighted, B, seed):
+    q, qo, qt, actions, rewards, dones, weights = batch(B, E, BRANCHES, loss_type, seed=seed, atoms=atoms)
     w = weights if weighted else None
-    masks = masks_of(mask_kind, B, E, seed=E)
-    out = LOSS_OP(q, qo, qt, actions, rewards, dones, w, list(BRANCHES), V_MIN, V_MAX, GAMMA, loss_type, masks)
-    assert out[1].shape == q.shape
+    masks = masks_of(mask_kind, B, E, seed=seed)
+    args = to(device, q, qo, qt, actions, rewards, dones, w)
+    out = LOSS_OP(*args, list(BRANCHES), V_MIN, V_MAX, GAMMA, loss_type, *to(device, masks))
+    assert out[1].shape == q.shape and out[1].device == q.to(device).device
     assert_matches_reference(out, reference(q, qo, qt, actions, rewards, dones, BRANCHES, loss_type, w, masks),
-                             loss_type)
+                             loss_type, device)
     if masks is not None:  # sample 0 has every member masked: no gradient, but its priority stays
         assert (out[1][0] == 0).all()
         assert out[2][0] > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("E", [1, 3])
-def test_masks_of_ones_are_masks_none_bit_for_bit(loss_type, E):
+def test_masks_of_ones_are_masks_none_bit_for_bit(device, loss_type, E):
     q, qo, qt, actions, rewards, dones, weights = batch(9, E, (2, 4, 1), loss_type, seed=5)
-    args = (q, qo, qt, actions, rewards, dones, weights, [2, 4, 1], V_MIN, V_MAX, GAMMA, loss_type)
-    for a, b, name in zip(LOSS_OP(*args, None), LOSS_OP(*args, torch.ones(9, E)), ("loss", "grad_q", "td", "mean_q")):
+    args = (*to(device, q, qo, qt, actions, rewards, dones, weights), [2, 4, 1], V_MIN, V_MAX, GAMMA, loss_type)
+    ones = torch.ones(9, E, device=device)
+    for a, b, name in zip(LOSS_OP(*args, None), LOSS_OP(*args, ones), ("loss", "grad_q", "td", "mean_q")):
         same_bits(a, b, name)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_members_are_independent_learners(loss_type):
+def test_members_are_independent_learners(device, loss_type):
     """Member e's gradient rows and its part of the loss are those of a one-member loss on its
     rows alone (scaled by 1/E): no member reads another's rows."""
     B, E, A = 10, 3, sum(BRANCHES)
-    q, qo, qt, actions, rewards, dones, weights = batch(B, E, BRANCHES, loss_type, seed=9)
-    masks = masks_of("random", B, E, seed=9)
+    q, qo, qt, actions, rewards, dones, weights = to(device, *batch(B, E, BRANCHES, loss_type, seed=9))
+    masks = masks_of("random", B, E, seed=9).to(device)
     args = (actions, rewards, dones, weights, list(BRANCHES), V_MIN, V_MAX, GAMMA, loss_type)
     full = LOSS_OP(q, qo, qt, *args, masks)
-    loss = torch.zeros((), dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
     for e in range(E):
         part = [t[:, e * A:(e + 1) * A].contiguous() for t in (q, qo, qt)]
         one = LOSS_OP(*part, *args, masks[:, e:e + 1].contiguous())
@@ -193,18 +221,19 @@ def test_members_are_independent_learners(loss_type):
     torch.testing.assert_close(full[0].double(), loss, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("loss_type", ["c51", "qr", "huber"])
-def test_a_masked_member_still_carries_a_poisoned_sample(loss_type):
+def test_a_masked_member_still_carries_a_poisoned_sample(device, loss_type):
     """A NaN reward poisons the sample whatever its masks (0 * NaN is NaN): the optimizer skips the step."""
     B, E = 6, 2
     q, qo, qt, actions, rewards, dones, _ = batch(B, E, BRANCHES, loss_type, seed=3)
     rewards[2] = float("nan")
     masks = torch.ones(B, E)
     masks[2] = 0
-    loss, grad, td, _ = LOSS_OP(q, qo, qt, actions, rewards, dones, None, list(BRANCHES), V_MIN, V_MAX, GAMMA,
-                                loss_type, masks)
+    loss, grad, td, _ = LOSS_OP(*to(device, q, qo, qt, actions, rewards, dones), None, list(BRANCHES), V_MIN, V_MAX,
+                                GAMMA, loss_type, masks.to(device))
     assert loss.isnan() and td[2].isnan() and grad[2].isnan().any()
-    others = torch.arange(B) != 2
+    others = torch.arange(B, device=device) != 2
     assert torch.isfinite(td[others]).all() and torch.isfinite(grad[others]).all()
 
 
@@ -253,14 +282,18 @@ def _logits_inputs(loss_type="c51", B=12):
     return c, online, target, b
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_loss_on_logits_with_masks_is_the_public_ops_bits(loss_type):
+def test_loss_on_logits_with_masks_is_the_public_ops_bits(device, loss_type):
+    """One member with masks (on CUDA the composed loss: the fused kernel takes no masks);
+    tests/test_ensemble_network.py has ensembles on CUDA."""
     c, online, target, b = _logits_inputs(loss_type)
+    online, target, b = online.to(device), target.to(device), {k: v.to(device) for k, v in b.items()}
     B = b["actions"].shape[0]
     kw = dict(loss_type=loss_type, v_min=V_MIN, v_max=V_MAX, gamma=GAMMA, precision="bf16")
     internal, public = InternalOpsStep(online, target, **kw), PublicOpsStep(online, target, **kw)
     fi, fp = internal.forward(b["state_pairs"]), public.forward(b["state_pairs"])
-    masks = masks_of("random", B, 1)
+    masks = masks_of("random", B, 1).to(device)
     sample = (b["actions"], b["rewards"], b["dones"], b["weights"])
     p, layout = internal._params(), online._layout_ints
     got = ops._dqn_loss_on_logits(fi.logits[:B], fi.logits[B:], fi.logits_next_target, p.online, p.target, *sample,
@@ -275,7 +308,7 @@ def test_loss_on_logits_with_masks_is_the_public_ops_bits(loss_type):
     unmasked = ops._dqn_loss_on_logits(fi.logits[:B], fi.logits[B:], fi.logits_next_target, p.online, p.target,
                                        *sample, layout, V_MIN, V_MAX, GAMMA, loss_type)
     ones = ops._dqn_loss_on_logits(fi.logits[:B], fi.logits[B:], fi.logits_next_target, p.online, p.target, *sample,
-                                   layout, V_MIN, V_MAX, GAMMA, loss_type, torch.ones(B, 1))
+                                   layout, V_MIN, V_MAX, GAMMA, loss_type, torch.ones(B, 1, device=device))
     for a, b_, name in zip(unmasked, ones, unmasked._fields):
         same_bits(a, b_, name)
 
@@ -398,33 +431,24 @@ def test_masks_on_another_device():
         LOSS_OP(*args)
 
 
-@requires_cuda
-@pytest.mark.parametrize("E,masks", [(2, False), (1, True)])
-def test_cuda_loss_refuses_ensembles_and_masks(E, masks):
-    args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in _bad_args(E)]
-    if not masks:
-        args[12] = None
-    with pytest.raises(RuntimeError, match="dqn_ops.dqn_loss: ensembles .* run on the CPU kernels only so far"):
-        LOSS_OP(*args)
-
-
 # ----------------------------------------------------------------------------------------
 # act with ucb
 
 ACT_CONFIG = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=11, branches=(3, 4))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("atoms,loss_type", [(11, "c51"), (7, "qr"), (1, "mse")])
-def test_ucb_changes_nothing_for_one_member(atoms, loss_type):
+def test_ucb_changes_nothing_for_one_member(device, atoms, loss_type):
     c = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=atoms, branches=(3, 4))
-    net = DuelingBranchQNet(c, generator=torch.Generator().manual_seed(4))
-    s = torch.randn(33, c.state_dim)
-    eps = torch.full((1,), 0.2)
+    net = DuelingBranchQNet(c, generator=torch.Generator().manual_seed(4)).to(device)
+    s = torch.randn(33, c.state_dim, device=device)
+    eps = torch.full((1,), 0.2, device=device)
     want = ops.act(s, net.flat_params.detach(), net.params_bf16, net._layout_ints, V_MIN, V_MAX, eps,
-                   torch.tensor([9, 4]), loss_type)
+                   torch.tensor([9, 4], device=device), loss_type)
     for ucb in (0.0, 2.5, -1.0, 1e30):
         got = ops.act(s, net.flat_params.detach(), net.params_bf16, net._layout_ints, V_MIN, V_MAX, eps,
-                      torch.tensor([9, 4]), loss_type, ucb)
+                      torch.tensor([9, 4], device=device), loss_type, ucb)
         same_bits(got.actions, want.actions, f"actions, ucb {ucb}")
         same_bits(got.greedy_q, want.greedy_q, f"greedy_q, ucb {ucb}")
 
@@ -443,21 +467,8 @@ def test_ucb_must_be_finite(ucb):
             ACT_OP(*fake)
 
 
-@requires_cuda
-def test_cuda_act_refuses_ucb():
-    net = DuelingBranchQNet(ACT_CONFIG, generator=torch.Generator().manual_seed(4)).cuda()
-    with pytest.raises(RuntimeError, match="dqn_ops.act: ensembles .* run on the CPU kernels only so far"):
-        ops.act(torch.randn(3, 6, device="cuda"), net.flat_params.detach(), net.params_bf16, net._layout_ints, V_MIN,
-                V_MAX, torch.zeros(1, device="cuda"), torch.tensor([1, 0], device="cuda"), "c51", 1.0)
-
-
-HAS_ENSEMBLES = "ensemble" in getattr(DQNConfig, "__dataclass_fields__", {})
-requires_ensembles = pytest.mark.skipif(not HAS_ENSEMBLES, reason="needs part A's ensemble networks "
-                                                                  "(DQNConfig(ensemble=...)); until it is merged")
-
-
-@requires_ensembles
-def test_ucb_flips_the_choice_by_hand():
+@pytest.mark.parametrize("device", DEVICES)
+def test_ucb_flips_the_choice_by_hand(device):
     """Two members, one branch of two actions, plain Q-values set by the output biases (every
     weight 0): member 0 Q = [1, 0], member 1 Q = [1, 1.5]: means [1, 0.75], population stds
     [0, 0.75]. ucb 0 takes action 0 (mean 1); ucb 0.5 scores [1, 1.125]: action 1, greedy_q its
@@ -471,35 +482,40 @@ def test_ucb_flips_the_choice_by_hand():
         views["e0.q1.0.bias"].copy_(torch.tensor([1.0, 0.0]))
         views["e1.q1.0.bias"].copy_(torch.tensor([1.0, 1.5]))
     net.refresh_mirror()
-    s = torch.randn(4, 3)
+    net = net.to(device)
+    s = torch.randn(4, 3, device=device)
     for ucb, action, greedy_q in ((0.0, 0, 1.0), (0.5, 1, 0.75), (-1.0, 0, 1.0), (1e-3, 0, 1.0)):
-        out = ops.act(s, net.flat_params.detach(), net.params_bf16, net._layout_ints, V_MIN, V_MAX, torch.zeros(1),
-                      torch.tensor([1, 0]), "mse", ucb)
+        out = ops.act(s, net.flat_params.detach(), net.params_bf16, net._layout_ints, V_MIN, V_MAX,
+                      torch.zeros(1, device=device), torch.tensor([1, 0], device=device), "mse", ucb)
         assert (out.actions == action).all(), (ucb, out.actions)
         assert (out.greedy_q == greedy_q).all(), (ucb, out.greedy_q)
 
 
-@requires_ensembles
-@pytest.mark.parametrize("loss_type,atoms", [("c51", 11), ("qr", 7)])
-def test_ensemble_act_scores_against_float64(loss_type, atoms):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_type,atoms", [("c51", 11), ("qr", 7), ("c51", 51)])
+@pytest.mark.parametrize("dueling", [True, False], ids=["dueling", "q"])
+def test_ensemble_act_scores_against_float64(device, loss_type, atoms, dueling):
     """Per branch the first argmax of mean_e Q_e + ucb std_e Q_e over bf16_dueling_forward's
-    q_logits [N, E * A, atoms], greedy_q the chosen action's mean."""
-    E = 3
-    c = DQNConfig(state_dim=6, trunk_hidden=(16,), value_hidden=8, adv_hidden=8, atoms=atoms, branches=(3, 4),
-                  ensemble=E)
-    net = DuelingBranchQNet(c, generator=torch.Generator().manual_seed(2))
-    s = torch.randn(40, 6)
+    q_logits [N, E * A, atoms], greedy_q the chosen action's mean (the CUDA kernel scores in F32:
+    at most a near-tie in a thousand rows may break the other way there)."""
+    E, N = 3, 1000 if device == "cuda" else 40
+    c = DQNConfig(state_dim=6, trunk_hidden=(16,), value_hidden=8 if dueling else None, adv_hidden=8, atoms=atoms,
+                  branches=(3, 4), dueling=dueling, ensemble=E)
+    net = DuelingBranchQNet(c, generator=torch.Generator().manual_seed(2)).to(device)
+    s = torch.randn(N, 6, device=device)
     q = ops.bf16_dueling_forward(s, net.flat_params.detach(), net.params_bf16, net._layout_ints).q_logits
-    Q = expected_q(q.double().view(40, E, sum(c.branches), atoms), loss_type)           # [N, E, A]
+    Q = expected_q(q.double().cpu().view(N, E, sum(c.branches), atoms), loss_type)           # [N, E, A]
     for ucb in (0.0, 0.7, -0.7):
-        out = ops.act(s, net.flat_params.detach(), net.params_bf16, net._layout_ints, V_MIN, V_MAX, torch.zeros(1),
-                      torch.tensor([1, 0]), loss_type, ucb)
+        out = ops.act(s, net.flat_params.detach(), net.params_bf16, net._layout_ints, V_MIN, V_MAX,
+                      torch.zeros(1, device=device), torch.tensor([1, 0], device=device), loss_type, ucb)
+        actions, greedy_q = out.actions.cpu(), out.greedy_q.double().cpu()
         mean, std = Q.mean(1), Q.std(1, unbiased=False)
         score = mean + ucb * std
         off = 0
         for d, n in enumerate(c.branches):
             a = score[:, off:off + n].argmax(1)
-            assert (out.actions[:, d] == a).all()
-            torch.testing.assert_close(out.greedy_q[:, d].double(), mean[:, off:off + n].gather(1, a[:, None])[:, 0],
-                                       rtol=1e-6, atol=1e-6)
+            same = actions[:, d] == a
+            assert same.all() if device == "cpu" else same.float().mean() >= 0.999, (ucb, d, same.float().mean())
+            torch.testing.assert_close(greedy_q[same, d], mean[:, off:off + n].gather(1, a[:, None])[same, 0],
+                                       rtol=1e-5, atol=1e-5)
             off += n

@@ -2,8 +2,8 @@
 the config and its errors, the layout (format 3) and the e<m>. names, E = 1 unchanged; the
 forward against the float64 reference of tests/reference.py and against E single networks that
 share the trunk, the backward, gradcheck, opcheck, fake kernels, torch.compile and the state-dict
-round trip with the plain network (TorchQNet); on CUDA, the clear refusal (the CUDA kernels take
-one member so far)."""
+round trip with the plain network (TorchQNet); on CUDA, the kernels against the CPU reference
+and the trainer's internal ops against the public ops."""
 import dataclasses
 import itertools
 
@@ -15,6 +15,9 @@ from conftest import requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout, from_torch, ops, to_torch
 from dqn_ops.layout import decode_config
 from dqn_ops.rl.baseline import TorchQNet
+from dqn_ops.step import InternalOpsStep, PublicOpsStep
+from step_check import same_bits
+from test_network_shapes import check_cuda_forward_backward_act
 from reference import (ReferenceNet, dueling_head_grad, reference_backward, reference_forward_emulated,
                        reference_net_like, rel_err)
 
@@ -377,19 +380,46 @@ def test_split_members_and_branches():
 
 
 # ----------------------------------------------------------------------------------------
-# CUDA: refused, with a clear error, until its kernels take members
+# CUDA: the kernels against the CPU reference (tests/test_network_shapes.py's check), and an
+# ensemble of the benchmark's size (scripts/bench_networks.py's ensemble_5: 51 atoms, 3 x 3)
+
+CUDA_CASES = dict(CASES, ensemble_5=DQNConfig(state_dim=16, trunk_hidden=(64, 64), value_hidden=32, adv_hidden=32,
+                                              atoms=51, branches=(3, 3, 3), ensemble=5))
+
 
 @requires_cuda
-def test_cuda_refuses_an_ensemble():
-    c = config(2, True, 1)
-    net = make_net(c).cuda()
-    p, p_lp, layout = net_args(net)
-    s = torch.randn(4, c.state_dim, device="cuda")
-    why = r"ensemble \(E = 2\) networks run on the CPU kernels only so far"
-    with pytest.raises(RuntimeError, match="dqn_ops.bf16_dueling_forward: " + why):
-        ops.bf16_dueling_forward(s, p, p_lp, layout)
-    with pytest.raises(RuntimeError, match="dqn_ops._online_and_target_logits: " + why):
-        ops._online_and_target_logits(torch.cat([s, s]), p, p_lp, p, p_lp, layout, False)
-    with pytest.raises(RuntimeError, match="dqn_ops.act: " + why):
-        ops.act(s, p, p_lp, layout, -10.0, 10.0, torch.zeros(1, device="cuda"),
-                torch.zeros(2, dtype=torch.long, device="cuda"))
+@pytest.mark.parametrize("name", list(CUDA_CASES))
+def test_cuda_forward_backward_and_act_match_the_cpu_reference(name):
+    check_cuda_forward_backward_act(CUDA_CASES[name], name)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["E2_dueling_H1", "E5_q_H0", "ensemble_5"])
+def test_cuda_trainer_logits_and_loss_on_logits_are_the_public_ops_bits(name):
+    """The trainer's internal ops on an ensemble (the composed loss: the fused kernel takes one
+    member) give the public ops' bits, with bootstrap masks."""
+    c = CUDA_CASES[name]
+    online, target = (make_net(c, seed).cuda() for seed in (1, 2))
+    B = 40
+    g = torch.Generator().manual_seed(3)
+    sample = [torch.stack([torch.randint(0, n, (B,), generator=g) for n in c.branches], 1),
+              (torch.rand(B, generator=g) * 2 - 1) * 4, (torch.rand(B, generator=g) < 0.25).float(),
+              torch.rand(B, generator=g) + 0.5]
+    sample = [t.cuda() for t in sample]
+    masks = (torch.rand(B, c.members, generator=g) < 0.5).float().cuda()
+    loss_type = "c51" if c.atoms > 1 else "huber"
+    kw = dict(loss_type=loss_type, v_min=-10.0, v_max=10.0, gamma=0.97, precision="bf16")
+    internal, public = InternalOpsStep(online, target, **kw), PublicOpsStep(online, target, **kw)
+    s = torch.randn(2 * B, c.state_dim, device="cuda")
+    fi, fp = internal.forward(s), public.forward(s)
+    p = internal._params()
+    got = ops._dqn_loss_on_logits(fi.logits[:B], fi.logits[B:], fi.logits_next_target, p.online, p.target, *sample,
+                                  online._layout_ints, -10.0, 10.0, 0.97, loss_type, masks)
+    q = fp.online.q_logits
+    want = ops.dqn_loss(q[:B], q[B:], fp.q_next_target, *sample[:3], c.branches, v_min=-10.0, v_max=10.0, gamma=0.97,
+                        weights=sample[3], loss_type=loss_type, masks=masks)
+    for k in ("loss", "td_error", "mean_q"):
+        same_bits(getattr(got, k), getattr(want, k), k)
+    same_bits(internal.backward(fi, got), public.backward(fp, want), "grad")
+    member_rows = want.grad_q.view(B, c.members, c.total_actions, c.atoms)
+    assert (member_rows[masks == 0] == 0).all() and (member_rows[masks == 1] != 0).any()

@@ -12,7 +12,7 @@ import dqn_ops
 from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout, Trainer, TrainerConfig, ops
 from dqn_ops.step import InternalOpsStep, PublicOpsStep
-from dqn_ops.trainer import greedy_from_logits
+from dqn_ops.trainer import expected_q, greedy_from_logits
 from poison import poison_cuda_cache
 from step_check import check_trainer_step_is_the_public_ops_step, same_bits, snapshot
 from reference import (SHAPES, dueling_head_grad, reference_backward, reference_forward_emulated, reference_net_like,
@@ -460,12 +460,12 @@ def test_activations_of_another_shape_are_a_clear_error(device):
 # ----------------------------------------------------------------------------------------
 # CUDA: the kernels against the CPU reference, the graphed trainer step
 
-@requires_cuda
-@pytest.mark.parametrize("name", NAMES)
-def test_cuda_forward_and_backward_match_the_cpu_reference(name):
-    """Forward: the CPU kernel rounds where the GPU does; only the F32 summation order differs.
-    Backward: every precision within its bar of the float64 backward of the GPU's forward."""
-    c = SHAPES[name]
+def check_cuda_forward_backward_act(c: DQNConfig, name: str):
+    """The CUDA kernels of network c against the CPU reference. Forward: the CPU kernel rounds
+    where the GPU does; only the F32 summation order differs. Backward: every precision within
+    its bar of the float64 backward of the GPU's forward. act: the greedy choice of the same
+    logits (an ensemble's: by the mean over its members). tests/test_ensemble_network.py runs
+    it on ensembles."""
     net = make_net(c, "cuda")
     B = 300
     s = torch.randn(B, c.state_dim, device="cuda")
@@ -479,7 +479,7 @@ def test_cuda_forward_and_backward_match_the_cpu_reference(name):
         assert a.dtype == b.dtype and a.shape == b.shape, what
         assert rel_err(a, b) < 2e-3, f"{what}: {rel_err(a, b):.2e}"
     assert torch.equal(gpu.activations[0].cpu(), cpu.activations[0])
-    gq = torch.randn(B, c.total_actions, c.atoms, device="cuda")
+    gq = torch.randn(B, c.q_rows, c.atoms, device="cuda")
     gh = torch.randn(B, c.head_out, device="cuda") * 0.1
     d_head = dueling_head_grad(c, gq) + gh.double().cpu()
     pad = padding_mask(net, "cuda")
@@ -494,11 +494,17 @@ def test_cuda_forward_and_backward_match_the_cpu_reference(name):
             assert e <= BACKWARD_BARS[precision], f"{name}/{precision}: {pname} error {e:.2e}"
         assert rel_err(gs, ref_gs) <= BACKWARD_BARS[precision]
         assert (grad[pad] == 0).all() and torch.isfinite(grad).all()
-    # act: the greedy choice of the same logits
     a = ops.act(s, *net_args(net), V_MIN, V_MAX, torch.zeros(1, device="cuda"), torch.zeros(2, dtype=torch.long,
                                                                                            device="cuda"))
-    theirs = greedy_from_logits(gpu.q_logits, c.branches, V_MIN, V_MAX)
+    mean_q = expected_q(gpu.q_logits, V_MIN, V_MAX).view(B, c.members, c.total_actions).mean(1)
+    theirs = torch.stack([q.argmax(1) for q in mean_q.split(list(c.branches), 1)], 1)
     assert (a.actions == theirs).float().mean() > 0.99
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_forward_and_backward_match_the_cpu_reference(name):
+    check_cuda_forward_backward_act(SHAPES[name], name)
 
 
 @requires_cuda

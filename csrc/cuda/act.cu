@@ -25,6 +25,9 @@
 // CPU reference's (double precision) or torch's in the last bits, so a near-tie of two actions
 // may break differently; the logits do not differ.
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -49,7 +52,7 @@ using at::Tensor;
 constexpr int kActWarps = 8;                      // warps per block (rows in flight per block)
 constexpr int kActChunk = 4;                      // actions whose expected Q reduce together
 constexpr int64_t kActSharedBytes = 48 * 1024;    // without opting in to more
-constexpr int64_t kActFloatsPerAtom = 2;          // v and the branch mean, per warp
+constexpr int64_t kActFloatsPerAtom = 2;          // v and the branch mean, per member, per warp
 constexpr int64_t kActMaxAtoms = kActSharedBytes / int64_t(kActFloatsPerAtom * sizeof(float));
 
 struct ActParams {
@@ -62,50 +65,59 @@ struct ActParams {
   int64_t rows, head_ld;
   int atoms;
   float v_min, dz;
+  float ucb;  // an ensemble's exploration bonus: score = mean + ucb * std over the members
 };
 
-// kQuantiles: QR's expected Q (the quantiles' mean); else C51's (or the one atom's q).
+// kQuantiles: QR's expected Q (the quantiles' mean); else C51's (or the one atom's q). An
+// ensemble (E members, BranchTable's entries member-major): each action's score is the mean
+// over the members' expected Q (in member order from member 0's Q itself, as the CPU's), plus,
+// with ucb != 0, ucb times their population std (a second pass over the members); greedy_q
+// is the chosen action's mean.
 template <bool kQuantiles>
 __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActParams P, const BranchTable br) {
   extern __shared__ float shared[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int NA = P.atoms, D = br.count;
-  float* v = shared + int64_t(warp) * kActFloatsPerAtom * NA;  // this lane's atoms only
-  float* mean = v + NA;
+  const int NA = P.atoms, D = br.per_member, E = br.count / br.per_member;
+  float* v = shared + int64_t(warp) * kActFloatsPerAtom * E * NA;  // [E][NA], this lane's atoms only
+  float* mean = v + int64_t(E) * NA;                               // [E][NA]: the branch's, per member
   const uint64_t seed = static_cast<uint64_t>(P.rng[0]), call = static_cast<uint64_t>(P.rng[1]);
   const float epsilon = P.epsilon[0];
-  const int value_heads = br.dueling;  // the value logits, at column 0, and the dueling aggregation
+  const int value_heads = value_heads_of(br);  // E value heads (dueling), their logits first
+  const int64_t value_ld = round_up_to_align(NA);
 
   for (int64_t b = int64_t(blockIdx.x) * warps + warp; b < P.rows; b += int64_t(gridDim.x) * warps) {
     const float* in = P.logits + b * P.head_ld;
     if (value_heads)
-      for (int z = lane; z < NA; z += 32) v[z] = biased_logit(in[z], P.b_out[z]);
+      for (int e = 0; e < E; ++e)
+        for (int z = lane; z < NA; z += 32)
+          v[e * NA + z] = biased_logit(in[e * value_ld + z], P.b_out[int64_t(e) * NA + z]);
     // Lane 0 writes the row's actions: only it needs the draws.
     const bool explore = lane == 0 && act_explores(seed, call, static_cast<uint32_t>(b), epsilon);
     for (int d = 0; d < D; ++d) {
       const int n = br.size[d];
-      const float* adv = in + br.pad_col[d];
-      const float* bias = P.b_out + int64_t(NA) * (value_heads + br.action_offset[d]);
       if (value_heads)
-        for (int z = lane; z < NA; z += 32) {
-          float sum = 0.f;
-          for (int k = 0; k < n; ++k) sum += biased_logit(adv[int64_t(k) * NA + z], bias[int64_t(k) * NA + z]);
-          mean[z] = branch_mean(sum, n);
+        for (int e = 0; e < E; ++e) {
+          const int k = e * D + d;  // member e's entry of branch d
+          const float* adv = in + br.pad_col[k];
+          const float* bias = P.b_out + int64_t(NA) * (value_heads + br.action_offset[k]);
+          for (int z = lane; z < NA; z += 32) {
+            float sum = 0.f;
+            for (int a = 0; a < n; ++a) sum += biased_logit(adv[int64_t(a) * NA + z], bias[int64_t(a) * NA + z]);
+            mean[e * NA + z] = branch_mean(sum, n);
+          }
         }
-      auto q_at = [&](int k, int z) {
-        const int64_t i = int64_t(k) * NA + z;
-        const float a = biased_logit(adv[i], bias[i]);
-        return value_heads ? dueling_q(v[z], a, mean[z]) : a;
-      };
-      // The first of equal maxima; the first NaN wins (torch.argmax's rule, and the loss's
-      // double-DQN choice). kActChunk actions at a time: their loads and their reductions'
-      // shuffles are independent, in flight together. qv is the same in every lane.
-      int arg = 0;
-      float best = -INFINITY;
-      bool nan_seen = false;
-      for (int k0 = 0; k0 < n && !nan_seen; k0 += kActChunk) {
-        const int live = min(kActChunk, n - k0);
-        float qv[kActChunk];
+      // Member e's expected Q of actions k0 .. k0 + live - 1 (kActChunk at a time: their loads
+      // and their reductions' shuffles are independent, in flight together); the same in
+      // every lane.
+      auto member_q = [&](int e, int k0, int live, float (&qv)[kActChunk]) {
+        const int k = e * D + d;
+        const float* adv = in + br.pad_col[k];
+        const float* bias = P.b_out + int64_t(NA) * (value_heads + br.action_offset[k]);
+        auto q_at = [&](int a, int z) {
+          const int64_t i = int64_t(a) * NA + z;
+          const float x = biased_logit(adv[i], bias[i]);
+          return value_heads ? dueling_q(v[e * NA + z], x, mean[e * NA + z]) : x;
+        };
         if (NA == 1) {
 #pragma unroll
           for (int j = 0; j < kActChunk; ++j)
@@ -138,25 +150,52 @@ __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActP
 #pragma unroll
             for (int j = 0; j < kActChunk; ++j)
               if (j < live) {
-                const float e = expf(q_at(k0 + j, z) - m[j]);
-                s[j] += e;
-                sz[j] = fmaf(e, support, sz[j]);
+                const float x = expf(q_at(k0 + j, z) - m[j]);
+                s[j] += x;
+                sz[j] = fmaf(x, support, sz[j]);
               }
           }
 #pragma unroll
           for (int j = 0; j < kActChunk; ++j) qv[j] = warp_sum(sz[j]) / warp_sum(s[j]);
         }
+      };
+      // The first of equal maxima; the first NaN wins (torch.argmax's rule, and the loss's
+      // double-DQN choice).
+      int arg = 0;
+      float best = -INFINITY, best_mean = -INFINITY;
+      bool nan_seen = false;
+      for (int k0 = 0; k0 < n && !nan_seen; k0 += kActChunk) {
+        const int live = min(kActChunk, n - k0);
+        float qv[kActChunk], avg[kActChunk], score[kActChunk];
+        for (int e = 0; e < E; ++e) {
+          member_q(e, k0, live, qv);
+#pragma unroll
+          for (int j = 0; j < kActChunk; ++j) avg[j] = e == 0 ? qv[j] : avg[j] + qv[j];
+        }
+#pragma unroll
+        for (int j = 0; j < kActChunk; ++j) score[j] = avg[j] = E == 1 ? avg[j] : avg[j] / E;
+        if (E > 1 && P.ucb != 0.f) {
+          float sq[kActChunk] = {};
+          for (int e = 0; e < E; ++e) {
+            member_q(e, k0, live, qv);
+#pragma unroll
+            for (int j = 0; j < kActChunk; ++j) sq[j] = fmaf(qv[j] - avg[j], qv[j] - avg[j], sq[j]);
+          }
+#pragma unroll
+          for (int j = 0; j < kActChunk; ++j) score[j] = fmaf(P.ucb, sqrtf(sq[j] / E), avg[j]);
+        }
 #pragma unroll
         for (int j = 0; j < kActChunk; ++j)
-          if (j < live && !nan_seen && (qv[j] > best || qv[j] != qv[j])) {
-            best = qv[j];
+          if (j < live && !nan_seen && (score[j] > best || score[j] != score[j])) {
+            best = score[j];
+            best_mean = avg[j];
             arg = k0 + j;
-            nan_seen = qv[j] != qv[j];
+            nan_seen = score[j] != score[j];
           }
       }
       if (lane == 0) {
         P.actions[b * D + d] = explore ? act_random_action(seed, call, static_cast<uint32_t>(b), d, n) : arg;
-        P.greedy_q[b * D + d] = best;
+        P.greedy_q[b * D + d] = best_mean;
       }
     }
   }
@@ -174,8 +213,10 @@ std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, 
   const NetLayout L = parse_layout(layout, op);
   const LossType type =
       check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type), ucb);
-  check_act_cuda_limits(L, ucb);
-  DQN_CHECK(L.atoms <= kActMaxAtoms, op, ": the CUDA kernel takes at most ", kActMaxAtoms, " atoms, got ", L.atoms);
+  DQN_CHECK(std::abs(ucb) <= std::numeric_limits<float>::max(), op, ": ucb: the CUDA kernel scores in F32, got ",
+            std::to_string(ucb));
+  DQN_CHECK(L.members * L.atoms <= kActMaxAtoms, op, ": the CUDA kernel takes at most ", kActMaxAtoms,
+            " atoms over all ensemble members, got ", L.members, " x ", L.atoms);
   const BranchTable branches = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(states.device());
   const int64_t N = states.size(0), D = L.num_branches();
@@ -197,7 +238,8 @@ std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, 
   P.atoms = static_cast<int>(L.atoms);
   P.v_min = static_cast<float>(v_min);
   P.dz = static_cast<float>(support_step(v_min, v_max, L.atoms));
-  const int64_t floats_per_warp = kActFloatsPerAtom * L.atoms;
+  P.ucb = static_cast<float>(ucb);
+  const int64_t floats_per_warp = kActFloatsPerAtom * L.members * L.atoms;
   const int warps = static_cast<int>(
       std::clamp<int64_t>(kActSharedBytes / int64_t(floats_per_warp * sizeof(float)), 1, kActWarps));
   const size_t shared_bytes = size_t(warps) * floats_per_warp * sizeof(float);

@@ -12,14 +12,16 @@
 //   backward: from dq_k = d(loss)/d(q_k) and g, a direct gradient of the head logits (0 when none):
 //             sum = sum over k, in order from 0.f, of dq_k;  da_k = (dq_k - sum / n) + g_k
 //             (dueling_advantage_grad);  dv = g_v + the branches' sums, in branch order.
+// An ensemble (E members): each member's branches with its own value head v_e, dv_e over its
+// own branches (BranchTable's entries, member-major).
 // The parenthesisation is part of the contract: float addition is not associative.
 //
 // Without a value head (NetLayout::dueling false, BranchTable::dueling 0) nothing is
 // aggregated: q_k = a_k (biased_logit alone) and da_k = dueling_advantage_grad(dq_k, 0, g_k) =
 // (dq_k - 0) + g_k, with g_k = 0 where there is no direct gradient (so a -0 becomes +0, on every
-// path alike). Branch d's head
-// logits and bias start at column atoms * (dueling + action_offset[d]) of the compact head
-// (NetLayout::branch_head(0, d).out_col), its padded logits at BranchTable::pad_col[d].
+// path alike). Entry k's head
+// logits and bias start at column atoms * (value heads + action_offset[k]) of the compact head
+// (NetLayout::branch_head(e, d).out_col), its padded logits at BranchTable::pad_col[k].
 #pragma once
 
 #include <cstdint>

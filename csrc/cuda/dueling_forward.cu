@@ -96,7 +96,8 @@ __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const flo
 // NetLayout::head_ld) writes head = logits + b_out in the compact layout [rows, head_out] and
 // q[b, action, z]: with dueling the aggregate (dueling.cuh), else the branch head's biased
 // logit itself (there is no value head: branch d's columns start at atoms * first, not
-// atoms * (1 + first)). A thread per (row, atom) (row_group); a branch's logits are loaded
+// atoms * (1 + first)); an ensemble's members in turn, each with its own value head
+// (BranchTable's entries). A thread per (row, atom) (row_group); a branch's logits are loaded
 // together (kLoadsInFlight at a time: one memory latency per branch, not one per action) and
 // read again, from L1, for the dueling q instead of from `head`.
 __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64_t head_ld,
@@ -105,18 +106,20 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
                                          int total_actions, BranchTable branches) {
   const RowGroup g = row_group(atoms);
   if (g.idle) return;
-  const int value_heads = branches.dueling;  // the value head's atoms come first in `head`
+  const int value_heads = value_heads_of(branches);  // the members' value heads' atoms come first in `head`
+  const int64_t value_ld = round_up_to_align(atoms);  // a value head's padded logit columns
   for (int64_t b = g.first_row; b < rows; b += g.row_stride) {
     const float* in = logits + b * head_ld;
     float* row = head + b * head_out;
     float* q_row = q + b * int64_t(total_actions) * atoms;
     for (int z = g.col; z < atoms; z += g.width) {
-      float v = 0.f;
-      if (value_heads) {
-        v = biased_logit(in[z], b_out[z]);
-        row[z] = v;
-      }
+      float v = 0.f;  // the current member's value
       for (int d = 0; d < branches.count; ++d) {
+        if (value_heads && d % branches.per_member == 0) {  // a member's first branch: its value head
+          const int64_t e = member_of(branches, d);
+          v = biased_logit(in[e * value_ld + z], b_out[e * atoms + z]);
+          row[e * atoms + z] = v;
+        }
         const int size = branches.size[d], first = branches.action_offset[d];
         const int64_t col = int64_t(atoms) * (value_heads + first) + z;  // branch d's compact column at atom z
         const float* adv = in + branches.pad_col[d] + z;
@@ -296,7 +299,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> dueling_forward_cuda(const Tenso
   const c10::cuda::CUDAGuard guard(states.device());
   const int64_t B = states.size(0);
   Tensor head = at::empty({B, L.head_out}, params.options());
-  Tensor q = at::empty({B, L.total_actions, L.atoms}, params.options());
+  Tensor q = at::empty({B, L.q_rows(), L.atoms}, params.options());
   launch_head_bias_dueling(f.logits.data_ptr<float>(), params.data_ptr<float>() + L.b_out, head.data_ptr<float>(),
                            q.data_ptr<float>(), B, L, branches, at::cuda::getCurrentCUDAStream());
   return {q, head, std::move(f.activations)};
@@ -342,7 +345,7 @@ void launch_head_bias_dueling(const float* logits, const float* b_out, float* he
                               const NetLayout& L, const BranchTable& branches, cudaStream_t stream) {
   head_bias_dueling_kernel<<<row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream>>>(
       logits, L.head_ld, b_out, head, q, rows, static_cast<int>(L.atoms), L.head_out,
-      static_cast<int>(L.total_actions), branches);
+      static_cast<int>(L.q_rows()), branches);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

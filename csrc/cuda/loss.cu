@@ -141,9 +141,9 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
   const int warps = threads / 32;
   const bool small_atoms = c51 && atoms <= kDuelingMaxAtoms;
-  DQN_CHECK(rows == LossRows::kQ || (small_atoms && br.count <= kMaxWarps), op,
+  DQN_CHECK(rows == LossRows::kQ || (small_atoms && br.count <= kMaxWarps && br.count == br.per_member), op,
             ": the fused loss kernel takes C51 with at most ", kDuelingMaxAtoms, " atoms and ", kMaxWarps,
-            " branches, got ", atoms, " atoms and ", br.count, " branches");
+            " branches of one network (no ensemble), got ", atoms, " atoms and ", br.count, " branches");
   const bool in_registers = small_atoms && max_actions <= kQChunk;
   const Kernel kernel = qr                                ? dqn_loss_kernel<false, LossRows::kQ, false, true>
                         : !small_atoms                    ? dqn_loss_kernel<false, LossRows::kQ, false>
@@ -195,17 +195,19 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   return out;
 }
 
-// The fields both ops fill alike: the samples and the loss constants. The caller sets the
-// logits, the gradient outputs and (the fused loss) the head fields.
+// The fields both ops fill alike: the samples and the loss constants (q_rows: q's rows per
+// sample, E * A). The caller sets the logits, the gradient outputs and (the fused loss) the
+// head fields.
 LossParams loss_params(const Tensor& actions, const Tensor& rewards, const Tensor& dones,
-                       const c10::optional<Tensor>& weights, int64_t total_actions, int64_t atoms, LossType type,
-                       double v_min, double v_max, double gamma) {
+                       const c10::optional<Tensor>& weights, const c10::optional<Tensor>& masks, int64_t q_rows,
+                       int64_t atoms, LossType type, double v_min, double v_max, double gamma) {
   LossParams P{};
   P.actions = actions.data_ptr<int64_t>();
   P.rewards = rewards.data_ptr<float>();
   P.dones = dones.data_ptr<float>();
   P.weights = weights.has_value() ? weights->data_ptr<float>() : nullptr;
-  P.total_actions = static_cast<int>(total_actions);
+  P.masks = masks.has_value() ? masks->data_ptr<float>() : nullptr;
+  P.total_actions = static_cast<int>(q_rows);
   P.v_min = static_cast<float>(v_min);
   P.v_max = static_cast<float>(v_max);
   P.dz = type == LossType::kC51 ? static_cast<float>((v_max - v_min) / double(atoms - 1)) : 0.f;
@@ -222,12 +224,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
                                                          const c10::optional<Tensor>& masks) {
   const LossShape S = check_loss_args(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches,
                                       v_min, v_max, gamma, std::string(loss_type), masks);
-  check_loss_cuda_limits(kLossOp, S.batch, S.total_actions, S.atoms, S.members, masks.has_value());
-  const BranchTable br = make_branch_table(branches, kLossOp);
+  check_loss_cuda_limits(kLossOp, S.batch, S.members * S.total_actions, S.atoms);
+  const BranchTable br = make_branch_table(branches, S.members, kLossOp);
   // Kernels must run on the tensors' device, whichever device is current.
   const c10::cuda::CUDAGuard guard(q.device());
   Tensor grad_q = at::empty_like(q);
-  LossParams P = loss_params(actions, rewards, dones, weights, S.total_actions, S.atoms, S.type, v_min, v_max, gamma);
+  LossParams P = loss_params(actions, rewards, dones, weights, masks, S.members * S.total_actions, S.atoms, S.type,
+                             v_min, v_max, gamma);
   P.q = q.data_ptr<float>();
   P.q_next_online = q_next_online.data_ptr<float>();
   P.q_next_target = q_next_target.data_ptr<float>();
@@ -249,7 +252,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
                                                   target_params, actions, rewards, dones, weights, masks, L, v_min,
                                                   v_max, gamma, std::string(loss_type));
   const int64_t B = logits.size(0);
-  check_loss_cuda_limits(op, B, L.total_actions, L.atoms, L.members, masks.has_value());
+  check_loss_cuda_limits(op, B, L.q_rows(), L.atoms);
   const BranchTable br = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(logits.device());
   const auto f32 = params.options();
@@ -257,9 +260,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
   Tensor grad_head_bf16 = at::empty({B, L.head_ld}, f32.dtype(at::kBFloat16));
   const float* b_online = params.data_ptr<float>() + L.b_out;
   const float* b_target = target_params.data_ptr<float>() + L.b_out;
-  LossParams P = loss_params(actions, rewards, dones, weights, L.total_actions, L.atoms, type, v_min, v_max, gamma);
+  LossParams P = loss_params(actions, rewards, dones, weights, masks, L.q_rows(), L.atoms, type, v_min, v_max, gamma);
   const bool fused = type == LossType::kC51 && L.atoms <= kFusedLossMaxAtoms &&
-                     L.num_branches() <= kFusedLossMaxBranches;
+                     L.num_branches() <= kFusedLossMaxBranches && L.members == 1 && !masks.has_value();
   if (fused) {
     P.q = logits.data_ptr<float>();
     P.q_next_online = logits_next_online.data_ptr<float>();
@@ -279,13 +282,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
   // kernels follow br.dueling: without a value head, q = the biased logits, d(head) = grad_q).
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   Tensor head = at::empty({B, L.head_out}, f32);
-  Tensor q = at::empty({3, B, L.total_actions, L.atoms}, f32);
+  Tensor q = at::empty({3, B, L.q_rows(), L.atoms}, f32);
   const Tensor* pass_logits[3] = {&logits, &logits_next_online, &logits_next_target};
   const float* pass_bias[3] = {b_online, b_online, b_target};
   for (int p = 0; p < 3; ++p)
     launch_head_bias_dueling(pass_logits[p]->data_ptr<float>(), pass_bias[p], head.data_ptr<float>(),
                              q[p].data_ptr<float>(), B, L, br, stream);
-  Tensor grad_q = at::empty({B, L.total_actions, L.atoms}, f32);
+  Tensor grad_q = at::empty({B, L.q_rows(), L.atoms}, f32);
   P.q = q[0].data_ptr<float>();
   P.q_next_online = q[1].data_ptr<float>();
   P.q_next_target = q[2].data_ptr<float>();

@@ -48,14 +48,17 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
                                         int total_actions, BranchTable branches) {
   const RowGroup grp = row_group(atoms);
   if (grp.idle) return;
-  const int value_heads = branches.dueling;  // the value head's column block comes first
+  const int value_heads = value_heads_of(branches);  // the members' value heads' column blocks come first
+  const int64_t value_ld = round_up_to_align(atoms);  // a value head's padded columns
   for (int64_t b = grp.first_row; b < rows; b += grp.row_stride) {
     const float* gh = grad_head ? grad_head + b * head_out : nullptr;
     float* dh = d_head + b * head_out;
     __nv_bfloat16* low = d_head_bf16 ? d_head_bf16 + b * head_ld : nullptr;
     for (int z = grp.col; z < atoms; z += grp.width) {
-      float dv = value_heads && gh ? gh[z] : 0.f;
+      float dv = 0.f;  // the current member's value gradient
       for (int d = 0; d < branches.count; ++d) {
+        const int64_t e = member_of(branches, d);
+        if (value_heads && d % branches.per_member == 0) dv = gh ? gh[e * atoms + z] : 0.f;  // a member's first branch
         const int size = branches.size[d], first = branches.action_offset[d];
         const float* dq = grad_q ? grad_q + (b * total_actions + first) * int64_t(atoms) + z : nullptr;
         // The branch's sum of dq (its mean's gradient and the value's); only dueling has them.
@@ -83,17 +86,17 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
           dh[col] = g;
           if (low) low[branches.pad_col[d] + int64_t(k) * atoms + z] = __float2bfloat16_rn(g);
         }
-      }
-      if (value_heads) {
-        dh[z] = dv;
-        if (low) low[z] = __float2bfloat16_rn(dv);
+        if (value_heads && d % branches.per_member == branches.per_member - 1) {  // the member's last branch
+          dh[e * atoms + z] = dv;
+          if (low) low[e * value_ld + z] = __float2bfloat16_rn(dv);
+        }
       }
     }
     if (low) {  // the padding columns of every head: 0, so padded GEMM sizes add nothing
       for (int j = 0; j < value_heads + branches.count; ++j) {
-        const bool value = j < value_heads;  // the value head at padded column 0
+        const bool value = j < value_heads;  // value head e at padded column e * value_ld
         const int64_t width = value ? atoms : int64_t(atoms) * branches.size[j - value_heads];
-        const int64_t pad_col = value ? 0 : branches.pad_col[j - value_heads];
+        const int64_t pad_col = value ? j * value_ld : branches.pad_col[j - value_heads];
         zero_head_padding(low + pad_col, width, grp.col, grp.width);
       }
     }
@@ -464,7 +467,7 @@ void launch_dueling_backward(const float* grad_q, const float* grad_head, float*
                              int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream) {
   dueling_backward_kernel<<<row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream>>>(
       grad_q, grad_head, d_head, d_head_bf16, L.head_ld, rows, static_cast<int>(L.atoms), L.head_out,
-      static_cast<int>(L.total_actions), branches);
+      static_cast<int>(L.q_rows()), branches);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

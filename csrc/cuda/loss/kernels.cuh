@@ -25,7 +25,7 @@ __device__ float2 c51_branch(const BranchTable& br, const LossParams& P, int b, 
   const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
   const float discount = P.gamma * (1.f - P.dones[b]);
   const float r = P.rewards[b];
-  const int64_t a = P.actions[int64_t(b) * br.count + d];
+  const int64_t a = taken_action(br, P.actions, b, d);
   // Clamping onto the support would hide a NaN or Inf reward, and an out-of-range action has
   // no row: no host sync can report either, so the sample's loss and gradient become NaN, the
   // optimizer skips the step and the trainer's non-finite check reports it (documented).
@@ -149,7 +149,7 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
   const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
   const float discount = P.gamma * (1.f - P.dones[b]);
   const float r = P.rewards[b];
-  const int64_t a = P.actions[int64_t(b) * br.count + d];
+  const int64_t a = taken_action(br, P.actions, b, d);
   if (!(a >= 0 && a < n) || !isfinite(r) || !isfinite(discount)) {  // see c51_branch
     if constexpr (reads_head(kRows)) write_branch_head_grad<kRows>(P, br, b, d, -1, NAN, NAN, branch_sum, lane);
     else
@@ -288,52 +288,66 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
   return make_float2(ce, qc);
 }
 
-// The MSE / Huber loss of sample b on the BDQ target: returns (loss, |td| mean, Q mean).
+// The bootstrap mask of sample b's member of table entry k (1 without masks).
+__device__ __forceinline__ float member_mask(const BranchTable& br, const LossParams& P, int b, int k) {
+  return P.masks ? P.masks[int64_t(b) * (br.count / br.per_member) + member_of(br, k)] : 1.f;
+}
+
+// The MSE / Huber loss of sample b on the BDQ target, per ensemble member from its own rows:
+// returns (loss, |td| mean, Q mean) over the (member, branch) entries, the loss masked
+// (member_mask), the others not. scale: the gradient's w_b / (B E D), before the mask.
 __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, float scale, int lane) {
   const int64_t row = int64_t(b) * P.total_actions;
-  float target = 0.f;
-  for (int d = 0; d < br.count; ++d) {  // every lane alike: the action counts are small
-    const int off = br.action_offset[d], n = br.size[d];
-    int a_star = 0;
-    float best = -INFINITY;
-    for (int a = 0; a < n; ++a) {
-      const float qv = P.q_next_online[row + off + a];
-      if (qv > best || qv != qv) {
-        best = qv;
-        a_star = a;
-        if (qv != qv) break;
-      }
-    }
-    target += P.q_next_target[row + off + a_star];
-  }
-  const float y = P.rewards[b] + P.gamma * (1.f - P.dones[b]) * (target / br.count);
+  const int D = br.per_member;
   float loss = 0.f, td = 0.f, qsum = 0.f;
-  for (int d = lane; d < br.count; d += 32) {
-    const int off = br.action_offset[d], n = br.size[d];
-    const int64_t a = P.actions[int64_t(b) * br.count + d];
-    const bool valid = a >= 0 && a < n;
-    if (!valid || !isfinite(y)) {  // poisoned sample: NaN loss and gradient (see c51_sample)
-      for (int k = 0; k < n; ++k) P.grad_q[row + off + k] = NAN;
-      loss = td = qsum = NAN;
-      continue;
+  for (int k0 = 0; k0 < br.count; k0 += D) {  // member k0 / D's entries k0 .. k0 + D - 1
+    float target = 0.f;
+    for (int k = k0; k < k0 + D; ++k) {  // every lane alike: the action counts are small
+      const int off = br.action_offset[k], n = br.size[k];
+      int a_star = 0;
+      float best = -INFINITY;
+      for (int a = 0; a < n; ++a) {
+        const float qv = P.q_next_online[row + off + a];
+        if (qv > best || qv != qv) {
+          best = qv;
+          a_star = a;
+          if (qv != qv) break;
+        }
+      }
+      target += P.q_next_target[row + off + a_star];
     }
-    for (int k = 0; k < n; ++k)
-      if (k != a) P.grad_q[row + off + k] = 0.f;
-    const float qv = P.q[row + off + a];
-    const float delta = y - qv;
-    float l, dl;
-    if (P.type == LossType::kMSE) {
-      l = delta * delta;
-      dl = -2.f * delta;
-    } else {
-      const float ad = fabsf(delta);
-      l = ad <= 1.f ? 0.5f * delta * delta : ad - 0.5f;
-      dl = delta != delta ? delta : -fminf(fmaxf(delta, -1.f), 1.f);  // fminf/fmaxf would drop a NaN
+    const float y = P.rewards[b] + P.gamma * (1.f - P.dones[b]) * (target / D);
+    const float m = member_mask(br, P, b, k0);
+    const float gscale = P.masks ? scale * m : scale;
+    float member_loss = 0.f;
+    for (int k = k0 + lane; k < k0 + D; k += 32) {
+      const int off = br.action_offset[k], n = br.size[k];
+      const int64_t a = taken_action(br, P.actions, b, k);
+      const bool valid = a >= 0 && a < n;
+      if (!valid || !isfinite(y)) {  // poisoned sample: NaN loss and gradient (see c51_sample)
+        for (int j = 0; j < n; ++j) P.grad_q[row + off + j] = NAN;
+        member_loss = td = qsum = NAN;
+        continue;
+      }
+      for (int j = 0; j < n; ++j)
+        if (j != a) P.grad_q[row + off + j] = 0.f;
+      const float qv = P.q[row + off + a];
+      const float delta = y - qv;
+      float l, dl;
+      if (P.type == LossType::kMSE) {
+        l = delta * delta;
+        dl = -2.f * delta;
+      } else {
+        const float ad = fabsf(delta);
+        l = ad <= 1.f ? 0.5f * delta * delta : ad - 0.5f;
+        dl = delta != delta ? delta : -fminf(fmaxf(delta, -1.f), 1.f);  // fminf/fmaxf would drop a NaN
+      }
+      member_loss += l;
+      td += fabsf(delta);
+      qsum += qv;
+      P.grad_q[row + off + a] = dl * gscale;
     }
-    loss += l;
-    td += fabsf(delta);
-    qsum += qv;
-    P.grad_q[row + off + a] = dl * scale;
+    loss += P.masks ? m * member_loss : member_loss;
   }
   return make_float3(warp_sum(loss) / br.count, warp_sum(td) / br.count, warp_sum(qsum) / br.count);
 }
@@ -370,7 +384,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
   // column's gradient, read by its sample's first warp after the round's barrier. Two buffers,
   // by round parity, so one barrier a round suffices: a round writes the buffer the previous
   // round did not read, and the round before that finished its reads before the last barrier.
-  __shared__ float part_a[2][kMaxWarps], part_b[2][kMaxWarps], part_c[2][kMaxWarps];
+  __shared__ float part_a[2][kMaxWarps], part_b[2][kMaxWarps], part_c[2][kMaxWarps], part_d[2][kMaxWarps];
   __shared__ float branch_sums[2][kDueling ? kMaxWarps * kDuelingMaxAtoms : 1];
   __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -386,29 +400,39 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
     const bool live = slot < S && b < P.batch;
     const float w = live && P.weights ? P.weights[b] : 1.f;
     const float scale = w / (float(P.batch) * br.count);
-    // C51 / QR: loss and Q sums over this warp's branches (z, QR: > 0 when one poisons the sample)
+    // C51 / QR: loss and Q sums over this warp's entries (z, QR: > 0 when one poisons the
+    // sample). The loss sum x is unmasked (the TD error's); with masks, lane 0 keeps the masked
+    // sum in part_d (shared memory: one more register across the branch calls would spill),
+    // and each entry's mask scales its gradient. The fused loss takes no masks.
     float x = 0.f, y = 0.f, z = 0.f;
+    const bool masked = !reads_head(kRows) && P.masks != nullptr;
+    if (lane == 0) part_d[buf][warp] = 0.f;
     if (live) {
       if constexpr (kQuantiles) {
         for (int d = wi; d < br.count; d += W) {
-          const float3 r = qr_branch(br, P, b, d, scale, work, lane);
+          const float m = masked ? member_mask(br, P, b, d) : 1.f;
+          const float3 r = qr_branch(br, P, b, d, masked ? scale * m : scale, work, lane);
+          if (masked && lane == 0) part_d[buf][warp] += m * r.x;
           x += r.x;
           y += r.y;
           z += r.z;
         }
       } else if (per_branch) {
         for (int d = wi; d < br.count; d += W) {
+          const float m = masked ? member_mask(br, P, b, d) : 1.f;
           float2 r;
           if constexpr (kSmallAtoms)
-            r = c51_branch_small<kRows, kRowsInRegisters>(
-                br, P, b, d, scale, work, kDueling ? branch_sums[buf] + warp * kDuelingMaxAtoms : nullptr, lane);
+            r = c51_branch_small<kRows, kRowsInRegisters>(br, P, b, d, masked ? scale * m : scale, work,
+                                                          kDueling ? branch_sums[buf] + warp * kDuelingMaxAtoms : nullptr,
+                                                          lane);
           else
-            r = c51_branch(br, P, b, d, scale, work, lane);
+            r = c51_branch(br, P, b, d, masked ? scale * m : scale, work, lane);
+          if (masked && lane == 0) part_d[buf][warp] += m * r.x;
           x += r.x;
           y += r.y;
         }
       } else if constexpr (kRows == LossRows::kQ) {
-        const float3 r = bdq_sample(br, P, b, scale, lane);
+        const float3 r = bdq_sample(br, P, b, scale, lane);  // r.x masked
         x = r.x;
         z = r.y;
         y = r.z;
@@ -430,16 +454,18 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
           for (int d = wi; d < br.count; d += W) qr_poison_rows(br, P, b, d, lane);
       }
     if (live && wi == 0 && lane == 0) {
-      float sample_loss = 0.f, q = 0.f, td = 0.f;
+      float sample_loss = 0.f, q = 0.f, td = 0.f, masked_loss = 0.f;
       for (int k = 0; k < W; ++k) {  // branch order (warp k took branches k, k + W, ...)
         sample_loss += part_a[buf][warp + k];
         q += part_b[buf][warp + k];
         td += part_c[buf][warp + k];
+        masked_loss += part_d[buf][warp + k];
       }
-      if (per_branch) {  // the TD error is the loss (QR's part_c holds the poison flags)
+      if (per_branch) {  // the TD error is the unmasked loss (QR's part_c holds the poison flags)
         sample_loss /= br.count;
         q /= br.count;
         td = sample_loss;
+        if (masked) sample_loss = masked_loss / br.count;
       }
       P.td_error[b] = td;
       loss_acc = fmaf(w, sample_loss, loss_acc);

@@ -47,6 +47,7 @@ struct LossParams {
   const float* rewards;
   const float* dones;
   const float* weights;  // nullptr: all 1
+  const float* masks;    // [batch, E] bootstrap masks of an ensemble's members (BranchTable); nullptr: all 1
   float* grad_q;
   float* td_error;
   float* loss;

@@ -57,7 +57,7 @@ __host__ __device__ inline int64_t qr_floats_per_warp(int64_t quantiles) {
 __device__ void qr_poison_rows(const BranchTable& br, const LossParams& P, int b, int d, int lane) {
   const int N = P.atoms, n = br.size[d];
   const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
-  const int64_t a = P.actions[int64_t(b) * br.count + d];
+  const int64_t a = taken_action(br, P.actions, b, d);
   const bool valid = a >= 0 && a < n;
   float* g = P.grad_q + (row0 + (valid ? a : 0)) * N;
   const int count = valid ? N : n * N;
@@ -253,7 +253,7 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
                             int lane) {
   const int N = P.atoms, n = br.size[d];
   const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
-  const int64_t a = P.actions[int64_t(b) * br.count + d];
+  const int64_t a = taken_action(br, P.actions, b, d);
   if (!(a >= 0 && a < n)) {  // no host sync can report it (see c51_branch)
     qr_poison_rows(br, P, b, d, lane);
     return make_float3(NAN, NAN, 1.f);
