@@ -240,7 +240,8 @@ def write_result(result: dict, stem: str) -> list:
         dump_json(result, f)
     seeds = meta["seeds"]
     analysis = meta.get("analysis", {})
-    lines = [f"# Convergence parity, BF16 (dqn_ops) vs F32 (PyTorch) — {meta.get('gpu') or meta['device']}, "
+    bf16_side = "PyTorch autocast" if "autocast" in meta.get("bf16_path", "") else "dqn_ops"
+    lines = [f"# Convergence parity, BF16 ({bf16_side}) vs F32 (PyTorch) — {meta.get('gpu') or meta['device']}, "
              f"torch {meta['torch']}, {meta['date']}", "",
              f"{meta['epochs']} epochs x {meta['steps_per_epoch']} steps, B={meta['batch']}, seeds {seeds}, "
              f"{meta['jobs']} run(s) at a time{' (tiny network: a smoke test)' if meta.get('tiny_network') else ''}. "
@@ -308,6 +309,9 @@ def main():
     ap.add_argument("--train-args", default="", help="options for every scripts/train.py run, e.g. "
                     "\"--prioritized --n-step 3\"")
     ap.add_argument("--name", default="parity", help="result file name (without .json)")
+    ap.add_argument("--bf16-backend", choices=("dqn_ops", "torch-bf16"), default="dqn_ops",
+                    help="the BF16 side: dqn_ops (the check) or plain PyTorch under autocast BF16 (separates what "
+                         "BF16 itself does from what dqn_ops's kernels do)")
     ap.add_argument("--reanalyze", metavar="FILE",
                     help="re-analyse an existing result file from its per-seed figures (no training) and rewrite "
                          "it and its .md")
@@ -338,7 +342,8 @@ def main():
         print(f"{path} seed {seed}: " + ", ".join(f"{k}={_fmt(r[k])}" for k in FIGURE_KEYS), flush=True)
         return r
 
-    jobs = [(path, backend, seed) for seed in args.seeds for path, backend in (("f32", "torch"), ("bf16", "dqn_ops"))]
+    jobs = [(path, backend, seed) for seed in args.seeds
+            for path, backend in (("f32", "torch"), ("bf16", args.bf16_backend))]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(lambda j: run(*j), jobs))
     runs = {"f32": {}, "bf16": {}}
@@ -356,7 +361,8 @@ def main():
                                "BF16 peak at most 10% above F32's (one-sided), and every run's peak "
                                "at the end within 10% of its peak after epoch 1",
                 f32_path="dqn_ops.rl.baseline.TorchTrainer (plain PyTorch, F32, TF32 off)",
-                bf16_path="dqn_ops.Trainer (BF16 forward, bf16 backward, CUDA graph)",
+                bf16_path="dqn_ops.Trainer (BF16 forward, bf16 backward, CUDA graph)" if args.bf16_backend == "dqn_ops"
+                else "dqn_ops.rl.baseline.TorchTrainer under torch.autocast(bfloat16)",
                 analysis=dict(date=today, confidence=args.confidence,
                               method="paired per-seed differences BF16 - F32 relative to |mean F32|, Student-t "
                                      "interval of their mean; pass inside the band, fail outside, else "
