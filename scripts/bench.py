@@ -56,12 +56,12 @@ def random_batch(c: DQNConfig, B: int, device):
                 dones=(torch.rand(B, device=device, generator=g) < 0.05).float())
 
 
-def make_step(mode: str, c: DQNConfig, B: int, device, loss_type=None):
+def make_step(mode: str, c: DQNConfig, B: int, device, **trainer_kw):
     """A zero-argument function running one training step of `mode` on a fixed batch
-    (loss_type: TrainerConfig's; None picks it from the atoms)."""
+    (trainer_kw: TrainerConfig fields, e.g. loss_type; without it the atoms pick it)."""
     graph = "graph" in mode
     cfg = TrainerConfig(batch_size=B, use_cuda_graph=graph, readback_interval=100, on_non_finite="flag",
-                        loss_type=loss_type)
+                        **trainer_kw)
     if mode.startswith("dqn_ops"):
         trainer = Trainer(c, cfg, device=device, seed=0)
     else:

@@ -7,7 +7,8 @@ recipe, in one run.
 
 The networks (NETWORKS below) are the reference config of docs/design.md, CleanRL's c51.py network
 (4 -> 120 -> 84 -> 2 x 101 atoms, no dueling, no head layer), a 3 x 512 trunk with the reference
-heads, and QR-DQN with 200 quantiles on the reference network (loss_type 'qr'). The step is dqn_ops.Trainer's (graphed) against dqn_ops.rl.baseline.TorchTrainer with
+heads, QR-DQN with 200 quantiles on the reference network (loss_type 'qr') and an ensemble of 5
+head sets on the reference trunk. The step is dqn_ops.Trainer's (graphed) against dqn_ops.rl.baseline.TorchTrainer with
 torch.compile of the forward + loss and of the updates, the whole step in one CUDA graph, under
 autocast BF16 (scripts/bench.py's torch_compile_graph_bf16, the fastest PyTorch recipe there).
 Target (issue 20): dqn_ops >= 4x faster for each network at B = 256 and 4096. torch.compile
@@ -29,14 +30,20 @@ from dqn_ops import DQNConfig  # noqa: E402
 from bench import MODES, make_step  # noqa: E402
 from bench_common import kernels_per_call, run_meta, time_us, write_results  # noqa: E402
 
-# name -> (network, TrainerConfig.loss_type; None: C51 for atoms > 1)
+# name -> (network, TrainerConfig fields beside the defaults; no loss_type: C51 for atoms > 1)
 NETWORKS = {
-    "reference": (DQNConfig(), None),
+    "reference": (DQNConfig(), {}),
     "cleanrl_c51": (DQNConfig(state_dim=4, trunk_hidden=(120, 84), adv_hidden=(), atoms=101, branches=(2,),
-                              dueling=False), None),
-    "trunk_3x512": (DQNConfig(trunk_hidden=(512, 512, 512)), None),
-    "qr_dqn_200": (DQNConfig(atoms=200), "qr"),
+                              dueling=False), {}),
+    "trunk_3x512": (DQNConfig(trunk_hidden=(512, 512, 512)), {}),
+    "qr_dqn_200": (DQNConfig(atoms=200), dict(loss_type="qr")),
+    "ensemble_5": (DQNConfig(ensemble=5), {}),
 }
+
+
+def describe(name: str) -> str:
+    c, kw = NETWORKS[name]
+    return f"`{name}` = `{c}`" + "".join(f", {k} {v}" for k, v in kw.items())
 DEFAULT_MODES = ("dqn_ops_graph", "torch_compile_graph_bf16")
 TARGET_SPEEDUP = 4.0
 
@@ -56,14 +63,15 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False  # an F32 baseline is F32
     rows = []
     for name in args.networks:
-        c, loss_type = NETWORKS[name]
+        c, trainer_kw = NETWORKS[name]
+        loss_type = trainer_kw.get("loss_type")
         for B in args.batches:
             for mode in args.modes:
                 if device.type != "cuda" and ("graph" in mode or "compile" in mode):
                     continue
                 try:
                     t0 = time.time()
-                    fn = make_step(mode, c, B, device, loss_type)
+                    fn = make_step(mode, c, B, device, **trainer_kw)
                     us = time_us(fn, args.iters, 3, device=device)
                     k = kernels_per_call(fn) if device.type == "cuda" else None
                     row = dict(network=name, loss=loss_type or "c51", params=c.num_parameters, batch=B, mode=mode,
@@ -104,8 +112,7 @@ def main():
                     r["speedup"] = round(b / a, 2)
             lines.append(f"| {name} | {NETWORKS[name][0].num_parameters:,} | {B} | " + " | ".join(cells) +
                          f" | {speedup} |")
-    lines += ["", "Networks: " + "; ".join(f"`{n}` = `{NETWORKS[n][0]}`, loss {NETWORKS[n][1] or 'c51'}"
-                                           for n in args.networks)]
+    lines += ["", "Networks: " + "; ".join(describe(n) for n in args.networks)]
     if device.type == "cuda":
         write_results(args.out, "networks", meta, rows, lines)
     else:
