@@ -203,6 +203,16 @@ TORCH_LIBRARY(dqn_ops, m) {
       "act(Tensor states, Tensor params, Tensor params_bf16, int[] layout, float v_min, float v_max, "
       "Tensor epsilon, Tensor(a!) rng, str loss_type=\"c51\", float ucb=0.0) -> (Tensor actions, Tensor greedy_q)");
 
+  // Bootstrap masks of an ensemble (bootstrapped DQN, Osband et al. 2016; dqn_loss's masks):
+  // indices [B] int64, the replay rows of a batch (any values: their 64 bits are the counter) ->
+  // masks [B, members] F32 on indices' device, masks[b, e] = 1.0 iff
+  //   uniform(draw(seed, call = indices[b], row = e, slot 0)) < p   (csrc/philox.h, stream kBootstrap;
+  // the comparison in double), else 0.0: member e learns from a transition with probability p. A
+  // pure function of (seed, index, member): a transition keeps its masks for its life in the
+  // replay with nothing stored, and the op holds no state (capturable). members >= 1 (up to
+  // 2^32, philox's row), 0 < p <= 1 (p = 1: all ones).
+  m.def("bootstrap_masks(Tensor indices, int seed, int members, float p) -> Tensor");
+
   // Replay
   // The replay buffer on the device (dqn_ops/rl/replay.py), internal (the schemas may change).
   // Its state is tensors only (csrc/replay_args.h): storage = [states, actions, rewards,

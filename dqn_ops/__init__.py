@@ -13,8 +13,8 @@ from . import ops, step
 from .convert import from_torch, to_torch
 from .layout import DQNConfig, ParamLayout
 from .network import DuelingBranchQNet
-from .ops import (LossOutput, batched_spectral_norm, bf16_dueling_forward, dqn_loss, ema_update, fused_adam_bf16,
-                  mixed_backward)
+from .ops import (LossOutput, batched_spectral_norm, bf16_dueling_forward, bootstrap_masks, dqn_loss, ema_update,
+                  fused_adam_bf16, mixed_backward)
 from .optim import FusedAdamBF16, ema_update_
 from .spectral import SpectralNorm, spectral_norm_
 from .trainer import NonFiniteError, Trainer, TrainerConfig, greedy_actions
@@ -45,6 +45,6 @@ def cuda_kernels_built() -> bool:
 __all__ = ["DQNConfig", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward", "ops", "step",
            "cuda_kernels_built", "build_info",
            "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_",
-           "SpectralNorm", "batched_spectral_norm", "spectral_norm_", "dqn_loss", "LossOutput",
+           "SpectralNorm", "batched_spectral_norm", "spectral_norm_", "dqn_loss", "LossOutput", "bootstrap_masks",
            "Trainer", "TrainerConfig", "NonFiniteError", "greedy_actions"]
 __version__ = "0.1.0"

@@ -629,6 +629,47 @@ def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng, loss_type
 
 
 # ---------------------------------------------------------------------------------------
+# bootstrap_masks
+
+def bootstrap_masks(indices: Tensor, seed: int, members: int, p: float) -> Tensor:
+    """Bootstrapped DQN's masks (Osband et al. 2016) for a batch of replay rows: [B, members]
+    float32 on ``indices``' device, ``masks[b, e]`` = 1.0 iff ``uniform(draw(seed, call=indices[b],
+    row=e, slot 0)) < p`` (csrc/philox.h, stream kBootstrap; the formula: csrc/bootstrap_args.h),
+    else 0.0. The masks ``dqn_loss`` / ``Trainer`` take: member e learns from a transition with
+    probability p.
+
+    A pure function of (seed, replay index, member): a transition keeps its masks for as long as
+    it keeps its row, with nothing stored, and the op has no RNG state (graph-capturable, the same
+    bits on the CPU and CUDA).
+
+    Args:
+        indices: int64 [B] (B >= 0), the batch's replay rows (``ReplayBuffer.sample``'s
+            ``indices``); any values (their 64 bits are the counter), any strides.
+        seed: any integer; its low 64 bits are the Philox key (``philox_seed``).
+        members: the ensemble's size E >= 1.
+        p: the probability of a 1, 0 < p <= 1 (1: all ones).
+    """
+    try:
+        return torch.ops.dqn_ops.bootstrap_masks.default(indices, philox_seed(seed), int(members), float(p))
+    except NotImplementedError as e:
+        _raise_missing_kernel("bootstrap_masks", e)
+        raise
+
+
+@torch.library.register_fake("dqn_ops::bootstrap_masks")
+def _(indices, seed, members, p):
+    op = "dqn_ops.bootstrap_masks"
+    _check(indices.dtype == torch.int64, f"{op}: indices: expected dtype Long, got {indices.dtype}")
+    _check(indices.dim() == 1, f"{op}: indices: expected a 1-D tensor [B] (the replay rows of the batch), got shape "
+                               f"{list(indices.shape)}")
+    _check(1 <= members <= 2 ** 32, f"{op}: members: expected 1 <= members <= {2 ** 32} (philox's row is 32 bits), "
+                                    f"got {members}")
+    _check(0 < p <= 1, f"{op}: p: expected 0 < p <= 1 (the probability that a member learns from a transition), "
+                       f"got {p}")
+    return indices.new_empty(indices.shape[0], members, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
 # replay (internal: the device state of dqn_ops/rl/replay.py's ReplayBuffer; the schemas may change)
 
 def _call(op: str, *args) -> None:

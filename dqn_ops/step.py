@@ -14,8 +14,10 @@ of three times, two kernels fewer; elsewhere the op composes the public kernels.
 
 Both take the online and target ``DuelingBranchQNet`` (read at each call, so a checkpoint
 load is seen) and the loss's settings, and run the stages ``forward(state_pairs)``,
-``loss(forward_out, actions, rewards, dones, weights)`` and ``backward(forward_out,
-loss_out)`` one by one or together (calling the object returns a ``StepOutput``). No host
+``loss(forward_out, actions, rewards, dones, weights, masks)`` and ``backward(forward_out,
+loss_out)`` one by one or together (calling the object returns a ``StepOutput``); ``masks``:
+an ensemble's bootstrap masks [B, E] (``dqn_ops.ops.bootstrap_masks``) or None, as the loss
+takes them. No host
 sync, no allocation outside torch's caching allocator: the sequence captures in a CUDA graph.
 """
 from __future__ import annotations
@@ -38,8 +40,9 @@ BATCH_NETWORKS_MAX_BATCH = 4096
 def fused_loss_supported(config: DQNConfig, loss_type: str, device: torch.device) -> bool:
     """Whether ``_dqn_loss_on_logits`` runs its fused kernel (output bias, the dueling aggregation
     when the network has one, the C51 loss and its gradient in one launch) for this network,
-    loss and device (else it composes the public kernels, with the same results)."""
-    return (torch.device(device).type == "cuda" and loss_type == "c51"
+    loss and device (else it composes the public kernels, with the same results). The fused
+    kernel is C51's for one member: an ensemble runs the composed path."""
+    return (torch.device(device).type == "cuda" and loss_type == "c51" and config.members == 1
             and 2 <= config.atoms <= ops.FUSED_LOSS_MAX_ATOMS and config.num_branches <= ops.FUSED_LOSS_MAX_BRANCHES)
 
 
@@ -84,11 +87,11 @@ class _Step:
         self.precision = precision
 
     def __call__(self, state_pairs: Tensor, actions: Tensor, rewards: Tensor, dones: Tensor,
-                 weights: Optional[Tensor] = None) -> StepOutput:
+                 weights: Optional[Tensor] = None, masks: Optional[Tensor] = None) -> StepOutput:
         """One forward -> loss -> backward. ``state_pairs``: [2B, SD], s then s'; actions [B, D]
-        int64; rewards, dones, weights (or None) [B]."""
+        int64; rewards, dones, weights (or None) [B]; masks (or None) [B, E]."""
         fwd = self.forward(state_pairs)
-        out = self.loss(fwd, actions, rewards, dones, weights)
+        out = self.loss(fwd, actions, rewards, dones, weights, masks)
         grad = self.backward(fwd, out)
         return StepOutput(out.loss, grad, out.td_error, out.mean_q, self.saved(fwd), fwd, out)
 
@@ -112,7 +115,8 @@ class _Step:
     def forward(self, state_pairs: Tensor):
         raise NotImplementedError
 
-    def loss(self, fwd, actions: Tensor, rewards: Tensor, dones: Tensor, weights: Optional[Tensor]):
+    def loss(self, fwd, actions: Tensor, rewards: Tensor, dones: Tensor, weights: Optional[Tensor],
+             masks: Optional[Tensor] = None):
         raise NotImplementedError
 
     def backward(self, fwd, loss_out) -> Tensor:
@@ -137,11 +141,11 @@ class InternalOpsStep(_Step):
     def _activations(self, fwd: ops.Logits):
         return fwd.activations
 
-    def loss(self, fwd: ops.Logits, actions, rewards, dones, weights=None) -> ops.LossOnLogits:
+    def loss(self, fwd: ops.Logits, actions, rewards, dones, weights=None, masks=None) -> ops.LossOnLogits:
         p, B = self._params(), actions.shape[0]
         return ops._dqn_loss_on_logits(fwd.logits[:B], fwd.logits[B:], fwd.logits_next_target, p.online, p.target,
                                        actions, rewards, dones, weights, p.layout, self.v_min, self.v_max, self.gamma,
-                                       self.loss_type)
+                                       self.loss_type, masks)
 
     def backward(self, fwd: ops.Logits, loss_out: ops.LossOnLogits) -> Tensor:
         p = self._params()
@@ -169,12 +173,12 @@ class PublicOpsStep(_Step):
     def _activations(self, fwd: PublicForward):
         return fwd.online.activations
 
-    def loss(self, fwd: PublicForward, actions, rewards, dones, weights=None) -> ops.LossOutput:
+    def loss(self, fwd: PublicForward, actions, rewards, dones, weights=None, masks=None) -> ops.LossOutput:
         B = actions.shape[0]
         q = fwd.online.q_logits
         return ops.dqn_loss(q[:B], q[B:], fwd.q_next_target, actions, rewards, dones, self.online.config.branches,
                             v_min=self.v_min, v_max=self.v_max, gamma=self.gamma, weights=weights,
-                            loss_type=self.loss_type)
+                            loss_type=self.loss_type, masks=masks)
 
     def backward(self, fwd: PublicForward, loss_out: ops.LossOutput) -> Tensor:
         p = self._params()

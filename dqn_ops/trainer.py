@@ -12,7 +12,13 @@ and its mirror (``ema_update``). Scalars (loss, grad norm, mean Q, skipped) are 
 Forward, loss and backward are ``dqn_ops.step.InternalOpsStep``, on every device and for every
 network and loss: the dueling aggregation and its backward inside the loss, the same results
 bit for bit as the public ops (``dqn_ops.step.PublicOpsStep``); on CUDA, for C51 with few
-enough atoms and branches, the loss is one fused kernel (``uses_fused_path``).
+enough atoms and branches and one member, the loss is one fused kernel (``uses_fused_path``).
+
+An ensemble (``DQNConfig(ensemble=E)``): every member learns as its own double-DQN learner on
+the shared trunk; with ``TrainerConfig.bootstrap_p`` < 1 the loss weights member e's term of
+the transition at replay row i by the bootstrap mask ``ops.bootstrap_masks`` draws for (the
+trainer's seed, i, e) (the batch then carries the replay's ``indices``), and acting scores each
+action by mean + ``act_ucb`` * std over the members.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from .spectral import SpectralNorm
 from .step import InternalOpsStep, default_batch_networks, fused_loss_supported
 
 BATCH_KEYS = ("states", "actions", "rewards", "next_states", "dones")
+OPTIONAL_BATCH_KEYS = ("weights", "indices")  # indices: the replay rows, read for bootstrap masks
 STAT_FIELDS = ("loss", "grad_norm", "mean_q", "skipped")
 
 
@@ -59,6 +66,11 @@ class TrainerConfig:
     warmup_steps: int = 3
     readback_interval: int = 100
     on_non_finite: str = "raise"   # 'raise': NonFiniteError; 'flag': count them in non_finite_steps
+    # An ensemble's bootstrap (DQNConfig(ensemble=E)): member e learns from a transition with this
+    # probability (ops.bootstrap_masks over the batch's replay indices); 1: every member from every
+    # transition (no masks).
+    bootstrap_p: float = 1.0
+    act_ucb: float = 0.0           # acting scores mean + act_ucb * std over an ensemble's members
 
     def __post_init__(self):
         """Checks every field at construction (types and ranges); the error names the field, what
@@ -103,6 +115,14 @@ class TrainerConfig:
         self.warmup_steps = check_int(n, "warmup_steps", self.warmup_steps, minimum=1)
         self.readback_interval = check_int(n, "readback_interval", self.readback_interval, minimum=1)
         check_choice(n, "on_non_finite", self.on_non_finite, ("raise", "flag"))
+        self.bootstrap_p = check_float(n, "bootstrap_p", self.bootstrap_p, low=0.0, high=1.0, low_open=True)
+        self.act_ucb = check_float(n, "act_ucb", self.act_ucb)
+
+    @property
+    def uses_masks(self) -> bool:
+        """Whether the loss takes bootstrap masks (bootstrap_p < 1): the batches then need the
+        replay's indices."""
+        return self.bootstrap_p < 1.0
 
 
 class NonFiniteError(RuntimeError):
@@ -119,7 +139,8 @@ class Trainer:
         device: where everything lives. On CUDA with ``config.use_cuda_graph`` the step is
             captured into one CUDA graph after ``warmup_steps`` eager steps; elsewhere (CPU, or
             graphs off) the same step runs eagerly.
-        seed: seeds the initial weights and the spectral-norm vectors.
+        seed: seeds the initial weights and the spectral-norm vectors; keys the exploration
+            draws (``act_explore``) and an ensemble's bootstrap masks.
 
     Feed a batch either by ``step(batch)`` (a mapping with float32 states [B, SD], actions [B, D]
     int64, rewards [B], next_states [B, SD], dones [B], optionally weights [B], float32 like the
@@ -127,6 +148,15 @@ class Trainer:
     static input buffers, device to device, no sync), or by writing into ``trainer.inputs``
     yourself and calling ``step()``. ``trainer.td_error`` [B] holds the last step's per-sample
     TD error (for prioritized replay), on the device.
+
+    Ensembles (``DQNConfig(ensemble=E)``): the loss treats each member as its own double-DQN
+    learner (``dqn_loss``). With ``TrainerConfig.bootstrap_p`` = p < 1 the batch must also carry
+    ``indices`` int64 [B], the replay rows of its transitions (``ReplayBuffer.sample`` returns
+    them; ``inputs['indices']`` then exists), and each step's loss takes the masks
+    ``ops.bootstrap_masks(indices, seed, E, p)``, drawn on the device: member e learns from the
+    transition at row i iff its mask is 1, the same mask every time that transition is sampled.
+    p = 1 passes no masks (masks=None: with E = 1, the plain network's step bit for bit). ``act`` and
+    ``act_explore`` score each action by mean + ``act_ucb`` * std of the members' expected Q.
 
     Host-visible numbers: ``metrics()`` (what has been read back so far, no sync) and
     ``readback()`` (everything up to now: syncs; call it at epoch ends).
@@ -165,6 +195,7 @@ class Trainer:
         self.device = torch.device(device)
         c = self.net_config
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "Trainer")
+        self.seed = seed
         gen = torch.Generator().manual_seed(seed)
         self.online = DuelingBranchQNet(c, backward_precision=cfg.backward_precision, generator=gen).to(self.device)
         self.target = DuelingBranchQNet(c, backward_precision=cfg.backward_precision).to(self.device)
@@ -187,6 +218,8 @@ class Trainer:
             states=self._state_pairs[:B], actions=torch.zeros(B, D, dtype=torch.long, device=dev),
             rewards=torch.zeros(B, device=dev), next_states=self._state_pairs[B:],
             dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
+        if cfg.uses_masks:  # the replay rows the bootstrap masks are drawn for
+            self.inputs["indices"] = torch.zeros(B, dtype=torch.long, device=dev)
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
         self.gradient_step = InternalOpsStep(self.online, self.target, loss_type=self.loss_type, v_min=cfg.v_min,
@@ -273,7 +306,8 @@ class Trainer:
     @torch.no_grad()
     def _step_body(self):
         cfg, p, x = self.config, self.online.flat_params, self.inputs
-        out = self.gradient_step(self._state_pairs, x["actions"], x["rewards"], x["dones"], x["weights"])
+        out = self.gradient_step(self._state_pairs, x["actions"], x["rewards"], x["dones"], x["weights"],
+                                 self.bootstrap_masks(x["indices"]) if cfg.uses_masks else None)
         grad = out.grad
         if self.world_size > 1:  # data-parallel: the mean gradient over every rank's batch
             torch.distributed.all_reduce(grad, group=self.process_group)
@@ -286,6 +320,12 @@ class Trainer:
         self.td_error.copy_(out.td_error)
         found_inf = self.optimizer.found_inf
         self.stats.record([out.loss, self.optimizer.grad_norm, out.mean_q, found_inf], found_inf)
+
+    def bootstrap_masks(self, indices: Tensor) -> Tensor:
+        """The bootstrap masks [B, E] this trainer's loss takes for transitions at the replay rows
+        ``indices`` (``ops.bootstrap_masks`` keyed by the trainer's seed, with p =
+        ``TrainerConfig.bootstrap_p``; all ones for p = 1)."""
+        return ops.bootstrap_masks(indices, self.seed, self.net_config.members, self.config.bootstrap_p)
 
     @torch.no_grad()
     def _broadcast_state(self):
@@ -356,11 +396,12 @@ class Trainer:
     @torch.no_grad()
     def act(self, states: Tensor) -> Tensor:
         """Greedy actions [B, D] of the online network (expected Q over the support for C51, the
-        quantiles' mean for QR; the first of equal maxima), from ``dqn_ops.ops.act`` with epsilon
-        0: no host sync, graph-capturable. [0, D] for an empty batch."""
+        quantiles' mean for QR; an ensemble's mean + ``act_ucb`` * std over the members; the
+        first of equal maxima), from ``dqn_ops.ops.act`` with epsilon 0: no host sync,
+        graph-capturable. [0, D] for an empty batch."""
         with self._on_device():
             return self.online.act(states, self._act_epsilon0, self._act_greedy_rng, self.config.v_min,
-                                   self.config.v_max, self.loss_type).actions
+                                   self.config.v_max, self.loss_type, self.config.act_ucb).actions
 
     @torch.no_grad()
     def act_explore(self, states: Tensor, epsilon: Tensor) -> Tuple[Tensor, Tensor]:
@@ -369,10 +410,12 @@ class Trainer:
         tensor on the trainer's device, read there (a schedule ``fill_``s it: no sync, and a
         captured graph replays with its current value). The random numbers come from
         ``explore_rng`` = (the trainer's seed, a call counter), which each call with states
-        advances on the device: two trainers of one seed draw the same sequence of actions."""
+        advances on the device: two trainers of one seed draw the same sequence of actions. An
+        ensemble's greedy action maximises mean + ``act_ucb`` * std over the members (greedy Q:
+        its mean)."""
         with self._on_device():
             return tuple(self.online.act(states, epsilon, self.explore_rng, self.config.v_min, self.config.v_max,
-                                         self.loss_type))
+                                         self.loss_type, self.config.act_ucb))
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -387,6 +430,13 @@ class Trainer:
         """Restores a checkpoint (the step count too: the next step, and the step numbers in
         ``non_finite_steps`` / ``NonFiniteError``, continue from it); the next steps warm up and
         re-capture the graph."""
+        # (checked before the network as a whole: a clearer error for the one change that keeps
+        # every other size)
+        members = int(state["net_config"].get("ensemble", 1))
+        if members != self.net_config.members:
+            raise ValueError(f"Trainer.load_state_dict: the checkpoint's network is an ensemble of {members} "
+                             f"member(s), this trainer's of {self.net_config.members} (DQNConfig.ensemble): each "
+                             f"member has its own heads, so the parameters do not fit")
         if DQNConfig(**state["net_config"]) != self.net_config:
             raise ValueError(f"Trainer.load_state_dict: the checkpoint's network {state['net_config']} is not "
                              f"this trainer's {dataclasses.asdict(self.net_config)}")
@@ -417,6 +467,8 @@ def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Opt
     """Copies a batch (states, actions, rewards, next_states, dones, optional weights) into a
     trainer's static input buffers, device to device, checking names, shapes, dtypes and devices.
     Without weights, the weights buffer becomes 1 (copied from `ones` when given, else filled).
+    ``indices`` (the replay rows) is copied when ``inputs`` has that buffer (a trainer drawing
+    bootstrap masks), which then needs it: a batch without it is a KeyError; otherwise ignored.
 
     The dtype rule: with ``exact_dtypes`` (what ``Trainer.step`` passes) every tensor must have
     its buffer's dtype (float32; actions int64), the rule of the network and the ops, which
@@ -429,9 +481,13 @@ def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Opt
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
         raise KeyError(f"Trainer.step: batch is missing {missing}; it needs {list(BATCH_KEYS)} (+ optional 'weights')")
+    if "indices" in inputs and "indices" not in batch:
+        raise KeyError("Trainer.step: batch is missing 'indices': the bootstrap masks (TrainerConfig.bootstrap_p < 1) "
+                       "are drawn per transition from its replay row, so the batch needs the replay's indices, int64 "
+                       "[B] (ReplayBuffer.sample returns them)")
     pairs = []
-    for k in BATCH_KEYS + ("weights",):
-        if k not in batch:
+    for k in BATCH_KEYS + OPTIONAL_BATCH_KEYS:
+        if k not in batch or k not in inputs:
             continue
         src, dst = batch[k], inputs[k]
         if src.shape != dst.shape:
@@ -490,13 +546,14 @@ def resolve_loss_type(loss_type: Optional[str], atoms: int, owner: str) -> str:
 
 @torch.no_grad()
 def greedy_actions(net: DuelingBranchQNet, states: Tensor, v_min: float = -10.0, v_max: float = 10.0,
-                   loss_type: str = "c51") -> Tensor:
+                   loss_type: str = "c51", ucb: float = 0.0) -> Tensor:
     """argmax per branch of the expected Q (C51: softmax over atoms times the support; QR: the
-    quantiles' mean; the first of equal maxima), by ``dqn_ops.ops.act`` with epsilon 0; an empty
-    batch [0, state_dim] gives an empty [0, D] int64 tensor."""
+    quantiles' mean; an ensemble's mean + ucb * std over the members; the first of equal
+    maxima), by ``dqn_ops.ops.act`` with epsilon 0; an empty batch [0, state_dim] gives an
+    empty [0, D] int64 tensor."""
     epsilon = torch.zeros(1, device=states.device)
     rng = torch.zeros(2, dtype=torch.long, device=states.device)  # no draw is used at epsilon 0
-    return net.act(states, epsilon, rng, v_min, v_max, loss_type).actions
+    return net.act(states, epsilon, rng, v_min, v_max, loss_type, ucb).actions
 
 
 def expected_q(q: Tensor, v_min: float, v_max: float, loss_type: str = "c51") -> Tensor:
@@ -511,11 +568,23 @@ def expected_q(q: Tensor, v_min: float, v_max: float, loss_type: str = "c51") ->
     return q[..., 0]
 
 
+def ensemble_score(q: Tensor, members: int, ucb: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """[B, E * A] expected Q of E members (member e's actions from column e * A) -> (score, mean),
+    each [B, A]: ``act``'s score of an action, mean_e Q_e + ucb * std_e Q_e (population std), in
+    torch ops; one member or ucb = 0: the mean itself."""
+    x = q.reshape(q.shape[0], members, q.shape[1] // members)
+    mean = x.mean(1)
+    if members == 1 or ucb == 0:
+        return mean, mean
+    return mean + ucb * x.std(1, correction=0), mean
+
+
 def greedy_from_logits(q: Tensor, branches: Sequence[int], v_min: float, v_max: float,
-                       loss_type: str = "c51") -> Tensor:
+                       loss_type: str = "c51", ucb: float = 0.0) -> Tensor:
     """[B, sum n_d, atoms] Q logits -> [B, D] greedy actions (first of equal maxima); the
-    expected Q as ``greedy_actions`` forms it, in torch ops."""
+    expected Q as ``greedy_actions`` forms it, in torch ops. An ensemble's [B, E * sum n_d,
+    atoms] (E inferred from the width): the argmax of ``ensemble_score`` with ``ucb``."""
     if q.shape[0] == 0:
         return torch.empty(0, len(branches), dtype=torch.long, device=q.device)
-    q = expected_q(q, v_min, v_max, loss_type)
-    return torch.stack([b.argmax(1) for b in torch.split(q, list(branches), dim=1)], 1)
+    score, _ = ensemble_score(expected_q(q, v_min, v_max, loss_type), q.shape[1] // sum(branches), ucb)
+    return torch.stack([b.argmax(1) for b in torch.split(score, list(branches), dim=1)], 1)

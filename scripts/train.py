@@ -3,6 +3,7 @@
     python scripts/train.py --epochs 20                       # dqn_ops, BF16, CUDA graph
     python scripts/train.py --backend torch --epochs 20       # the plain-PyTorch F32 step
     python scripts/train.py --device cpu --epochs 1 --steps 20 --batch 32   # a smoke run
+    python scripts/train.py --ensemble 5 --bootstrap-p 0.5 --act-ucb 1.0     # bootstrapped ensemble, UCB acting
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 scripts/train.py --distributed   # data-parallel
 
 Each epoch: `steps` iterations of the training loop (dqn_ops.rl.loop.TrainingLoop): act
@@ -67,6 +68,13 @@ def parse_args(argv=None):
                     help="c51 (categorical, support [-10, 10]) or qr (QR-DQN: the atoms are quantiles)")
     ap.add_argument("--atoms", type=int, default=None,
                     help="atoms (C51) or quantiles (QR) per action (default: 51; --tiny: 11)")
+    ap.add_argument("--ensemble", type=int, default=1,
+                    help="ensemble members on the shared trunk, each its own heads (DQNConfig.ensemble)")
+    ap.add_argument("--bootstrap-p", type=float, default=1.0,
+                    help="probability that a member learns from a transition (bootstrap masks drawn per replay "
+                         "row; 1: every member from every transition)")
+    ap.add_argument("--act-ucb", type=float, default=0.0,
+                    help="acting scores each action by mean + C * std over the ensemble's members")
     ap.add_argument("--distributed", action="store_true",
                     help="data-parallel over the processes torchrun starts (NCCL on GPUs, gloo on the CPU); "
                          "--batch is per rank; rank 0 evaluates and writes the outputs")
@@ -80,11 +88,13 @@ def make_trainer(args):
                         branches=BRANCHES)
     if args.atoms is not None:
         net = dataclasses.replace(net, atoms=args.atoms)
+    net = dataclasses.replace(net, ensemble=args.ensemble)
     # gamma ** n: the loss discounts an n-step return's bootstrap; the readback ring holds an epoch
     # (one graph replay of the loop)
     cfg = TrainerConfig(batch_size=args.batch, lr=args.lr, gamma=args.gamma ** args.n_step, v_min=-10.0, v_max=10.0,
                         tau=0.005, max_grad_norm=10.0, sigma_max=1.0, use_cuda_graph=not args.no_graph,
-                        readback_interval=args.steps, on_non_finite="flag", loss_type=args.loss_type)
+                        readback_interval=args.steps, on_non_finite="flag", loss_type=args.loss_type,
+                        bootstrap_p=args.bootstrap_p, act_ucb=args.act_ucb)
     if args.backend == "dqn_ops":
         return Trainer(net, cfg, device=args.device, seed=args.seed)
     if args.distributed:
@@ -167,7 +177,9 @@ def train(args) -> dict:
                    os.path.join(out, "checkpoint.pt"))
     whole_run = trainer.metrics()
     finite = all(all(v == v and abs(v) != float("inf") for v in r.values()) for r in trainer.stats.rows)
-    summary = dict(backend=args.backend, loss_type=args.loss_type, atoms=trainer.net_config.atoms, seed=args.seed,
+    summary = dict(backend=args.backend, loss_type=args.loss_type, atoms=trainer.net_config.atoms,
+                   ensemble=trainer.net_config.members, bootstrap_p=args.bootstrap_p, act_ucb=args.act_ucb,
+                   seed=args.seed,
                    epochs=args.epochs, steps_per_epoch=args.steps,
                    world_size=trainer.world_size if isinstance(trainer, Trainer) else 1,
                    batch=args.batch, device=str(dev), torch=torch.__version__,

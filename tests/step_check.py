@@ -22,11 +22,12 @@ def snapshot(net):
     return copy
 
 
-def check_trainer_step_is_the_public_ops_step(t, batches, v_min, v_max, gamma):
+def check_trainer_step_is_the_public_ops_step(t, batches, v_min, v_max, gamma, masks=None):
     """Steps the trainer `t` (readback_interval 1) on each batch (dicts with state_pairs = [s; s'],
     states, next_states, actions, rewards, dones, weights; on CUDA the first ones warm up and
     capture its graph), the last against PublicOpsStep on copies of its networks taken before
-    that step: the same gradient, TD errors, loss and mean Q, bit for bit."""
+    that step, given `masks` (an ensemble's bootstrap masks of the last batch, or None): the same
+    gradient, TD errors, loss and mean Q, bit for bit."""
     for b in batches[:-1]:
         t.step({k: v for k, v in b.items() if k != "state_pairs"})
     online, target = snapshot(t.online), snapshot(t.target)
@@ -34,7 +35,7 @@ def check_trainer_step_is_the_public_ops_step(t, batches, v_min, v_max, gamma):
     assert t.graphed == (t.device.type == "cuda")
     want = PublicOpsStep(online, target, loss_type=t.loss_type, v_min=v_min, v_max=v_max, gamma=gamma,
                          precision=t.config.backward_precision)(
-        *(batches[-1][k] for k in ("state_pairs", "actions", "rewards", "dones", "weights")))
+        *(batches[-1][k] for k in ("state_pairs", "actions", "rewards", "dones", "weights")), masks)
     same_bits(t.online.flat_params.grad, want.grad, "grad")
     same_bits(t.td_error, want.td_error, "td_error")
     t.readback()

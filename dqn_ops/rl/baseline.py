@@ -7,12 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..graphed import CapturedStep, on_device
 from ..layout import DQNConfig, ParamLayout
 from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
-from ..trainer import STAT_FIELDS, TrainerConfig, expected_q, greedy_from_logits, load_batch, resolve_loss_type
+from ..trainer import (STAT_FIELDS, TrainerConfig, ensemble_score, expected_q, greedy_from_logits, load_batch,
+                       resolve_loss_type)
 
 
 class TorchQNet(nn.Module):
@@ -164,13 +166,16 @@ class TorchTrainer:
     of the convergence-parity check and the baseline of the benchmarks. Same constructor,
     ``step``, ``act``, ``readback`` and ``metrics``; ``amp=True`` runs the forwards under
     autocast BF16. On CUDA with ``use_cuda_graph`` the step is captured after warm-up like
-    the dqn_ops one (``torch.optim.Adam(capturable=True)``)."""
+    the dqn_ops one (``torch.optim.Adam(capturable=True)``). Ensembles as ``Trainer``: the same
+    bootstrap masks (``ops.bootstrap_masks`` of the batch's ``indices``, keyed by the seed) and
+    the same acting score (mean + ``act_ucb`` * std over the members)."""
 
     def __init__(self, net_config=None, config=None, device="cuda", seed: int = 0, amp: bool = False):
         self.net_config = c = net_config or DQNConfig()
         self.config = cfg = config or TrainerConfig()
         self.device = torch.device(device)
         self.amp = amp
+        self.seed = seed
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "TorchTrainer")
         # The same initial weights and spectral-norm vectors as dqn_ops.Trainer(seed=seed): the
         # two paths start from one point, so a comparison sees only their numerics.
@@ -195,10 +200,13 @@ class TorchTrainer:
             states=torch.zeros(B, c.state_dim, device=dev), actions=torch.zeros(B, D, dtype=torch.long, device=dev),
             rewards=torch.zeros(B, device=dev), next_states=torch.zeros(B, c.state_dim, device=dev),
             dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
+        if cfg.uses_masks:  # the replay rows the bootstrap masks are drawn for
+            self.inputs["indices"] = torch.zeros(B, dtype=torch.long, device=dev)
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
         # act_explore's constant, made before any capture (a host-to-device copy cannot be captured)
         self._branch_sizes = torch.tensor(c.branches, device=dev)
+        self._branch_offsets = torch.tensor([sum(c.branches[:d]) for d in range(D)], device=dev)
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
         self.steps = 0
         self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
@@ -227,26 +235,33 @@ class TorchTrainer:
     def act_explore(self, states, epsilon):
         """Epsilon-greedy in plain PyTorch: the greedy action of each branch, or with probability
         `epsilon` (a one-element device tensor) a uniform random action for every branch; random
-        numbers from torch's generator (graph-safe on CUDA). Returns (actions, greedy expected Q)."""
+        numbers from torch's generator (graph-safe on CUDA). Returns (actions, greedy expected Q).
+        An ensemble's greedy action maximises mean + ``act_ucb`` * std over the members, its
+        greedy Q the mean."""
         c = self.net_config
         q = expected_q(self.online(states)[0].float(), self.config.v_min, self.config.v_max, self.loss_type)
-        greedy_q, greedy = zip(*(b.max(1) for b in torch.split(q, list(c.branches), dim=1)))
-        greedy, greedy_q = torch.stack(greedy, 1), torch.stack(greedy_q, 1)
+        score, mean = ensemble_score(q, c.members, self.config.act_ucb)
+        greedy = torch.stack([b.argmax(1) for b in torch.split(score, list(c.branches), dim=1)], 1)
+        greedy_q = mean.gather(1, greedy + self._branch_offsets)
         n = self._branch_sizes
         random = torch.minimum((torch.rand(states.shape[0], c.num_branches, device=q.device) * n).long(), n - 1)
         explore = torch.rand(states.shape[0], 1, device=q.device) < epsilon
         return torch.where(explore, random, greedy), greedy_q
 
     def _loss_part(self):
-        """Forwards (online on s and s', target on s') and the loss."""
+        """Forwards (online on s and s', target on s') and the loss (with an ensemble's bootstrap
+        masks when bootstrap_p < 1: ``dqn_ops.Trainer``'s, the same op on the same key)."""
         cfg, x = self.config, self.inputs
+        masks = (ops.bootstrap_masks(x["indices"], self.seed, self.net_config.members, cfg.bootstrap_p)
+                 if cfg.uses_masks else None)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             with torch.no_grad():
                 q_next_online = self.online(x["next_states"])[0].float()
                 q_next_target = self.target(x["next_states"])[0].float()
             q = self.online(x["states"])[0].float()
         return torch_dqn_loss(q, q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"],
-                              self.net_config.branches, cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type, x["weights"])
+                              self.net_config.branches, cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type, x["weights"],
+                              masks)
 
     @torch.no_grad()
     def _post_part(self):
@@ -293,4 +308,4 @@ class TorchTrainer:
     @torch.no_grad()
     def act(self, states):
         return greedy_from_logits(self.online(states)[0], self.net_config.branches, self.config.v_min,
-                                  self.config.v_max, self.loss_type)
+                                  self.config.v_max, self.loss_type, self.config.act_ucb)

@@ -124,7 +124,10 @@ class TrainingLoop:
             self.epsilon = torch.full((1,), cfg.epsilon_start, device=dev)
             self.greedy_q = torch.zeros(env.num_envs, net.num_branches, device=dev)
             self._random = torch.ones(1, device=dev)  # epsilon of prefill
-            self.indices = torch.zeros(B, dtype=torch.long, device=dev)
+            # the trainer's own buffer when it reads the rows (an ensemble's bootstrap masks)
+            self.indices = trainer.inputs.get("indices")
+            if self.indices is None:
+                self.indices = torch.zeros(B, dtype=torch.long, device=dev)
         self._sample_out = dict(trainer.inputs, indices=self.indices)
         self._beta_start = float(replay.beta) if getattr(replay, "prioritized", False) else None
         self.iterations = 0  # iterations run (a host count; the schedules read self.schedule_step)
