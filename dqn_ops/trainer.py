@@ -17,8 +17,9 @@ enough atoms and branches and one member, the loss is one fused kernel (``uses_f
 An ensemble (``DQNConfig(ensemble=E)``): every member learns as its own double-DQN learner on
 the shared trunk; with ``TrainerConfig.bootstrap_p`` < 1 the loss weights member e's term of
 the transition at replay row i by the bootstrap mask ``ops.bootstrap_masks`` draws for (the
-trainer's seed, i, e) (the batch then carries the replay's ``indices``), and acting scores each
-action by mean + ``act_ucb`` * std over the members.
+trainer's seed, i, e) (the batch then carries the replay's ``indices``); exploring
+(``act_explore``) scores each action by mean + ``act_ucb`` * std over the members, greedy acting
+(``act``, evaluation) by the mean.
 """
 from __future__ import annotations
 
@@ -155,8 +156,9 @@ class Trainer:
     them; ``inputs['indices']`` then exists), and each step's loss takes the masks
     ``ops.bootstrap_masks(indices, seed, E, p)``, drawn on the device: member e learns from the
     transition at row i iff its mask is 1, the same mask every time that transition is sampled.
-    p = 1 passes no masks (masks=None: with E = 1, the plain network's step bit for bit). ``act`` and
-    ``act_explore`` score each action by mean + ``act_ucb`` * std of the members' expected Q.
+    p = 1 passes no masks (masks=None: with E = 1, the plain network's step bit for bit).
+    ``act_explore`` scores each action by mean + ``act_ucb`` * std of the members' expected Q,
+    ``act`` (evaluation) by their mean.
 
     Host-visible numbers: ``metrics()`` (what has been read back so far, no sync) and
     ``readback()`` (everything up to now: syncs; call it at epoch ends).
@@ -396,12 +398,13 @@ class Trainer:
     @torch.no_grad()
     def act(self, states: Tensor) -> Tensor:
         """Greedy actions [B, D] of the online network (expected Q over the support for C51, the
-        quantiles' mean for QR; an ensemble's mean + ``act_ucb`` * std over the members; the
-        first of equal maxima), from ``dqn_ops.ops.act`` with epsilon 0: no host sync,
-        graph-capturable. [0, D] for an empty batch."""
+        quantiles' mean for QR; an ensemble's mean over the members, without ``act_ucb``'s bonus,
+        which is exploration's: ``act_explore``; the first of equal maxima), from
+        ``dqn_ops.ops.act`` with epsilon 0: no host sync, graph-capturable. [0, D] for an empty
+        batch."""
         with self._on_device():
             return self.online.act(states, self._act_epsilon0, self._act_greedy_rng, self.config.v_min,
-                                   self.config.v_max, self.loss_type, self.config.act_ucb).actions
+                                   self.config.v_max, self.loss_type).actions
 
     @torch.no_grad()
     def act_explore(self, states: Tensor, epsilon: Tensor) -> Tuple[Tensor, Tensor]:

@@ -53,7 +53,8 @@ def random_batch(c: DQNConfig, B: int, device):
                 next_states=torch.randn(B, c.state_dim, device=device, generator=g),
                 actions=torch.stack([torch.randint(0, n, (B,), device=device, generator=g) for n in c.branches], 1),
                 rewards=torch.randn(B, device=device, generator=g),
-                dones=(torch.rand(B, device=device, generator=g) < 0.05).float())
+                dones=(torch.rand(B, device=device, generator=g) < 0.05).float(),
+                indices=torch.randint(0, 1 << 20, (B,), device=device, generator=g))  # replay rows: bootstrap masks
 
 
 def make_step(mode: str, c: DQNConfig, B: int, device, **trainer_kw):

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dqn_ops import Trainer, TrainerConfig  # noqa: E402
 
 from bench import random_batch  # noqa: E402
-from bench_networks import NETWORKS  # noqa: E402
+from bench_networks import NETWORKS, describe  # noqa: E402
 from bench_common import result_path, run_meta, time_us  # noqa: E402
 
 
@@ -52,14 +52,14 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a CUDA device")
     meta = run_meta()
-    c, loss_type = NETWORKS[args.network]
+    c, trainer_kw = NETWORKS[args.network]
     lines = ["# dqn_ops training step, kernel traces (µs per kernel, in start order)", f"# {meta}",
-             f"# network {args.network}: {c}, loss {loss_type or 'c51'}", ""]
+             f"# network {args.network}: {describe(args.network)}", ""]
     for B in args.batches:
         lines += [f"# B = {B}", ""]
         for graph in (False, True):
             cfg = TrainerConfig(batch_size=B, use_cuda_graph=graph, readback_interval=100, on_non_finite="flag",
-                                loss_type=loss_type)
+                                **trainer_kw)
             t = Trainer(c, cfg, device="cuda", seed=0)
             batch = random_batch(c, B, torch.device("cuda"))
             trace, span = kernel_trace(lambda: t.step(batch))

@@ -381,9 +381,9 @@ def test_split_members_and_branches():
 
 # ----------------------------------------------------------------------------------------
 # CUDA: the kernels against the CPU reference (tests/test_network_shapes.py's check), and an
-# ensemble of the benchmark's size (scripts/bench_networks.py's ensemble_5: 51 atoms, 3 x 3)
+# ensemble with the reference network's heads (5 members, 51 atoms, 3 x 3 actions) on a small trunk
 
-CUDA_CASES = dict(CASES, ensemble_5=DQNConfig(state_dim=16, trunk_hidden=(64, 64), value_hidden=32, adv_hidden=32,
+CUDA_CASES = dict(CASES, e5_51atoms=DQNConfig(state_dim=16, trunk_hidden=(64, 64), value_hidden=32, adv_hidden=32,
                                               atoms=51, branches=(3, 3, 3), ensemble=5))
 
 
@@ -394,7 +394,7 @@ def test_cuda_forward_backward_and_act_match_the_cpu_reference(name):
 
 
 @requires_cuda
-@pytest.mark.parametrize("name", ["E2_dueling_H1", "E5_q_H0", "ensemble_5"])
+@pytest.mark.parametrize("name", ["E2_dueling_H1", "E5_q_H0", "e5_51atoms"])
 def test_cuda_trainer_logits_and_loss_on_logits_are_the_public_ops_bits(name):
     """The trainer's internal ops on an ensemble (the composed loss: the fused kernel takes one
     member) give the public ops' bits, with bootstrap masks."""

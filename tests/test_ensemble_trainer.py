@@ -370,8 +370,8 @@ def test_ensemble_score_is_mean_plus_ucb_times_population_std():
 
 @pytest.mark.parametrize("ucb", [0.0, 1.5, -1.5])
 def test_trainer_acts_with_its_ucb(ucb):
-    """Trainer.act / act_explore are ops.act with the config's ucb on the online network (bit
-    for bit); the choices are those of mean + ucb * std over the members in float64 wherever the
+    """Trainer.act_explore is ops.act with the config's ucb on the online network (bit for bit),
+    Trainer.act (evaluation) ops.act with the members' mean (ucb 0); the choices are those of mean + ucb * std over the members in float64 wherever the
     scores are apart (the op scores in double: 1e-9; greedy_from_logits, TorchTrainer's scoring,
     in F32: 1e-4); greedy_q is the mean; ucb != 0 changes some choices."""
     t = make(act_ucb=ucb)
@@ -379,7 +379,7 @@ def test_trainer_acts_with_its_ucb(ucb):
     s = torch.randn(300, TINY_ENS.state_dim)
     args = (s, net.flat_params.detach(), net.params_bf16, net._layout_ints, V_MIN, V_MAX, torch.zeros(1))
     want = ops.act(*args, torch.tensor([0, 0]), "c51", ucb)
-    same_bits(t.act(s), want.actions, "act")
+    same_bits(t.act(s), ops.act(*args, torch.tensor([0, 0]), "c51", 0.0).actions, "act")
     eps0 = torch.zeros(1)
     actions, greedy_q = t.act_explore(s, eps0)
     same_bits(actions, want.actions, "act_explore")
@@ -414,7 +414,8 @@ def test_torch_trainer_acts_with_its_ucb():
     with torch.no_grad():
         q = t.online(s)[0]
     want = greedy_from_logits(q, TINY_ENS.branches, V_MIN, V_MAX, ucb=2.0)
-    assert torch.equal(t.act(s), want)
+    assert torch.equal(t.act(s), greedy_from_logits(q, TINY_ENS.branches, V_MIN, V_MAX))
+    assert not torch.equal(t.act(s), want)
     actions, greedy_q = t.act_explore(s, torch.zeros(1))
     assert torch.equal(actions, want)
     Q = (q.softmax(-1) * torch.linspace(V_MIN, V_MAX, TINY_ENS.atoms)).sum(-1).view(200, E, -1).mean(1)

@@ -168,7 +168,7 @@ class TorchTrainer:
     autocast BF16. On CUDA with ``use_cuda_graph`` the step is captured after warm-up like
     the dqn_ops one (``torch.optim.Adam(capturable=True)``). Ensembles as ``Trainer``: the same
     bootstrap masks (``ops.bootstrap_masks`` of the batch's ``indices``, keyed by the seed) and
-    the same acting score (mean + ``act_ucb`` * std over the members)."""
+    the same acting scores (exploring: mean + ``act_ucb`` * std over the members; ``act``: the mean)."""
 
     def __init__(self, net_config=None, config=None, device="cuda", seed: int = 0, amp: bool = False):
         self.net_config = c = net_config or DQNConfig()
@@ -308,4 +308,4 @@ class TorchTrainer:
     @torch.no_grad()
     def act(self, states):
         return greedy_from_logits(self.online(states)[0], self.net_config.branches, self.config.v_min,
-                                  self.config.v_max, self.loss_type, self.config.act_ucb)
+                                  self.config.v_max, self.loss_type)
