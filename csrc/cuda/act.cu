@@ -215,8 +215,8 @@ std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, 
       check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type), ucb);
   DQN_CHECK(std::abs(ucb) <= std::numeric_limits<float>::max(), op, ": ucb: the CUDA kernel scores in F32, got ",
             std::to_string(ucb));
-  DQN_CHECK(L.members * L.atoms <= kActMaxAtoms, op, ": the CUDA kernel takes at most ", kActMaxAtoms,
-            " atoms over all ensemble members, got ", L.members, " x ", L.atoms);
+  DQN_CHECK(L.members * L.atoms <= kActMaxAtoms, op, ": the CUDA kernel takes at most ", kActMaxAtoms, " atoms",
+            L.members > 1 ? " over all ensemble members" : "", ", got ", L.members * L.atoms);
   const BranchTable branches = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(states.device());
   const int64_t N = states.size(0), D = L.num_branches();
