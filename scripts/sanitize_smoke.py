@@ -98,7 +98,7 @@ def main():
         B, E, branches = 9, 5, (3, 2)
         q = [torch.randn(B, E * sum(branches), atoms, device=dev) for _ in range(3)]
         a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in branches], 1)
-        masks = (torch.rand(B, E, device=dev) < 0.5).float()
+        masks = dqn_ops.bootstrap_masks(torch.randint(0, 1 << 40, (B,), device=dev), 7, E, 0.5)
         dqn_ops.dqn_loss(*q, a, torch.randn(B, device=dev), (torch.rand(B, device=dev) < 0.3).float(), branches,
                          loss_type=loss_type, masks=masks)
     # FusedAdamBF16 over several tensors: one global norm (per-tensor norms combined), one skip
