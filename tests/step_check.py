@@ -68,3 +68,18 @@ def check_graphed_trainer_equals_eager(c, batches, **config):
     assert mg["steps"] == me["steps"] == len(batches)
     for k in ("loss", "grad_norm_mean", "mean_q"):
         assert math.isfinite(me[k]) and abs(mg[k] - me[k]) <= 1e-4 * abs(me[k]) + 1e-6
+
+
+def check_compile_fullgraph_equals_eager(loss_fn, q):
+    """loss_fn(q) -> (loss, td, mean_q): torch.compile(fullgraph=True) of it gives eager's bits,
+    its backward (the op's registered autograd) too, and that gradient is not all zero."""
+    torch._dynamo.reset()
+    results = []
+    for fn in (torch.compile(loss_fn, fullgraph=True), loss_fn):
+        x = q.clone().requires_grad_()
+        loss, td, mean_q = fn(x)
+        loss.backward()
+        results.append((loss.detach(), td, mean_q, x.grad))
+    for name, a, b in zip(("loss", "td", "mean_q", "grad"), *results):
+        same_bits(a, b, name)
+    assert (results[0][3] != 0).any()

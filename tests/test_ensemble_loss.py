@@ -26,7 +26,7 @@ from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, dqn_loss, ops
 from dqn_ops.rl.baseline import torch_dqn_loss
 from dqn_ops.step import InternalOpsStep, PublicOpsStep
-from step_check import same_bits
+from step_check import check_compile_fullgraph_equals_eager, same_bits
 
 LOSS_OP = torch.ops.dqn_ops.dqn_loss.default
 ON_LOGITS_OP = torch.ops.dqn_ops._dqn_loss_on_logits.default
@@ -370,16 +370,7 @@ def test_compile_fullgraph_matches_eager():
                        weights=weights, masks=masks)
         return out.loss * 2, out.td_error, out.mean_q
 
-    torch._dynamo.reset()
-    results = []
-    for fn in (torch.compile(loss_fn, fullgraph=True), loss_fn):
-        x = q.clone().requires_grad_()
-        loss, td, mean_q = fn(x)
-        loss.backward()
-        results.append((loss.detach(), td, mean_q, x.grad))
-    for name, a, b in zip(("loss", "td", "mean_q", "grad"), *results):
-        same_bits(a, b, name)
-    assert (results[0][3] != 0).any()
+    check_compile_fullgraph_equals_eager(loss_fn, q)
 
 
 # ----------------------------------------------------------------------------------------

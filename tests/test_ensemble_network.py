@@ -17,7 +17,7 @@ from dqn_ops.layout import decode_config
 from dqn_ops.rl.baseline import TorchQNet
 from dqn_ops.step import InternalOpsStep, PublicOpsStep
 from step_check import same_bits
-from test_network_shapes import check_cuda_forward_backward_act
+from test_network_shapes import check_cuda_forward_backward_act, check_float64_forward_backward, check_gradcheck_float64
 from reference import (ReferenceNet, dueling_head_grad, reference_backward, reference_forward_emulated,
                        reference_net_like, rel_err)
 
@@ -155,26 +155,7 @@ def member_net(net, e: int) -> DuelingBranchQNet:
 def test_float64_forward_and_backward_are_the_reference(name):
     """Mirror in float64: the op is the formula to double precision (tests/reference.py's general
     network, its members' heads on the one trunk), forward and every backward precision."""
-    c = CASES[name]
-    net = make_net(c, dtype=torch.float64)
-    B = 11
-    s = torch.randn(B, c.state_dim, dtype=torch.float64)
-    out = net.forward_full(s)
-    q, head, acts = reference_forward_emulated(net, s)
-    assert out.q_logits.shape == (B, c.members * c.total_actions, c.atoms) and out.head_logits.shape == (B, c.head_out)
-    torch.testing.assert_close(out.q_logits, q, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(out.head_logits, head, rtol=1e-12, atol=1e-12)
-    assert len(out.activations) == len(acts) == 1 + len(c.hidden_widths)
-    for i, (a, b) in enumerate(zip(out.activations, acts)):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"activations[{i}]: {m}")
-    torch.testing.assert_close(reference_net_like(net)(s)[0], q, rtol=1e-12, atol=1e-12)
-    gq = torch.randn(B, c.q_rows, c.atoms, dtype=torch.float64)
-    gh = torch.randn(B, c.head_out, dtype=torch.float64)
-    ref_grad, ref_gs = reference_backward(net, acts, dueling_head_grad(c, gq) + gh, "master")
-    for precision in ops.BACKWARD_PRECISIONS:
-        grad, gs = dqn_ops.mixed_backward(gq, gh, out, *net_args(net)[:2], net._layout_ints, precision, True)
-        torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(gs, ref_gs, rtol=1e-10, atol=1e-12)
+    check_float64_forward_backward(make_net(CASES[name], dtype=torch.float64), B=11)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -233,17 +214,7 @@ def test_gradcheck_float64(name):
     """bf16_dueling_forward's autograd formula (mixed_backward) against finite differences, with
     respect to the states and every parameter, on the float64 path. E2_q_H0: every output head
     reads the trunk, whose gradient sums them all."""
-    c = CASES[name]
-    layout = ParamLayout(c).encode()
-    net = make_net(c, dtype=torch.float64)
-    p = net.flat_params.detach().clone().requires_grad_()
-    s = torch.randn(3, c.state_dim, dtype=torch.float64, requires_grad=True)
-
-    def f(states, params):
-        out = dqn_ops.bf16_dueling_forward(states, params, params.detach().clone(), layout, "fp32")
-        return out.q_logits, out.head_logits
-
-    assert torch.autograd.gradcheck(f, (s, p), eps=1e-6, atol=1e-7, rtol=1e-6, fast_mode=c.num_parameters > 1500)
+    check_gradcheck_float64(CASES[name], fast_above=1500)
 
 
 # ----------------------------------------------------------------------------------------

@@ -90,27 +90,34 @@ def test_layout_views_tile_the_buffer_and_the_state_dict_is_the_plain_networks(n
 # ----------------------------------------------------------------------------------------
 # The CPU reference kernels against the float64 reference
 
-@pytest.mark.parametrize("name", NAMES)
-def test_float64_path_is_the_float64_reference(name):
-    """Mirror in float64: nothing rounded, the op is the formula to double precision, forward
-    and backward (every precision reads the same float64 weights)."""
-    c = SHAPES[name]
-    net = make_net(c).double()
-    s = torch.randn(19, c.state_dim, dtype=torch.float64)
+def check_float64_forward_backward(net, B: int):
+    """Mirror in float64 (net.double()): the ops are the formula to double precision, forward
+    (q, head logits, every activation, tests/reference.py's general network) and every backward
+    precision (all read the same float64 weights). tests/test_ensemble_network.py runs it on
+    ensembles."""
+    c = net.config
+    s = torch.randn(B, c.state_dim, dtype=torch.float64)
     out = net.forward_full(s)
     q, head, acts = reference_forward_emulated(net, s)
+    assert out.q_logits.shape == (B, c.q_rows, c.atoms) and out.head_logits.shape == (B, c.head_out)
     torch.testing.assert_close(out.q_logits, q, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out.head_logits, head, rtol=1e-12, atol=1e-12)
     assert len(out.activations) == len(acts) == 1 + len(c.hidden_widths)
     for i, (a, b) in enumerate(zip(out.activations, acts)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"activations[{i}]: {m}")
-    gq = torch.randn(19, c.total_actions, c.atoms, dtype=torch.float64)
-    gh = torch.randn(19, c.head_out, dtype=torch.float64)
+    torch.testing.assert_close(reference_net_like(net)(s)[0], q, rtol=1e-12, atol=1e-12)
+    gq = torch.randn(B, c.q_rows, c.atoms, dtype=torch.float64)
+    gh = torch.randn(B, c.head_out, dtype=torch.float64)
     ref_grad, ref_gs = reference_backward(net, acts, dueling_head_grad(c, gq) + gh, "master")
     for precision in ops.BACKWARD_PRECISIONS:
         grad, gs = dqn_ops.mixed_backward(gq, gh, out, *net_args(net)[:2], net._layout_ints, precision, True)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(gs, ref_gs, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_path_is_the_float64_reference(name):
+    check_float64_forward_backward(make_net(SHAPES[name]).double(), B=19)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -150,11 +157,10 @@ def test_backward_vs_float64_within_bars(name, precision):
     assert (grad[padding_mask(net, "cpu")] == 0).all()
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_gradcheck_float64(name):
+def check_gradcheck_float64(c: DQNConfig, fast_above: int):
     """bf16_dueling_forward's autograd formula (mixed_backward) against finite differences, with
-    respect to the states and every parameter, on the float64 path."""
-    c = SHAPES[name]
+    respect to the states and every parameter, on the float64 path; past `fast_above`
+    parameters a random projection (gradcheck's fast mode) instead of every column."""
     layout = ParamLayout(c).encode()
     net = make_net(c).double()
     p = net.flat_params.detach().clone().requires_grad_()
@@ -165,8 +171,12 @@ def test_gradcheck_float64(name):
         out = dqn_ops.bf16_dueling_forward(states, params, params.detach().clone(), layout, "fp32")
         return out.q_logits, out.head_logits
 
-    # CleanRL's network has 19k parameters: a random projection (fast mode) instead of every column.
-    assert torch.autograd.gradcheck(f, (s, p), eps=1e-6, atol=1e-7, rtol=1e-6, fast_mode=c.num_parameters > 5000)
+    assert torch.autograd.gradcheck(f, (s, p), eps=1e-6, atol=1e-7, rtol=1e-6, fast_mode=c.num_parameters > fast_above)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradcheck_float64(name):
+    check_gradcheck_float64(SHAPES[name], fast_above=5000)  # CleanRL's network has 19k parameters
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -30,7 +30,8 @@ from dqn_ops.rl.baseline import TorchTrainer, torch_dqn_loss
 from dqn_ops.trainer import greedy_actions, greedy_from_logits, resolve_loss_type
 from poison import poison_cuda_cache
 from reference import SHAPES, huber1, qr_targets, quantile_fractions, reference_net_like, reference_qr
-from step_check import check_graphed_trainer_equals_eager, check_trainer_step_is_the_public_ops_step, same_bits
+from step_check import (check_compile_fullgraph_equals_eager, check_graphed_trainer_equals_eager,
+                        check_trainer_step_is_the_public_ops_step, same_bits)
 
 GAMMA = 0.97
 V_MIN, V_MAX = -10.0, 10.0  # passed where an API takes them: 'qr' does not use them
@@ -435,16 +436,7 @@ def test_compile_fullgraph_matches_eager():
         out = dqn_loss(q, qo, qt, actions, rewards, dones, branches, gamma=GAMMA, weights=weights, loss_type="qr")
         return out.loss * 2, out.td_error, out.mean_q
 
-    torch._dynamo.reset()
-    results = []
-    for fn in (torch.compile(loss_fn, fullgraph=True), loss_fn):
-        x = q.clone().requires_grad_()
-        loss, td, mean_q = fn(x)
-        loss.backward()  # the compiled backward comes from the op's registered autograd
-        results.append((loss.detach(), td, mean_q, x.grad))
-    for name, a, b in zip(("loss", "td", "mean_q", "grad"), *results):
-        same_bits(a, b, name)
-    assert (results[0][3] != 0).any()
+    check_compile_fullgraph_equals_eager(loss_fn, q)
 
 
 @requires_cuda
