@@ -158,7 +158,7 @@ TORCH_LIBRARY(dqn_ops, m) {
   //     same either way, and on the CPU the flag changes nothing.
   //   _dqn_loss_on_logits: the output bias and the dueling aggregation of the three passes
   //     (biases read from each network's params at b_out), dqn_loss with loss_type and masks
-  //     ([B, E], E = the layout's ensemble members; CPU only so far, as for dqn_loss), and
+  //     ([B, E], E = the layout's ensemble members, as for dqn_loss), and
   //     d(loss)/d(head logits) as mixed_backward's dueling step forms it from grad_q: F32
   //     compact [B, head_out] and BF16 padded [B, head_ld] (padding 0). F32 logits and params
   //     only, as dqn_loss takes F32 only. On CUDA, C51 with atoms <= FUSED_LOSS_MAX_ATOMS and
@@ -193,12 +193,12 @@ TORCH_LIBRARY(dqn_ops, m) {
   // it), so a graph replay draws new numbers. actions [N, D] int64; greedy_q [N, D] the greedy
   // action's expected Q before exploration (params' dtype: F32, F64 on the CPU's float64 path).
   // An ensemble of E members (the layout's) scores action k of a branch by
-  //   score_k = mean_e Q_e(k) + ucb * std_e Q_e(k)   (population std over the members, in double),
+  //   score_k = mean_e Q_e(k) + ucb * std_e Q_e(k)   (population std over the members; the CPU
+  //   computes it in double, the CUDA kernel in F32, where |ucb| must fit),
   // the greedy action the first argmax of the score (a NaN wins), greedy_q its mean_e Q_e. ucb:
   // any finite value (> 0 optimism, UCB exploration; < 0 pessimism, a lower confidence bound);
   // NaN or Inf raises (Inf * a std of 0 would be NaN). With one member the std is 0 and ucb
-  // changes nothing; ucb = 0 takes the argmax of the mean. Ensembles and ucb != 0 run on the
-  // CPU kernel only so far; the CUDA kernel refuses them.
+  // changes nothing; ucb = 0 takes the argmax of the mean.
   m.def(
       "act(Tensor states, Tensor params, Tensor params_bf16, int[] layout, float v_min, float v_max, "
       "Tensor epsilon, Tensor(a!) rng, str loss_type=\"c51\", float ucb=0.0) -> (Tensor actions, Tensor greedy_q)");

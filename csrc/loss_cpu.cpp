@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "layout.h"
@@ -165,49 +166,58 @@ void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* ac
              Tensor& mean_q) {
   const int64_t B = S.batch, E = S.members, NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
   const double terms = double(E * D);  // a sample's (member, branch) terms
-  std::vector<double> t(NA);
+  // Samples in parallel (N^2 pairs each), their sums in sample order afterwards: the same bits
+  // as one sample after the other.
+  std::vector<double> weighted_loss(B), sample_mean_q(B);
+  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+    std::vector<double> t(NA);
+    for (int64_t b = begin; b < end; ++b) {
+      // The target quantiles in F32, with the CUDA kernel's arithmetic (one fused multiply-add), so
+      // that both devices overflow alike and see the same targets; the rest in double.
+      const float discount = static_cast<float>(gamma) * (1.f - dn[b]);
+      const double wb = w ? w[b] : 1.0;
+      double sample_loss = 0, masked_loss = 0, sample_q = 0;
+      bool poisoned = false;
+      for (int64_t e = 0; e < E && !poisoned; ++e) {
+        const double me = mask_of(masks, S, b, e);
+        for (int64_t d = 0; d < D && !poisoned; ++d) {
+          const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
+          int64_t a_star = 0;
+          double best = -std::numeric_limits<double>::infinity();
+          for (int64_t a = 0; a < n; ++a) {
+            const double qv = quantile_mean(xo + q_row(S, b, e, off, a) * NA, NA);
+            if (qv > best || std::isnan(qv)) {
+              best = qv;
+              a_star = a;
+              if (std::isnan(qv)) break;
+            }
+          }
+          const float* xs = xt + q_row(S, b, e, off, a_star) * NA;
+          for (int64_t j = 0; j < NA; ++j) {
+            t[j] = std::fma(discount, xs[j], r[b]);
+            poisoned = poisoned || !std::isfinite(t[j]);
+          }
+          if (poisoned) break;
+          const int64_t row = q_row(S, b, e, off, act[b * D + d]);
+          const double l = quantile_huber(x + row * NA, t, NA, wb * me / double(B * E * D), g + row * NA) / terms;
+          sample_loss += l;
+          masked_loss += me * l;
+          sample_q += quantile_mean(x + row * NA, NA) / terms;
+        }
+      }
+      if (poisoned) {  // NaN must reach the gradient: the optimizer skips the step
+        poison_taken_rows(g, S, act, b);
+        sample_loss = masked_loss = sample_q = std::numeric_limits<double>::quiet_NaN();
+      }
+      td[b] = to_f32(sample_loss);
+      weighted_loss[b] = wb * masked_loss;
+      sample_mean_q[b] = sample_q;
+    }
+  });
   double loss_sum = 0, q_sum = 0;
   for (int64_t b = 0; b < B; ++b) {
-    // The target quantiles in F32, with the CUDA kernel's arithmetic (one fused multiply-add), so
-    // that both devices overflow alike and see the same targets; the rest in double.
-    const float discount = static_cast<float>(gamma) * (1.f - dn[b]);
-    const double wb = w ? w[b] : 1.0;
-    double sample_loss = 0, masked_loss = 0, sample_q = 0;
-    bool poisoned = false;
-    for (int64_t e = 0; e < E && !poisoned; ++e) {
-      const double me = mask_of(masks, S, b, e);
-      for (int64_t d = 0; d < D && !poisoned; ++d) {
-        const int64_t off = S.action_offsets[d], n = S.branch_sizes[d];
-        int64_t a_star = 0;
-        double best = -std::numeric_limits<double>::infinity();
-        for (int64_t a = 0; a < n; ++a) {
-          const double qv = quantile_mean(xo + q_row(S, b, e, off, a) * NA, NA);
-          if (qv > best || std::isnan(qv)) {
-            best = qv;
-            a_star = a;
-            if (std::isnan(qv)) break;
-          }
-        }
-        const float* xs = xt + q_row(S, b, e, off, a_star) * NA;
-        for (int64_t j = 0; j < NA; ++j) {
-          t[j] = std::fma(discount, xs[j], r[b]);
-          poisoned = poisoned || !std::isfinite(t[j]);
-        }
-        if (poisoned) break;
-        const int64_t row = q_row(S, b, e, off, act[b * D + d]);
-        const double l = quantile_huber(x + row * NA, t, NA, wb * me / double(B * E * D), g + row * NA) / terms;
-        sample_loss += l;
-        masked_loss += me * l;
-        sample_q += quantile_mean(x + row * NA, NA) / terms;
-      }
-    }
-    if (poisoned) {  // NaN must reach the gradient: the optimizer skips the step
-      poison_taken_rows(g, S, act, b);
-      sample_loss = masked_loss = sample_q = std::numeric_limits<double>::quiet_NaN();
-    }
-    td[b] = to_f32(sample_loss);
-    loss_sum += wb * masked_loss;
-    q_sum += sample_q;
+    loss_sum += weighted_loss[b];
+    q_sum += sample_mean_q[b];
   }
   loss.fill_(to_f32(loss_sum / B));
   mean_q.fill_(to_f32(q_sum / B));

@@ -439,6 +439,9 @@ def _(q, q_next_online, q_next_target, actions, rewards, dones, weights, branche
       loss_type="c51", masks=None):
     op = "dqn_ops.dqn_loss"
     _check(loss_type in LOSS_TYPES, f"{op}: loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
+    _check(len(branches) >= 1, f"{op}: branches: expected at least one branch, got none")
+    for d, n in enumerate(branches):
+        _check(n >= 1, f"{op}: branches: branch {d} must have >= 1 action, got {n}")
     A = sum(branches)
     _check(q.dim() == 3 and q.shape[1] >= A and q.shape[1] % A == 0,
            f"{op}: q: expected shape [B, {A}, atoms], got {list(q.shape)} (an ensemble of E members: "

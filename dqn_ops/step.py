@@ -37,12 +37,13 @@ from .layout import DQNConfig
 BATCH_NETWORKS_MAX_BATCH = 4096
 
 
-def fused_loss_supported(config: DQNConfig, loss_type: str, device: torch.device) -> bool:
+def fused_loss_supported(config: DQNConfig, loss_type: str, device: torch.device, masked: bool = False) -> bool:
     """Whether ``_dqn_loss_on_logits`` runs its fused kernel (output bias, the dueling aggregation
     when the network has one, the C51 loss and its gradient in one launch) for this network,
-    loss and device (else it composes the public kernels, with the same results). The fused
-    kernel is C51's for one member: an ensemble runs the composed path."""
-    return (torch.device(device).type == "cuda" and loss_type == "c51" and config.members == 1
+    loss and device, with bootstrap masks or not (else it composes the public kernels, with the
+    same results). The fused kernel is C51's for one member without masks: an ensemble, or
+    masks, run the composed path."""
+    return (torch.device(device).type == "cuda" and loss_type == "c51" and config.members == 1 and not masked
             and 2 <= config.atoms <= ops.FUSED_LOSS_MAX_ATOMS and config.num_branches <= ops.FUSED_LOSS_MAX_BRANCHES)
 
 

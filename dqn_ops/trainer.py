@@ -198,6 +198,7 @@ class Trainer:
         c = self.net_config
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "Trainer")
         self.seed = seed
+        self.mask_seed = seed  # the bootstrap masks' key: a checkpoint's replaces it (load_state_dict)
         gen = torch.Generator().manual_seed(seed)
         self.online = DuelingBranchQNet(c, backward_precision=cfg.backward_precision, generator=gen).to(self.device)
         self.target = DuelingBranchQNet(c, backward_precision=cfg.backward_precision).to(self.device)
@@ -254,7 +255,7 @@ class Trainer:
     def uses_fused_path(self) -> bool:
         """Whether the step's loss runs the fused loss kernel (else the composition of
         the public kernels that the internal loss op runs elsewhere: the same results)."""
-        return fused_loss_supported(self.net_config, self.loss_type, self.device)
+        return fused_loss_supported(self.net_config, self.loss_type, self.device, self.config.uses_masks)
 
     @property
     def batch_networks(self) -> bool:
@@ -325,9 +326,9 @@ class Trainer:
 
     def bootstrap_masks(self, indices: Tensor) -> Tensor:
         """The bootstrap masks [B, E] this trainer's loss takes for transitions at the replay rows
-        ``indices`` (``ops.bootstrap_masks`` keyed by the trainer's seed, with p =
-        ``TrainerConfig.bootstrap_p``; all ones for p = 1)."""
-        return ops.bootstrap_masks(indices, self.seed, self.net_config.members, self.config.bootstrap_p)
+        ``indices`` (``ops.bootstrap_masks`` keyed by the trainer's seed, or the loaded checkpoint's,
+        with p = ``TrainerConfig.bootstrap_p``; all ones for p = 1)."""
+        return ops.bootstrap_masks(indices, self.mask_seed, self.net_config.members, self.config.bootstrap_p)
 
     @torch.no_grad()
     def _broadcast_state(self):
@@ -425,7 +426,8 @@ class Trainer:
         return dict(online=self.online.state_dict(), target=self.target.state_dict(),
                     optimizer=self.optimizer.state_dict(),
                     spectral=self.spectral.state_dict() if self.spectral is not None else None,
-                    lr=self.lr.clone(), explore_rng=self.explore_rng.clone(), steps=self.steps,
+                    lr=self.lr.clone(), explore_rng=self.explore_rng.clone(), mask_seed=self.mask_seed,
+                    steps=self.steps,
                     net_config=dataclasses.asdict(self.net_config),
                     config=dataclasses.asdict(self.config))
 
@@ -457,6 +459,9 @@ class Trainer:
         self.lr.copy_(state["lr"])
         if "explore_rng" in state:  # act_explore continues the checkpoint's random stream
             self.explore_rng.copy_(state["explore_rng"])
+        # the replay rows keep the masks they had: the checkpoint's key (the graph is captured
+        # anew below, with it)
+        self.mask_seed = int(state.get("mask_seed", self.mask_seed))
         if self.spectral is not None and state["spectral"] is not None:
             self.spectral.load_state_dict(state["spectral"])
         self.steps = int(state["steps"])

@@ -16,6 +16,7 @@ largest gradient element (tests/test_qr.py says why); MSE / Huber run in F32: rt
 CUDA kernels compute C51 in F32 too: rtol 1e-4 for every loss type there (CUDA_TOL).
 """
 import math
+import re
 
 import pytest
 import torch
@@ -268,7 +269,7 @@ def test_torch_baseline_matches_kernel(loss_type, E):
 
 
 # ----------------------------------------------------------------------------------------
-# The trainer's loss on logits (E = the layout's members: 1 until part A's ensemble networks)
+# The trainer's loss on logits (one member here; tests/test_ensemble_network.py has ensembles)
 
 def _logits_inputs(loss_type="c51", B=12):
     c = DQNConfig(state_dim=10, trunk_hidden=(32,), value_hidden=16, adv_hidden=16, atoms=ATOMS[loss_type],
@@ -358,6 +359,11 @@ def test_fake_kernels_take_members_and_masks():
         with pytest.raises(RuntimeError, match=r"dqn_ops.dqn_loss: q: expected shape \[B, 5, atoms\], got "
                                                r"\[13, 22, 7\] \(an ensemble of E members: \[B, E \* 5, atoms\]\)"):
             LOSS_OP(torch.empty(B, 22, NA), q, q, a, r, r, None, [2, 3], V_MIN, V_MAX, GAMMA, "qr")
+        # the kernels' branch checks come first (no division by an empty action count)
+        for branches, why in (([], "expected at least one branch, got none"),
+                              ([2, 0], "branch 1 must have >= 1 action, got 0")):
+            with pytest.raises(RuntimeError, match=f"dqn_ops.dqn_loss: branches: {re.escape(why)}"):
+                LOSS_OP(q, q, q, a, r, r, None, branches, V_MIN, V_MAX, GAMMA, "qr")
 
 
 def test_compile_fullgraph_matches_eager():

@@ -233,10 +233,16 @@ def test_config_defaults_and_values():
     assert TrainerConfig(bootstrap_p=0.5).uses_masks
 
 
-def test_fused_loss_path_is_one_member_only():
+def test_fused_loss_path_is_one_member_without_masks():
     one = DQNConfig(state_dim=6, trunk_hidden=(16,), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3))
     assert fused_loss_supported(one, "c51", torch.device("cuda"))
+    assert not fused_loss_supported(one, "c51", torch.device("cuda"), masked=True)
     assert not fused_loss_supported(TINY_ENS, "c51", torch.device("cuda"))
+    # the trainer says so for its own config: one member with bootstrap masks runs the composed loss
+    for p, fused in ((1.0, True), (0.5, False)):
+        t = make(one, bootstrap_p=p)
+        t.device = torch.device("cuda")  # the predicate reads the device only (no CUDA needed here)
+        assert t.uses_fused_path == fused
 
 
 # ----------------------------------------------------------------------------------------
@@ -436,12 +442,14 @@ def test_checkpoint_round_trip_with_masks_continues_identically():
     torch.save(a.state_dict(), buf)
     for b in batches[4:]:
         a.step(b)
-    c = make(bootstrap_p=0.5, act_ucb=1.0)
-    c.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
-    for b in batches[4:]:
-        c.step(b)
-    same_bits(c.online.flat_params.detach(), a.online.flat_params.detach(), "online")
-    same_bits(c.target.flat_params, a.target.flat_params, "target")
+    # a trainer of another seed continues the same: the replay rows keep the checkpoint's masks
+    for seed in (SEED, SEED + 1):
+        c = make(bootstrap_p=0.5, act_ucb=1.0, seed=seed)
+        c.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+        for b in batches[4:]:
+            c.step(b)
+        same_bits(c.online.flat_params.detach(), a.online.flat_params.detach(), f"online, seed {seed}")
+        same_bits(c.target.flat_params, a.target.flat_params, f"target, seed {seed}")
 
 
 def test_checkpoint_of_another_ensemble_size_is_refused():
