@@ -187,6 +187,10 @@ def _extension():
     # -DPy_LIMITED_API comes from py_limited_api=True (torch adds it; defining it here as well
     # redefines the macro in every translation unit).
     cxx_flags = ["-O3", "-std=c++20"]
+    # at::parallel_for (the CPU kernels' loops over rows and samples) is OpenMP in torch's builds:
+    # in an extension compiled without -fopenmp its pragma is ignored and the loop runs serially.
+    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    cxx_flags += openmp
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
 
     why_not, cuda_home, passed_over = None, None, []
@@ -212,6 +216,7 @@ def _extension():
             "dqn_ops._C",
             cpu_sources,
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=openmp,
             py_limited_api=True,
         )
 
@@ -237,7 +242,7 @@ def _extension():
         },
         # Linking the versioned file records its SONAME (libcublas.so.13) as a dependency;
         # at run time it resolves to the copy torch itself loads.
-        extra_link_args=[cublas_lib],
+        extra_link_args=[cublas_lib] + openmp,
         py_limited_api=True,
     )
 
