@@ -197,7 +197,6 @@ class Trainer:
         self.device = torch.device(device)
         c = self.net_config
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "Trainer")
-        self.seed = seed
         self.mask_seed = seed  # the bootstrap masks' key: a checkpoint's replaces it (load_state_dict)
         gen = torch.Generator().manual_seed(seed)
         self.online = DuelingBranchQNet(c, backward_precision=cfg.backward_precision, generator=gen).to(self.device)
