@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -40,33 +41,36 @@ double expected_q(const scalar_t* x, int64_t atoms, LossType type, double v_min,
 }
 
 // act's score of one action (csrc/dqn_ops.cpp): x = member 0's atoms of the action, member e's
-// `stride` elements after member e - 1's. Writes mean_e Q_e to *mean and returns mean_e Q_e +
-// ucb * std_e Q_e (population std, two passes in double). One member: its Q itself, whatever
-// ucb (no sum: act's bits without members, -0 included); ucb = 0: the mean (no std, which a
-// non-finite Q would make NaN).
+// `stride` elements after member e - 1's; qs: room for the members' expected Q (each computed
+// once). Writes mean_e Q_e to *mean and returns mean_e Q_e + ucb * std_e Q_e (population std,
+// two passes in double). One member: its Q itself, whatever ucb (no sum: act's bits without
+// members, -0 included); ucb = 0: the mean (no std, which a non-finite Q would make NaN).
 template <typename scalar_t>
-double ensemble_score(const scalar_t* x, int64_t members, int64_t stride, int64_t atoms, LossType type,
-                      double v_min, double dz, double ucb, double* mean) {
-  double sum = expected_q(x, atoms, type, v_min, dz);
-  for (int64_t e = 1; e < members; ++e) sum += expected_q(x + e * stride, atoms, type, v_min, dz);
+double ensemble_score(const scalar_t* x, int64_t stride, int64_t atoms, LossType type, double v_min, double dz,
+                      double ucb, std::vector<double>& qs, double* mean) {
+  const int64_t members = static_cast<int64_t>(qs.size());
+  for (int64_t e = 0; e < members; ++e) qs[e] = expected_q(x + e * stride, atoms, type, v_min, dz);
+  double sum = qs[0];
+  for (int64_t e = 1; e < members; ++e) sum += qs[e];
   *mean = members == 1 ? sum : sum / double(members);
   if (members == 1 || ucb == 0) return *mean;
   double sq = 0;
   for (int64_t e = 0; e < members; ++e) {
-    const double dev = expected_q(x + e * stride, atoms, type, v_min, dz) - *mean;
+    const double dev = qs[e] - *mean;
     sq += dev * dev;
   }
   return *mean + ucb * std::sqrt(sq / double(members));
 }
 
 // q [N, E * total_actions, atoms] (contiguous; member e's branch d at rows e * total_actions +
-// off_d) -> greedy actions and their mean expected Q over the members [N, D].
+// off_d, E = L.members) -> greedy actions and their mean expected Q over the members [N, D].
 template <typename scalar_t>
-void greedy(const Tensor& q, const NetLayout& L, int64_t members, LossType type, double v_min, double dz, double ucb,
-            int64_t* act, scalar_t* greedy_q) {
-  const int64_t N = q.size(0), A = L.total_actions, NA = L.atoms, D = L.num_branches();
+void greedy(const Tensor& q, const NetLayout& L, LossType type, double v_min, double dz, double ucb, int64_t* act,
+            scalar_t* greedy_q) {
+  const int64_t N = q.size(0), A = L.total_actions, NA = L.atoms, D = L.num_branches(), E = L.members;
   const scalar_t* x = q.data_ptr<scalar_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<double> qs(E);
     for (int64_t b = begin; b < end; ++b)
       for (int64_t d = 0; d < D; ++d) {
         const int64_t off = L.action_offsets[d], n = L.branch_sizes[d];
@@ -75,7 +79,7 @@ void greedy(const Tensor& q, const NetLayout& L, int64_t members, LossType type,
         for (int64_t a = 0; a < n; ++a) {
           double mean;
           const double score =
-              ensemble_score(x + (b * members * A + off + a) * NA, members, A * NA, NA, type, v_min, dz, ucb, &mean);
+              ensemble_score(x + (b * E * A + off + a) * NA, A * NA, NA, type, v_min, dz, ucb, qs, &mean);
           if (score > best || std::isnan(score)) {  // first of equal maxima; the first NaN wins
             best = score;
             best_mean = mean;
@@ -95,7 +99,6 @@ std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, c
   const NetLayout L = parse_layout(layout, kActOp);
   const LossType type =
       check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type), ucb);
-  const int64_t members = L.members;
   const int64_t N = states.size(0), D = L.num_branches();
   Tensor actions = at::empty({N, D}, states.options().dtype(at::kLong));
   Tensor greedy_q = at::empty({N, D}, params.options());
@@ -106,13 +109,13 @@ std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, c
   const Tensor x = states.to(params_bf16.scalar_type());
   const Tensor last = hidden_layers(x, p, L).back();
   const Tensor q = dueling_aggregate(head_from_logits(output_logits(last, p, L), params, L), L).contiguous();
-  TORCH_INTERNAL_ASSERT(q.size(1) == members * L.total_actions, "act: q_logits of ", q.size(1), " rows, expected ",
-                        members, " members of ", L.total_actions, " actions");
+  TORCH_INTERNAL_ASSERT(q.size(1) == L.q_rows(), "act: q_logits of ", q.size(1), " rows, expected ", L.members,
+                        " members of ", L.total_actions, " actions");
 
   int64_t* act = actions.data_ptr<int64_t>();
   const double dz = support_step(v_min, v_max, L.atoms);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dqn_ops.act", [&] {
-    greedy<scalar_t>(q, L, members, type, v_min, dz, ucb, act, greedy_q.data_ptr<scalar_t>());
+    greedy<scalar_t>(q, L, type, v_min, dz, ucb, act, greedy_q.data_ptr<scalar_t>());
   });
 
   int64_t* r = rng.data_ptr<int64_t>();

@@ -17,9 +17,9 @@ from dqn_ops.layout import decode_config
 from dqn_ops.rl.baseline import TorchQNet
 from dqn_ops.step import InternalOpsStep, PublicOpsStep
 from step_check import same_bits
-from test_network_shapes import check_cuda_forward_backward_act, check_float64_forward_backward, check_gradcheck_float64
-from reference import (ReferenceNet, dueling_head_grad, reference_backward, reference_forward_emulated,
-                       reference_net_like, rel_err)
+from test_network_shapes import (check_bf16_mirror_emulated, check_cuda_forward_backward_act, check_fake_kernels,
+                                 check_float64_forward_backward, check_gradcheck_float64)
+from reference import ReferenceNet
 
 
 def config(E: int, dueling: bool, H: int, **kw) -> DQNConfig:
@@ -199,14 +199,7 @@ def test_each_member_is_a_single_network_on_the_shared_trunk(name):
 @pytest.mark.parametrize("name", ["E2_dueling_H2", "E5_q_H0"])
 def test_bf16_mirror_path_is_the_emulated_rounding(name):
     c = CASES[name]
-    net = make_net(c, seed=2)
-    s = torch.randn(200, c.state_dim)
-    out = net.forward_full(s)
-    q, head, acts = reference_forward_emulated(net, s)
-    for i, (a, b) in enumerate(zip(out.activations, acts)):
-        assert a.dtype == torch.bfloat16 and a.shape == b.shape
-        torch.testing.assert_close(a.double(), b, rtol=2 ** -7, atol=1e-6, msg=lambda m: f"activations[{i}]: {m}")
-    assert rel_err(out.q_logits, q) < 1e-4 and rel_err(out.head_logits, head) < 1e-4
+    check_bf16_mirror_emulated(make_net(c, seed=2), torch.randn(200, c.state_dim))
 
 
 @pytest.mark.parametrize("name", ["E2_dueling_H2", "E2_q_H0", "E5_dueling_H1"])
@@ -260,24 +253,7 @@ def test_opcheck(name):
     not torch.backends.cuda.is_built(), reason="a CPU-only torch build makes no fake CUDA tensors"))])
 @pytest.mark.parametrize("name", NAMES)
 def test_fake_kernels_give_the_ensembles_shapes(device, name):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    c = CASES[name]
-    layout = ParamLayout(c).encode()
-    n, B = layout[-1], 4
-    widths = [c.state_dim, *c.hidden_widths]
-    with FakeTensorMode():
-        p, p_lp = torch.empty(n, device=device), torch.empty(n, device=device, dtype=torch.bfloat16)
-        out = ops.bf16_dueling_forward(torch.empty(B, c.state_dim, device=device), p, p_lp, layout)
-        assert out.q_logits.shape == (B, c.members * c.total_actions, c.atoms)
-        assert out.head_logits.shape == (B, c.head_out)
-        assert [tuple(t.shape) for t in out.activations] == [(B, w) for w in widths]
-        grad, gs = ops.mixed_backward(torch.empty(B, c.q_rows, c.atoms, device=device), None, out, p, p_lp, layout,
-                                      "bf16", True)
-        assert grad.shape == (n,) and gs.shape == (B, c.state_dim)
-        f = ops._online_and_target_logits(torch.empty(2 * B, c.state_dim, device=device), p, p_lp, p, p_lp, layout,
-                                          True)
-        assert f.logits.shape == (2 * B, c.head_ld) and f.logits_next_target.shape == (B, c.head_ld)
+    check_fake_kernels(CASES[name], device, B=4)
 
 
 @pytest.mark.parametrize("name", ["E2_dueling_H1", "E5_q_H2"])

@@ -126,8 +126,13 @@ def test_bf16_mirror_path_is_the_emulated_rounding(name):
     activation to BF16) and sums in float64 instead of F32: the activations agree but for
     one-ulp roundings of values the two sums put on either side of a rounding boundary."""
     c = SHAPES[name]
-    net = make_net(c)
-    s = torch.randn(300, c.state_dim)
+    check_bf16_mirror_emulated(make_net(c), torch.randn(300, c.state_dim))
+
+
+def check_bf16_mirror_emulated(net, s):
+    """The BF16 mirror path of `net` on states `s` against the emulated-rounding reference (see
+    test_bf16_mirror_path_is_the_emulated_rounding); tests/test_ensemble_network.py runs it on
+    ensembles."""
     out = net.forward_full(s)
     q, head, acts = reference_forward_emulated(net, s)
     for i, (a, b) in enumerate(zip(out.activations, acts)):
@@ -243,21 +248,25 @@ def test_opcheck(device, name):
     not torch.backends.cuda.is_built(), reason="a CPU-only torch build makes no fake CUDA tensors"))])
 @pytest.mark.parametrize("name", NAMES)
 def test_fake_kernels_give_every_op_its_shapes(device, name):
+    check_fake_kernels(SHAPES[name], device, B=5)
+
+
+def check_fake_kernels(c: DQNConfig, device, B: int):
     """The fake kernels (torch.compile / FakeTensor tracing): the shapes follow the config's
-    hidden widths, on fake tensors of either device (no GPU needed)."""
+    hidden widths (an ensemble's q rows: its members'), on fake tensors of either device (no GPU
+    needed). tests/test_ensemble_network.py runs it on ensembles."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    c = SHAPES[name]
     layout = ParamLayout(c).encode()
-    n, B = layout[-1], 5
+    n = layout[-1]
     widths = [c.state_dim, *c.hidden_widths]
     with FakeTensorMode():
         p, p_lp = torch.empty(n, device=device), torch.empty(n, device=device, dtype=torch.bfloat16)
         out = ops.bf16_dueling_forward(torch.empty(B, c.state_dim, device=device), p, p_lp, layout)
-        assert out.q_logits.shape == (B, c.total_actions, c.atoms) and out.head_logits.shape == (B, c.head_out)
+        assert out.q_logits.shape == (B, c.q_rows, c.atoms) and out.head_logits.shape == (B, c.head_out)
         assert [tuple(t.shape) for t in out.activations] == [(B, w) for w in widths]
         assert all(t.dtype == torch.bfloat16 for t in out.activations)
-        grad, gs = ops.mixed_backward(torch.empty(B, c.total_actions, c.atoms, device=device), None, out, p, p_lp,
+        grad, gs = ops.mixed_backward(torch.empty(B, c.q_rows, c.atoms, device=device), None, out, p, p_lp,
                                       layout, "bf16", True)
         assert grad.shape == (n,) and gs.shape == (B, c.state_dim)
         with pytest.raises(RuntimeError, match=f"dqn_ops.mixed_backward: activations: expected {len(widths)} tensors"):
