@@ -18,6 +18,16 @@ heads, the value heads of members 0..E-1 first, then member 0's branch heads, me
 member e's dueling uses its own value head, and q holds member e's branches at rows e*A + off_d
 (A = sum n_d). E = 1 is the network above, offsets and names included.
 
+An IQN network (``iqn_embedding`` = n > 0; Dabney et al. 2018; docs/iqn-design.md, not yet run by
+the ops) adds one layer ``phi`` (weight [T, n], bias [T], T = T_L) after the trunk and runs the
+heads on B * N rows, one per (sample, fraction tau):
+
+    c[b, i, k] = cos(pi k tau[b, i]), k = 0..n-1;   phi = relu(c W_phi^T + b_phi)   [B, N, T]
+    z[b, i] = h_L[b] * phi[b, i] (elementwise)                                        [B * N, T]
+
+and the head formulas above with z in place of h_L, one atom: q [B, E * A, N] holds action a's
+value at fraction tau[b, i] in slot i.
+
 All parameters live in one flat buffer (F32 master, same offsets in the BF16 mirror, the
 gradient and the Adam moments). Each segment starts at a multiple of ``ALIGN`` elements, so
 every weight matrix is 16-byte aligned in the BF16 mirror and 32-byte aligned in F32. The
@@ -136,6 +146,12 @@ class DQNConfig:
         ensemble: E >= 1 members sharing the trunk, each with its own heads (value head and
             branch heads); q holds the members' Q logits one after the other ([B, E * sum n_d, NA]).
             1: the plain network.
+        iqn_embedding: n >= 0; n > 0 makes an IQN network (Implicit Quantile Networks): a layer
+            ``phi`` [T_L, n] embeds the cosines cos(pi k tau), k = 0..n-1, of each quantile
+            fraction tau, and the heads run on h_L * phi(tau) (the module docstring). Each
+            (sample, fraction) gives one value per action, so atoms must be 1. The paper's n: 64.
+            0: no IQN. The ops do not run IQN networks yet (``ParamLayout.encode`` refuses them);
+            ``dqn_ops.rl.baseline.TorchQNet`` / ``torch_dqn_loss`` do.
 
     After construction ``value_hidden`` holds the resolved widths (a tuple), so configs compare
     equal however they were written. ``dataclasses.replace`` keeps them: pass
@@ -150,11 +166,18 @@ class DQNConfig:
     branches: Tuple[int, ...] = (3, 3, 3)
     dueling: bool = True
     ensemble: int = 1
+    iqn_embedding: int = 0
 
     def __post_init__(self):
         name = "DQNConfig"
         for field in ("state_dim", "atoms", "ensemble"):
             object.__setattr__(self, field, check_int(name, field, getattr(self, field), minimum=1))
+        iqn = check_int(name, "iqn_embedding", self.iqn_embedding, minimum=0)
+        if iqn > 0 and self.atoms != 1:
+            # IQN's distribution lies in the fractions a forward is given, not in output atoms.
+            raise ValueError(f"{name}: atoms must be 1 with iqn_embedding={iqn} (an IQN network gives one value per "
+                             f"action at each quantile fraction it is given), got {self.atoms}")
+        object.__setattr__(self, "iqn_embedding", iqn)
         dueling = check_bool(name, "dueling", self.dueling)
         trunk = check_int_tuple(name, "trunk_hidden", self.trunk_hidden, minimum=1,
                                 expected="one or more widths >= 1 (a tuple of ints)")
@@ -192,6 +215,11 @@ class DQNConfig:
     def q_rows(self) -> int:
         """Rows of the Q logits: E * sum n_d (member e's branches at rows e * A + off_d)."""
         return self.members * self.total_actions
+
+    @property
+    def iqn(self) -> bool:
+        """Whether this is an IQN network (iqn_embedding > 0: the phi layer after the trunk)."""
+        return self.iqn_embedding > 0
 
     @property
     def num_heads(self) -> int:
@@ -273,7 +301,9 @@ class ParamLayout:
     vector) and b_out (every head's output bias). Head order (``DQNConfig.num_heads`` heads): the
     value heads of members 0..E-1 (with dueling), then member 0's branch heads 0..D-1, member
     1's, ... (same-shape heads adjacent with equal strides, so each kind runs as one batched
-    GEMM: csrc/layout.h, block_groups).
+    GEMM: csrc/layout.h, block_groups). An IQN network (``iqn_embedding`` > 0) has W_phi
+    [T_L, n] right after the trunk's weights and b_phi right after the trunk's biases (view
+    ``phi``, after ``s<L>`` in every list of layers).
 
     ``encode()`` gives the ``int[] layout`` argument of the ops:
 
@@ -282,6 +312,9 @@ class ParamLayout:
          per trunk layer: W_s<i>, b_s<i>;  with H >= 1: W_h1, b_h1;
          per head layer j = 2..H: W_h<j>.<k> for each head k, b_h<j>;
          W_out<k> for each head k, b_out;  numel]
+
+    An IQN network has no encoding yet: ``encode()`` refuses it (the ops' format 3 has no phi
+    layer; docs/iqn-design.md gives the format 4 that the IQN kernels will parse).
 
     The C++ side validates it (csrc/layout.h) rather than recomputing it, so this class is the
     one source of truth.
@@ -293,6 +326,8 @@ class ParamLayout:
         trunk_in = (c.state_dim,) + c.trunk_hidden
         head_in = c.trunk_hidden[-1]
         segments = [(f"W_s{i + 1}", (c.trunk_hidden[i], trunk_in[i])) for i in range(len(c.trunk_hidden))]
+        if c.iqn:  # phi's output z = h_L * phi has h_L's width: the heads read it as they read h_L
+            segments.append(("W_phi", (head_in, c.iqn_embedding)))
         if H >= 1:
             segments.append(("W_h1", (sum(c.head_widths(0)), head_in)))
         for j in range(1, H):
@@ -300,6 +335,8 @@ class ParamLayout:
         last = c.head_widths(H - 1) if H >= 1 else (head_in,) * heads
         segments += [(f"W_out{k}", (w, last[k])) for k, w in enumerate(c.head_out_widths())]
         segments += [(f"b_s{i + 1}", (w,)) for i, w in enumerate(c.trunk_hidden)]
+        if c.iqn:
+            segments.append(("b_phi", (head_in,)))
         segments += [(f"b_h{j + 1}", (sum(c.head_widths(j)),)) for j in range(H)]
         segments.append(("b_out", (c.head_out,)))
         self.segments: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
@@ -339,6 +376,9 @@ class ParamLayout:
         for i in range(len(c.trunk_hidden)):
             (w, shape), (b, _) = seg[f"W_s{i + 1}"], seg[f"b_s{i + 1}"]
             t += [(f"s{i + 1}.weight", shape, w), (f"s{i + 1}.bias", shape[:1], b)]
+        if c.iqn:
+            (w, shape), (b, _) = seg["W_phi"], seg["b_phi"]
+            t += [("phi.weight", shape, w), ("phi.bias", shape[:1], b)]
         names, H = self.head_names(), c.head_depth
         # Head k's layer j: its rows of the layer's weight (W_h1's rows after the heads before
         # it; a segment of its own deeper down) and its columns of the layer's bias.
@@ -368,6 +408,14 @@ class ParamLayout:
 
     def encode(self) -> List[int]:
         c, seg = self.config, self.segments
+        if c.iqn:
+            # Format 3 (what csrc/layout.h parses) has no phi layer: a layout without it would
+            # run the heads on h_L and silently drop the fractions. Format 4 comes with the
+            # kernels (docs/iqn-design.md).
+            raise NotImplementedError(
+                f"ParamLayout.encode: IQN networks (iqn_embedding={c.iqn_embedding}) need the kernels of a later "
+                f"version of dqn_ops: the ops' layout format {LAYOUT_FORMAT} has no phi layer (docs/iqn-design.md). "
+                f"The plain-PyTorch dqn_ops.rl.baseline.TorchQNet and torch_dqn_loss(loss_type='iqn') run them.")
         H = c.head_depth
         sizes = [LAYOUT_FORMAT, c.state_dim, c.atoms, int(c.dueling), c.members, c.num_branches, *c.branches,
                  len(c.trunk_hidden), *c.trunk_hidden, H, *(c.value_hidden if c.dueling else ()), *c.adv_hidden]

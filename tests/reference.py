@@ -71,11 +71,14 @@ def head_widths(c: DQNConfig) -> List[Tuple[str, Tuple[int, ...], int]]:
 
 
 def layer_shapes(c: DQNConfig) -> Dict[str, Tuple[int, int]]:
-    """Every nn.Linear layer's (out, in), by name, in forward order (trunk, then head by head)."""
+    """Every nn.Linear layer's (out, in), by name, in forward order (trunk, IQN's phi, then head
+    by head)."""
     shapes, width = {}, c.state_dim
     for i, w in enumerate(c.trunk_hidden):
         shapes[f"s{i + 1}"] = (w, width)
         width = w
+    if c.iqn_embedding > 0:  # IQN: phi embeds n cosines to the trunk's width
+        shapes["phi"] = (width, c.iqn_embedding)
     for stem, hidden, out in head_widths(c):
         w_in = width
         for j, w in enumerate(hidden + (out,)):
@@ -89,28 +92,70 @@ def reference_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]], s:
     """The network on s with layers {name: (weight, bias)}: (q [B, A, NA], head [B, head_out],
     activations [s, h_1, ..., h_L, head layer 1, ..., head layer H]). round_to: a dtype every
     activation (the states included) is rounded to after its ReLU, as the kernels store them."""
-    def rounded(x):
-        return x if round_to is None else x.to(round_to).to(x.dtype)
-
+    if c.iqn_embedding > 0:
+        raise ValueError("reference_forward: an IQN network takes fractions: reference_iqn_forward")
+    rounded = _rounding(round_to)
     x = rounded(s)
-    acts = [x]
+    acts = [x] + _trunk(c, layers, x, rounded)
+    outs, head_acts = _heads(c, layers, acts[-1], rounded)
+    return aggregate(c, outs), torch.cat(outs, 1), acts + head_acts
+
+
+def _rounding(round_to: Optional[torch.dtype]):
+    return lambda x: x if round_to is None else x.to(round_to).to(x.dtype)
+
+
+def _trunk(c: DQNConfig, layers, x: Tensor, rounded) -> List[Tensor]:
+    """[h_1, ..., h_L] on the (rounded) states x."""
+    acts = []
     for i in range(len(c.trunk_hidden)):
         x = rounded(F.relu(F.linear(x, *layers[f"s{i + 1}"])))
         acts.append(x)
-    heads = head_widths(c)
+    return acts
+
+
+def _heads(c: DQNConfig, layers, x: Tensor, rounded) -> Tuple[List[Tensor], List[Tensor]]:
+    """Every head on its input x (h_L, or IQN's z): (the output heads' logits in head order, the
+    head layers' activations [every head's layer j side by side] for j = 1..H)."""
     per_head: List[List[Tensor]] = []
     outs = []
-    for stem, hidden, _ in heads:
+    for stem, hidden, _ in head_widths(c):
         y, ys = x, []
         for j in range(len(hidden)):
             y = rounded(F.relu(F.linear(y, *layers[stem.format(j + 1)])))
             ys.append(y)
         per_head.append(ys)
         outs.append(F.linear(y, *layers[stem.format(len(hidden) + 1)]))
-    for j in range(len(c.adv_hidden)):
-        acts.append(torch.cat([ys[j] for ys in per_head], 1))
-    head = torch.cat(outs, 1)
-    return aggregate(c, outs), head, acts
+    return outs, [torch.cat([ys[j] for ys in per_head], 1) for j in range(len(c.adv_hidden))]
+
+
+# IQN (Dabney et al. 2018, "Implicit Quantile Networks for Distributional Reinforcement
+# Learning", eq. 4 and sec. 3.1), written from the paper and docs/iqn-design.md:
+#   h = trunk(s) [B, T];  c[b, i, k] = cos(pi k tau[b, i]), k = 0..n-1 (n = iqn_embedding)
+#   phi[b, i] = relu(sum_k c[b, i, k] W_phi[:, k] + b_phi)   [B, N, T]
+#   z[b, i] = h[b] * phi[b, i]   -> the heads (and the dueling aggregation) on the B * N rows z
+#   q[b, a, i] = the value of action a on row (b, i)   [B, E * A, N]
+
+def reference_iqn_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]], s: Tensor, tau: Tensor,
+                          round_to: Optional[torch.dtype] = None):
+    """The IQN network on s [B, SD] at fractions tau [B, N]: (q [B, E * A, N], head [B * N,
+    head_out] with row (b, i) at b * N + i, activations [s, h_1, ..., h_L, c, phi, z, head layer
+    1, ..., head layer H], each IQN one [B * N, width]). round_to: a dtype every activation (the
+    states and the cosines included) is rounded to, as the BF16 kernels will store them."""
+    assert c.iqn_embedding > 0 and c.atoms == 1
+    rounded = _rounding(round_to)
+    B, N = tau.shape
+    x = rounded(s)
+    acts = [x] + _trunk(c, layers, x, rounded)
+    h = acts[-1]
+    k = torch.arange(c.iqn_embedding, dtype=torch.float64)
+    cos = rounded(torch.cos(torch.pi * tau.to(torch.float64).reshape(B * N, 1) * k).to(h.dtype))  # [B*N, n]
+    phi = rounded(F.relu(F.linear(cos, *layers["phi"])))                                        # [B*N, T]
+    z = rounded(h.repeat_interleave(N, 0) * phi)                                                # row b*N + i
+    outs, head_acts = _heads(c, layers, z, rounded)
+    q_rows = aggregate(c, outs)                                                                 # [B*N, E*A, 1]
+    q = q_rows[..., 0].reshape(B, N, -1).transpose(1, 2)
+    return q, torch.cat(outs, 1), acts + [cos, phi, z] + head_acts
 
 
 def aggregate(c: DQNConfig, outs: Sequence[Tensor]) -> Tensor:
@@ -148,8 +193,11 @@ class ReferenceNet(nn.Module):
     def layers(self) -> Dict[str, Tuple[Tensor, Tensor]]:
         return {name: (self.linear(name).weight, self.linear(name).bias) for name in layer_shapes(self.config)}
 
-    def forward(self, s):
-        q, head, _ = reference_forward(self.config, self.layers(), s)
+    def forward(self, s, tau=None):
+        if self.config.iqn_embedding > 0:
+            q, head, _ = reference_iqn_forward(self.config, self.layers(), s, tau)
+        else:
+            q, head, _ = reference_forward(self.config, self.layers(), s)
         return q, head
 
 
@@ -367,3 +415,55 @@ def reference_qr(q, q_next_online, q_next_target, actions, rewards, dones, branc
     loss.backward()
     mean_q = theta.detach().sum() / (B * D * N)
     return loss.detach(), q.grad, L.detach(), mean_q
+
+
+# ---------------------------------------------------------------------------------------
+# The IQN loss (Dabney et al. 2018, eq. 3 with kappa = 1; docs/iqn-design.md), written from
+# the paper's formula in float64, independently of reference_qr above and of dqn_ops's code
+# (the next action one (sample, member, branch) at a time, the sum over (i, j) written as a
+# [B, N, N'] tensor per (member, branch)). The gradient comes from torch.autograd.
+
+def reference_iqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, branches, gamma, tau,
+                       weights=None, masks=None):
+    """The IQN loss in float64, for E >= 1 members (read off q's width, as dqn_loss does):
+        q [B, E * A, N]: member e's action a at fraction tau[b, i] in slot i (row e * A + off_d + a);
+        q_next_online [B, E * A, K], q_next_target [B, E * A, N'] (N, K, N' may differ);
+        a*_bed = the first argmax over branch d's actions of (1/K) sum_k q_next_online[b, row, k];
+        T_j = r_b + gamma (1 - done_b) q_next_target[b, e * A + off_d + a*_bed, j];
+        theta_i = q[b, e * A + off_d + actions[b, d], i];
+        L_bed = sum_i (1/N') sum_j |tau_bi - 1{T_j < theta_i}| huber1(T_j - theta_i);
+        loss = (1/B) sum_b w_b (1/(E D)) sum_e m_be sum_d L_bed;  td[b] = (1/(E D)) sum_{e,d} L_bed;
+        mean_q = the mean of theta over (b, e, d, i).
+    Returns (loss, grad_q = d loss / d q by autograd, td [B], mean_q), float64 on the CPU."""
+    B, width, N = q.shape
+    A, D = sum(branches), len(branches)
+    E = width // A
+    K, N2 = q_next_online.shape[2], q_next_target.shape[2]
+    x = q.detach().double().cpu().requires_grad_()
+    qo, qt = q_next_online.detach().double().cpu(), q_next_target.detach().double().cpu()
+    r, done = rewards.detach().double().cpu(), dones.detach().double().cpu()
+    fractions = tau.detach().double().cpu()                                          # [B, N]
+    act = actions.cpu()
+    w = torch.ones(B, dtype=torch.float64) if weights is None else weights.detach().double().cpu()
+    m = torch.ones(B, E, dtype=torch.float64) if masks is None else masks.detach().double().cpu()
+    L = torch.zeros(B, E, D, dtype=torch.float64)
+    thetas = []
+    for e in range(E):
+        off = e * A
+        for d, n in enumerate(branches):
+            rows = []                                                                # per sample: a*'s target row
+            for b in range(B):
+                means = [qo[b, off + a].sum().item() / K for a in range(n)]
+                best = max(range(n), key=lambda a: (means[a], -a))                   # the first of equal maxima
+                rows.append(qt[b, off + best])
+            T = r[:, None] + gamma * (1.0 - done[:, None]) * torch.stack(rows)       # [B, N'] (j)
+            theta = x[torch.arange(B), off + act[:, d]]                              # [B, N] (i)
+            below = (T[:, None, :] < theta.detach()[:, :, None]).double()            # 1{T_j < theta_i}
+            rho = (fractions[:, :, None] - below).abs() * huber1(T[:, None, :] - theta[:, :, None])
+            L[:, e, d] = rho.sum((1, 2)) / N2
+            thetas.append(theta.detach())
+            off += n
+    loss = (w * (m * L.sum(2)).sum(1) / (E * D)).sum() / B
+    loss.backward()
+    mean_q = torch.stack(thetas).mean()
+    return loss.detach(), x.grad, L.detach().sum((1, 2)) / (E * D), mean_q

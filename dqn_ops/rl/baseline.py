@@ -28,7 +28,9 @@ class TorchQNet(nn.Module):
     without dueling), ``a<j>`` being a ModuleList over the branches; layer H + 1 of a head is
     its output layer (with H = 0 it reads the last trunk layer). An ensemble (E > 1) has the
     trunk and one submodule ``e<m>`` per member holding that member's heads under the same
-    names (``e0.v1``, ``e1.a2.0``).
+    names (``e0.v1``, ``e1.a2.0``). An IQN network (``iqn_embedding`` = n > 0) has the layer
+    ``phi`` (``nn.Linear(n, T_L)``) after the trunk and takes quantile fractions:
+    ``forward(s, tau)`` (docs/iqn-design.md).
     """
 
     def __init__(self, c: DQNConfig):
@@ -55,14 +57,30 @@ class TorchQNet(nn.Module):
         self._heads = [[self.get_submodule(layout.head_layer_name(head, j + 1)) for j in range(c.head_depth + 1)]
                        for head in layout.head_names()]
 
-    def forward(self, s):
+    def forward(self, s, tau=None):
         """Returns (q [B, E * sum n_d, NA]: dueling-aggregated, or the branches' logits without
         dueling, member after member; head [B, NA * E * (dueling + sum n_d)]: every output head's
-        logits in head order: the value heads first, then member 0's branches, member 1's, ...)."""
+        logits in head order: the value heads first, then member 0's branches, member 1's, ...).
+
+        An IQN network takes ``tau`` [B, N], each sample's quantile fractions, and returns (q
+        [B, E * sum n_d, N]: action a's value at fraction tau[b, i] in slot i; head [B * N,
+        E * (dueling + sum n_d)]: the head logits of row (b, i) at b * N + i)."""
         c = self.config
+        if c.iqn != (tau is not None):
+            raise ValueError(f"TorchQNet: an IQN network (iqn_embedding > 0) takes the fractions tau [B, N], any "
+                             f"other none; this one has iqn_embedding={c.iqn_embedding} and was "
+                             f"{'not ' if tau is None else ''}given tau")
         h = s
         for layer in self._trunk:
             h = F.relu(layer(h))
+        N = 1
+        if c.iqn:
+            if tau.dim() != 2 or tau.shape[0] != s.shape[0]:
+                raise ValueError(f"TorchQNet: tau must be [B, N] with B = {s.shape[0]} (the states' rows), got "
+                                 f"{list(tau.shape)}")
+            N = tau.shape[1]
+            phi = F.relu(self.phi(iqn_cosines(tau.to(h.dtype), c.iqn_embedding)))     # [B, N, T]
+            h = (h[:, None, :] * phi).reshape(-1, h.shape[1])                          # z: [B * N, T], (b, i) rows
         heads = []
         for layers in self._heads:
             x = h
@@ -77,7 +95,17 @@ class TorchQNet(nn.Module):
                 v = heads[e].view(-1, 1, c.atoms)
                 member = [v + a - a.mean(1, keepdim=True) for a in member]
             qs += member
-        return torch.cat(qs, 1), torch.cat(heads, 1)
+        q = torch.cat(qs, 1)
+        if c.iqn:  # [B * N, E * A, 1] rows (b, i) -> [B, E * A, N]: fraction i in atom slot i
+            q = q.view(-1, N, q.shape[1]).transpose(1, 2)
+        return q, torch.cat(heads, 1)
+
+
+def iqn_cosines(tau, n):
+    """IQN's embedding input (Dabney et al. 2018, eq. 4): c[..., k] = cos(pi k tau), k = 0..n-1,
+    for fractions tau [...] -> [..., n] (k = 0 gives the constant 1, the paper's sum from 0)."""
+    k = torch.arange(n, device=tau.device, dtype=tau.dtype)
+    return torch.cos(torch.pi * k * tau[..., None])
 
 
 # The name scripts/bench_network.py imports.
@@ -85,19 +113,33 @@ TorchDuelingBranchNet = TorchQNet
 
 
 def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, branches, v_min, v_max, gamma,
-                   loss_type="c51", weights=None, masks=None):
+                   loss_type="c51", weights=None, masks=None, fractions=None):
     """The loss of ``dqn_ops.dqn_loss`` in plain PyTorch ops (the anchor's C51 loop; QR-DQN's
-    quantile Huber loss; BDQ's MSE/Huber for one atom). Returns (loss, td_error [B], mean_q),
-    differentiable w.r.t. q. An ensemble (q [B, E * sum(branches), NA]) runs as B * E samples,
-    member e of sample b at row b * E + e of q viewed as [B * E, sum(branches), NA] (each member
-    its own learner); masks [B, E] (None: 1) weight the members' losses."""
+    quantile Huber loss; BDQ's MSE/Huber for one atom; IQN's). Returns (loss, td_error [B],
+    mean_q), differentiable w.r.t. q. An ensemble (q [B, E * sum(branches), NA]) runs as B * E
+    samples, member e of sample b at row b * E + e of q viewed as [B * E, sum(branches), NA]
+    (each member its own learner); masks [B, E] (None: 1) weight the members' losses.
+
+    'iqn' (docs/iqn-design.md): QR-DQN's loss at each sample's own fractions: q [B, E * A, N]
+    the online values at ``fractions`` [B, N] (tau_bi in slot i), q_next_online [B, E * A, K]
+    (its mean over the K slots picks the next action), q_next_target [B, E * A, N'] (the target
+    values at N' other fractions); N, K, N' may differ. 'qr' is the case tau_bi = (2i + 1) / 2N."""
     B, width, NA = q.shape
     E = width // sum(branches)
+    if (loss_type == "iqn") != (fractions is not None):
+        raise ValueError(f"torch_dqn_loss: loss_type 'iqn' takes the fractions of q [B, N], any other none; "
+                         f"got loss_type {loss_type!r} and fractions {'None' if fractions is None else 'given'}")
+    if fractions is not None and tuple(fractions.shape) != (B, NA):
+        raise ValueError(f"torch_dqn_loss: fractions must be [B, N] = {[B, NA]} (q's samples and slots), got "
+                         f"{list(fractions.shape)}")
     w = torch.ones(B, device=q.device, dtype=q.dtype) if weights is None else weights
     mask = torch.ones(B, E, device=q.device, dtype=q.dtype) if masks is None else masks
     if E > 1:  # each (sample, member) as a sample of its own, the per-sample inputs repeated
-        q, q_next_online, q_next_target = (t.reshape(B * E, width // E, NA) for t in (q, q_next_online, q_next_target))
+        q, q_next_online, q_next_target = (t.reshape(B * E, width // E, t.shape[-1])
+                                           for t in (q, q_next_online, q_next_target))
         actions, rewards, dones = (t.repeat_interleave(E, 0) for t in (actions, rewards, dones))
+        if fractions is not None:  # the members share the trunk, phi and so the fractions
+            fractions = fractions.repeat_interleave(E, 0)
     rows = torch.arange(q.shape[0], device=q.device)
     per_branch, q_taken, off = [], [], 0
     if loss_type == "c51":
@@ -122,8 +164,10 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
             off += n
         per_sample = torch.stack(per_branch, 1).mean(1)
         td = per_sample.detach()
-    elif loss_type == "qr":
-        tau = (2 * torch.arange(NA, device=q.device, dtype=q.dtype) + 1) / (2 * NA)  # [N] fractions
+    elif loss_type in ("qr", "iqn"):
+        # [B, N] (iqn: each sample's own) or [1, N] (qr: the fixed midpoints) fractions of q's slots
+        tau = (fractions.to(q.dtype) if loss_type == "iqn"
+               else ((2 * torch.arange(NA, device=q.device, dtype=q.dtype) + 1) / (2 * NA))[None])
         for i, n in enumerate(branches):
             with torch.no_grad():
                 a_star = q_next_online[:, off:off + n].mean(-1).argmax(1)
@@ -131,7 +175,7 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
             theta = q[:, off:off + n][rows, actions[:, i]]          # [B, N]
             u = target[:, None, :] - theta[:, :, None]              # [B, N (i), N' (j)]
             huber = F.huber_loss(u, torch.zeros_like(u), reduction="none", delta=1.0)
-            per_branch.append(((tau[:, None] - (u.detach() < 0).to(q.dtype)).abs() * huber).mean(2).sum(1))
+            per_branch.append(((tau[:, :, None] - (u.detach() < 0).to(q.dtype)).abs() * huber).mean(2).sum(1))
             q_taken.append(theta.detach().mean(-1))
             off += n
         per_sample = torch.stack(per_branch, 1).mean(1)
