@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "fused_loss_limits.h"
+#include "iqn_fractions_args.h"
 #include "loss_args.h"
 #include "spectral_args.h"
 
@@ -22,6 +23,7 @@
 //   FUSED_LOSS_MAX_ATOMS, FUSED_LOSS_MAX_BRANCHES: the largest C51 configuration whose
 //     _dqn_loss_on_logits runs as the single fused kernel on CUDA (csrc/fused_loss_limits.h);
 //   LOSS_CUDA_MAX_ATOMS: the most atoms (C51) or quantiles (QR) the CUDA loss takes (csrc/loss_args.h);
+//   IQN_MAX_FRACTIONS: the most fractions per row of each set iqn_fractions draws (csrc/iqn_fractions_args.h);
 // and one test hook, not part of the API:
 //   _set_spectral_strategy(name) -> previous name: "auto" (the default) or "cooperative" (every
 //     matrix of batched_spectral_norm on CUDA takes the cooperative strategy; csrc/spectral_args.h).
@@ -54,7 +56,8 @@ PyObject* PyInit__C(void) {
   if (module == nullptr) return nullptr;
   if (PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_ATOMS", dqn_ops::kFusedLossMaxAtoms) < 0 ||
       PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_BRANCHES", dqn_ops::kFusedLossMaxBranches) < 0 ||
-      PyModule_AddIntConstant(module, "LOSS_CUDA_MAX_ATOMS", dqn_ops::kLossCudaMaxAtoms) < 0) {
+      PyModule_AddIntConstant(module, "LOSS_CUDA_MAX_ATOMS", dqn_ops::kLossCudaMaxAtoms) < 0 ||
+      PyModule_AddIntConstant(module, "IQN_MAX_FRACTIONS", dqn_ops::kIqnMaxFractions) < 0) {
     Py_DECREF(module);
     return nullptr;
   }
@@ -212,6 +215,20 @@ TORCH_LIBRARY(dqn_ops, m) {
   // replay with nothing stored, and the op holds no state (capturable). members >= 1 (up to
   // 2^32, philox's row), 0 < p <= 1 (p = 1: all ones).
   m.def("bootstrap_masks(Tensor indices, int seed, int members, float p) -> Tensor");
+
+  // IQN's quantile fractions (Dabney et al. 2018; docs/iqn-design.md, "Fractions in the trainer"):
+  // rng int64 [2] = (seed, call) -> tau [batch, n] and tau_target [batch, n_target] F32 on rng's
+  // device, drawn on csrc/philox.h's stream kIqnFractions (csrc/iqn_fractions_args.h):
+  //   tau[b, i]        = uniform(draw(seed, call, row = row_offset + b, slot = i))
+  //   tau_target[b, j] = uniform(draw(seed, call, row = row_offset + b, slot = 2^17 + j))
+  // uniform: the top 24 bits / 2^24, in [0, 1 - 2^-24]; tau_target does not depend on n, nor tau
+  // on n_target. row_offset: the batch's first global row (rank * B under data parallelism, so
+  // that ranks draw different fractions). rng's call is read and advanced by one on the device
+  // (no host read: capturable, each graph replay draws the next call's). batch >= 1;
+  // 1 <= n, n_target < 2^17; row_offset >= 0 and row_offset + batch <= 2^32 (philox's row).
+  m.def(
+      "iqn_fractions(Tensor(a!) rng, int batch, int n, int n_target, int row_offset) -> (Tensor tau, "
+      "Tensor tau_target)");
 
   // Replay
   // The replay buffer on the device (dqn_ops/rl/replay.py), internal (the schemas may change).

@@ -14,6 +14,8 @@
 // thing to do) would otherwise draw the same numbers at the same step and row.
 // bootstrap_masks keys its draws by the transition, not by a call: its `call` word is the
 // replay index and its `row` the ensemble member (csrc/bootstrap_args.h).
+// iqn_fractions draws two sets per row, tau at slots [0, 2^17) and tau' at [2^17, 2^18), so
+// that each set's numbers do not depend on the other's size (csrc/iqn_fractions_args.h).
 #pragma once
 
 #include <cstdint>
@@ -52,7 +54,7 @@ DQN_OPS_HD Words philox4x32_10(Words ctr, uint32_t k0, uint32_t k1) {
 }
 
 // Which op draws: the high half of the counter's second word.
-enum class Stream : uint32_t { kAct = 1, kReplay = 2, kEnv = 3, kBootstrap = 4 };
+enum class Stream : uint32_t { kAct = 1, kReplay = 2, kEnv = 3, kBootstrap = 4, kIqnFractions = 5 };
 
 // Word `slot % 4` of the block for (seed, call, row, stream, slot / 4).
 DQN_OPS_HD uint32_t draw(Stream stream, uint64_t seed, uint64_t call, uint32_t row, uint32_t slot) {

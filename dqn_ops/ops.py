@@ -30,6 +30,7 @@ LOSS_TYPES = ("c51", "qr", "mse", "huber")
 FUSED_LOSS_MAX_ATOMS: int = _C.FUSED_LOSS_MAX_ATOMS
 LOSS_CUDA_MAX_ATOMS: int = _C.LOSS_CUDA_MAX_ATOMS  # atoms (C51) or quantiles (QR) the CUDA loss takes
 FUSED_LOSS_MAX_BRANCHES: int = _C.FUSED_LOSS_MAX_BRANCHES
+IQN_MAX_FRACTIONS: int = _C.IQN_MAX_FRACTIONS  # iqn_fractions' n and n_target: each set's slots lie below 2^17
 
 
 def philox_seed(seed: int) -> int:
@@ -670,6 +671,58 @@ def _(indices, seed, members, p):
     _check(0 < p <= 1, f"{op}: p: expected 0 < p <= 1 (the probability that a member learns from a transition), "
                        f"got {p}")
     return indices.new_empty(indices.shape[0], members, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# iqn_fractions
+
+class IqnFractions(NamedTuple):
+    tau: Tensor         # [batch, n] float32: the online network's fractions on s
+    tau_target: Tensor  # [batch, n_target] float32: the target network's fractions on s'
+
+
+def iqn_fractions(rng: Tensor, batch: int, n: int, n_target: int, row_offset: int = 0) -> IqnFractions:
+    """IQN's quantile fractions (Dabney et al. 2018) for a batch, drawn on ``rng``'s device
+    without a host sync (docs/iqn-design.md, "Fractions in the trainer"):
+    ``tau[b, i] = uniform(draw(seed, call, row_offset + b, i))`` and
+    ``tau_target[b, j] = uniform(draw(seed, call, row_offset + b, 2^17 + j))`` (csrc/philox.h,
+    stream kIqnFractions; the formula: csrc/iqn_fractions_args.h), ``uniform`` the draw's top 24
+    bits / 2^24, in [0, 1 - 2^-24]. ``tau_target`` does not depend on ``n`` (nor ``tau`` on
+    ``n_target``). The same bits on the CPU and CUDA.
+
+    Args:
+        rng: int64 [2] = (seed, call counter), contiguous; the call is read and advanced by one
+            on the device (graph-capturable: each replay draws the next call's fractions).
+        batch: the rows, >= 1.
+        n, n_target: the fractions per row of each set, 1 <= n, n_target <= 2^17 - 1.
+        row_offset: the batch's first global row (``rank * batch`` under data parallelism, so that
+            ranks draw different fractions), >= 0, with ``row_offset + batch <= 2^32``.
+    """
+    try:
+        return IqnFractions(*torch.ops.dqn_ops.iqn_fractions.default(rng, int(batch), int(n), int(n_target),
+                                                                     int(row_offset)))
+    except NotImplementedError as e:
+        _raise_missing_kernel("iqn_fractions", e)
+        raise
+
+
+@torch.library.register_fake("dqn_ops::iqn_fractions")
+def _(rng, batch, n, n_target, row_offset):
+    op = "dqn_ops.iqn_fractions"
+    _check(rng.dtype == torch.int64, f"{op}: rng: expected dtype Long, got {rng.dtype}")
+    _check(rng.shape == (2,), f"{op}: rng: expected shape [2], got {list(rng.shape)}")
+    _check(batch >= 1, f"{op}: batch: expected at least 1 row, got {batch}")
+    _check(1 <= n <= IQN_MAX_FRACTIONS, f"{op}: n: expected 1 <= n <= {IQN_MAX_FRACTIONS} (the fractions of a row "
+                                        f"draw at philox slots below 2^17), got {n}")
+    _check(1 <= n_target <= IQN_MAX_FRACTIONS,
+           f"{op}: n_target: expected 1 <= n_target <= {IQN_MAX_FRACTIONS} (the target fractions of a row draw at "
+           f"philox slots 2^17 + j, below 2^18), got {n_target}")
+    _check(0 <= row_offset < 2 ** 32, f"{op}: row_offset: expected 0 <= row_offset < {2 ** 32} (philox's row is "
+                                      f"32 bits), got {row_offset}")
+    _check(batch <= 2 ** 32 - row_offset,
+           f"{op}: batch: rows row_offset .. row_offset + batch - 1 must be below {2 ** 32} (philox's row is 32 "
+           f"bits), got row_offset {row_offset} and batch {batch}")
+    return rng.new_empty(batch, n, dtype=torch.float32), rng.new_empty(batch, n_target, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------

@@ -316,7 +316,7 @@ def philox4x32_10(counter, key):
 
 
 # philox::Stream: which op draws
-STREAM_ACT, STREAM_REPLAY, STREAM_ENV, STREAM_BOOTSTRAP = 1, 2, 3, 4
+STREAM_ACT, STREAM_REPLAY, STREAM_ENV, STREAM_BOOTSTRAP, STREAM_IQN_FRACTIONS = 1, 2, 3, 4, 5
 
 
 def philox_draw(stream: int, seed: int, call: int, row: int, slot: int) -> int:

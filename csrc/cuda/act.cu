@@ -38,6 +38,7 @@
 
 #include "act_args.h"
 #include "branch_table.cuh"
+#include "call_counter.cuh"
 #include "dueling.cuh"
 #include "forward.h"
 #include "quantiles.cuh"
@@ -201,11 +202,6 @@ __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActP
   }
 }
 
-// The next call: rng[1] + 1 as the unsigned counter it is (wrapping, never signed overflow).
-__global__ void advance_call_kernel(int64_t* rng) {
-  rng[1] = static_cast<int64_t>(static_cast<uint64_t>(rng[1]) + 1u);
-}
-
 std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, const Tensor& params_bf16,
                                     c10::IntArrayRef layout, double v_min, double v_max, const Tensor& epsilon,
                                     Tensor& rng, c10::string_view loss_type, double ucb) {
@@ -247,8 +243,7 @@ std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, 
   const auto epilogue = type == LossType::kQR ? act_epilogue_kernel<true> : act_epilogue_kernel<false>;
   epilogue<<<blocks, warps * 32, shared_bytes, stream>>>(P, branches);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  advance_call_kernel<<<1, 1, 0, stream>>>(rng.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  advance_call(rng.data_ptr<int64_t>(), stream);
   return {actions, greedy_q};
 }
 
