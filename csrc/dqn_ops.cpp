@@ -128,6 +128,11 @@ TORCH_LIBRARY(dqn_ops, m) {
   //          theta_target(s', a*)_j, the quantile Huber loss (kappa 1) sum_i mean_j
   //          |tau_i - 1{T_j < theta_i}| huber(T_j - theta_i) on the taken action, mean over branches;
   //          td_error = that per-sample loss. v_min / v_max are not used.
+  //   'iqn' (IQN, docs/iqn-design.md): QR's loss with tau_i = fractions[b, i] ([B, N] F32, each
+  //          sample's own, shared by the members; required for 'iqn', refused otherwise), q [B, E * A, N],
+  //          q_next_online [B, E * A, K] (the next action by its mean), q_next_target [B, E * A, N'],
+  //          the inner mean over N'. A fraction outside [0, 1] (or NaN): the CPU kernel raises, the
+  //          CUDA kernel poisons the sample.
   //   'mse' / 'huber' (atoms == 1): BDQ target y = r + gamma (1 - done) mean_d Q_target_d(s', a*_d),
   //          loss mean_d (y - Q_d(s, a_d))^2 or Huber(delta 1); td_error = mean_d |y - Q_d|.
   // With L_bed the term of sample b, member e, branch d (C51: the cross-entropy; QR: the quantile
@@ -137,13 +142,14 @@ TORCH_LIBRARY(dqn_ops, m) {
   //   unmasked (the transition's priority); mean_q = mean over samples, members and branches of
   //   the expected Q of the taken action, unmasked. E = 1 with masks None is the loss without
   //   members, bit for bit. A NaN/Inf reward or done (which clamping onto the support would hide;
-  //   'qr': any non-finite target quantile) makes that sample's loss and gradient NaN, so that an
+  //   'qr' / 'iqn': any non-finite target quantile) makes that sample's loss and gradient NaN, so that an
   //   optimizer skips the step (a mask of 0 does not clear it); so does an out-of-range action on
   //   CUDA (no host sync can report it), while the CPU kernel raises.
   m.def(
       "dqn_loss(Tensor q, Tensor q_next_online, Tensor q_next_target, Tensor actions, Tensor rewards, "
       "Tensor dones, Tensor? weights, int[] branches, float v_min, float v_max, float gamma, "
-      "str loss_type=\"c51\", Tensor? masks=None) -> (Tensor loss, Tensor grad_q, Tensor td_error, Tensor mean_q)");
+      "str loss_type=\"c51\", Tensor? masks=None, Tensor? fractions=None) -> (Tensor loss, Tensor grad_q, "
+      "Tensor td_error, Tensor mean_q)");
 
   // The trainer's step (dqn_ops/step.py): the three ops above with the dueling aggregation
   // and its backward moved into the loss, so that on CUDA the logits make one trip through

@@ -1,6 +1,7 @@
 // Argument validation of dqn_loss, shared by the CPU and CUDA kernels.
 #pragma once
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -24,10 +25,14 @@ enum class LossType {
   kQR,     // distributional: quantile regression (QR-DQN), quantile Huber loss, kappa 1 (atoms >= 1 quantiles)
   kMSE,    // (y - Q)^2 on the BDQ target (atoms == 1)
   kHuber,  // Huber, delta 1, on the BDQ target (atoms == 1)
+  kIQN,    // distributional: implicit quantile networks, QR's loss with each sample's own fractions
+           // (docs/iqn-design.md): q's N slots at fractions [B, N], N, K, N' slots in the three inputs
 };
 
 struct LossShape {
-  int64_t batch, total_actions, atoms;
+  // atoms: q's slots per row (C51's atoms, QR's quantiles, IQN's N); next_atoms (K) and
+  // target_atoms (N'): q_next_online's and q_next_target's, equal to atoms but for IQN.
+  int64_t batch, total_actions, atoms, next_atoms, target_atoms;
   // E >= 1 ensemble members (csrc/dqn_ops.cpp): q is [B, E * total_actions, atoms], member e's
   // branch d at rows e * total_actions + action_offsets[d] of a sample.
   int64_t members;
@@ -35,16 +40,20 @@ struct LossShape {
   LossType type;
 };
 
-inline LossType parse_loss_type(const std::string& s, const char* op = kLossOp) {
+// takes_iqn: whether the op takes 'iqn' (dqn_loss does; an op that does not lists the others,
+// so that 'iqn' is refused as any name it does not know, and never runs another type's arithmetic).
+inline LossType parse_loss_type(const std::string& s, const char* op = kLossOp, bool takes_iqn = false) {
   if (s == "c51") return LossType::kC51;
   if (s == "qr") return LossType::kQR;
   if (s == "mse") return LossType::kMSE;
   if (s == "huber") return LossType::kHuber;
-  DQN_CHECK(false, op, ": loss_type: expected one of 'c51', 'qr', 'mse', 'huber', got '", s, "'");
+  if (takes_iqn && s == "iqn") return LossType::kIQN;
+  DQN_CHECK(false, op, ": loss_type: expected one of 'c51', 'qr', 'mse', 'huber'", takes_iqn ? ", 'iqn'" : "",
+            ", got '", s, "'");
 }
 
 // Whether the network's outputs fit the loss type: C51 needs >= 2 atoms, MSE / Huber plain
-// Q-values (1 atom), QR any count of quantiles (the losses' and act's check).
+// Q-values (1 atom), QR and IQN any count of quantiles (the losses' and act's check).
 inline void check_loss_fits_atoms(const char* op, LossType type, int64_t atoms, const std::string& loss_type) {
   if (type == LossType::kC51)
     DQN_CHECK(atoms >= 2, op, ": loss_type 'c51' needs at least 2 atoms, got ", atoms,
@@ -55,10 +64,10 @@ inline void check_loss_fits_atoms(const char* op, LossType type, int64_t atoms, 
 }
 
 // The checks of the loss type against the atom count, and of the support and the discount:
-// dqn_loss's and _dqn_loss_on_logits's. Returns the parsed type.
+// dqn_loss's and _dqn_loss_on_logits's (takes_iqn: as parse_loss_type). Returns the parsed type.
 inline LossType check_loss_constants(const char* op, int64_t atoms, double v_min, double v_max, double gamma,
-                                     const std::string& loss_type) {
-  const LossType type = parse_loss_type(loss_type, op);
+                                     const std::string& loss_type, bool takes_iqn = false) {
+  const LossType type = parse_loss_type(loss_type, op, takes_iqn);
   check_loss_fits_atoms(op, type, atoms, loss_type);
   if (type == LossType::kC51)
     DQN_CHECK(v_min < v_max, op, ": v_min must be below v_max, got v_min=", std::to_string(v_min), ", v_max=",
@@ -80,14 +89,20 @@ inline void check_sample_args(const char* op, const at::Tensor& actions, const a
   if (masks.has_value()) check_tensor(*masks, op, "masks", dev, at::kFloat, {batch, members});
 }
 
+// dqn_loss. The three inputs [B, E * A, *]: the same slot count N everywhere, but for 'iqn'
+// (q [B, E * A, N], q_next_online [B, E * A, K], q_next_target [B, E * A, N'], each at least 1,
+// and fractions [B, N] F32, q's fractions; any other loss type takes no fractions). That the
+// fractions lie in [0, 1] depends on their values: the CPU kernel checks it (raising), the CUDA
+// kernel poisons the sample (no host sync).
 inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_online, const at::Tensor& q_next_target,
                                  const at::Tensor& actions, const at::Tensor& rewards, const at::Tensor& dones,
                                  const c10::optional<at::Tensor>& weights, c10::IntArrayRef branches, double v_min,
                                  double v_max, double gamma, const std::string& loss_type,
-                                 const c10::optional<at::Tensor>& masks) {
+                                 const c10::optional<at::Tensor>& masks, const c10::optional<at::Tensor>& fractions) {
   const char* op = kLossOp;
   LossShape s;
-  s.type = parse_loss_type(loss_type, op);
+  s.type = parse_loss_type(loss_type, op, /*takes_iqn=*/true);
+  const bool iqn = s.type == LossType::kIQN;
   DQN_CHECK(!branches.empty(), op, ": branches: expected at least one branch, got none");
   s.total_actions = 0;
   for (size_t d = 0; d < branches.size(); ++d) {
@@ -111,16 +126,37 @@ inline LossShape check_loss_args(const at::Tensor& q, const at::Tensor& q_next_o
   const int64_t D = static_cast<int64_t>(branches.size());
   const std::pair<const at::Tensor*, const char*> logits[] = {
       {&q, "q"}, {&q_next_online, "q_next_online"}, {&q_next_target, "q_next_target"}};
-  for (const auto& t : logits) check_tensor(*t.first, op, t.second, dev, at::kFloat, {s.batch, width, s.atoms});
+  // IQN's three inputs are values at different fractions: their slot counts are their own.
+  for (const auto& t : logits)
+    check_tensor(*t.first, op, t.second, dev, at::kFloat, {s.batch, width, iqn ? -1 : s.atoms});
+  s.next_atoms = q_next_online.size(2);
+  s.target_atoms = q_next_target.size(2);
+  if (iqn) {
+    const std::pair<const at::Tensor*, const char*> slots[] = {
+        {&q, "q: expected at least 1 fraction per sample (N)"},
+        {&q_next_online, "q_next_online: expected at least 1 fraction per sample (K)"},
+        {&q_next_target, "q_next_target: expected at least 1 fraction per sample (N')"}};
+    for (const auto& t : slots)
+      DQN_CHECK(t.first->size(2) >= 1, op, ": ", t.second, ", got shape ", shape_str(t.first->sizes()));
+  }
   check_sample_args(op, actions, rewards, dones, weights, masks, s.batch, D, s.members, dev);
+  if (iqn) {
+    DQN_CHECK(fractions.has_value(), op, ": fractions: loss_type 'iqn' needs q's fractions [", s.batch, ", ", s.atoms,
+              "], got None");
+    check_tensor(*fractions, op, "fractions", dev, at::kFloat, {s.batch, s.atoms});
+  } else {
+    DQN_CHECK(!fractions.has_value(), op, ": fractions: only loss_type 'iqn' takes fractions, got a tensor with "
+              "loss_type '", loss_type, "'");
+  }
   DQN_CHECK(s.batch >= 1, op, ": q: expected a batch of at least 1 sample, got 0");
-  check_loss_constants(op, s.atoms, v_min, v_max, gamma, loss_type);
+  check_loss_constants(op, s.atoms, v_min, v_max, gamma, loss_type, /*takes_iqn=*/true);
   return s;
 }
 
 // The sizes the CUDA loss kernels take (both ops; q_rows: q's rows per sample, E * A): the
-// atoms (C51) or quantiles (QR) a warp stages in shared memory (the general C51 version's rows,
-// QR's target quantiles), and the int indices (the (member, branch) entries: BranchTable). The atom limit is exported
+// atoms (C51) or quantiles (QR; IQN's N and N') a warp stages in shared memory or loops over
+// (the general C51 version's rows, QR's and IQN's target quantiles, a lane's quantiles of q),
+// and the int indices (the (member, branch) entries: BranchTable). The atom limit is exported
 // to Python as dqn_ops.ops.LOSS_CUDA_MAX_ATOMS.
 constexpr int64_t kLossCudaMaxAtoms = 256;
 
@@ -129,6 +165,26 @@ inline void check_loss_cuda_limits(const char* op, int64_t batch, int64_t q_rows
             " atoms (C51) or quantiles (QR), got ", atoms, " (the CPU kernel takes any)");
   DQN_CHECK(batch <= INT_MAX / 2 && batch * q_rows * atoms <= (int64_t(1) << 40), op, ": batch too large (",
             batch, " samples)");
+}
+
+// dqn_loss's: the above, and for IQN its N and N' within the same limit (K only enters the
+// next action's mean, a loop over each row: any count an int holds).
+inline void check_loss_cuda_limits(const char* op, const LossShape& s) {
+  const int64_t q_rows = s.members * s.total_actions;
+  if (s.type != LossType::kIQN) return check_loss_cuda_limits(op, s.batch, q_rows, s.atoms);
+  struct Slots {
+    int64_t count;
+    const char *name, *letter;
+  };
+  const Slots limited[] = {{s.atoms, "q", "N"}, {s.target_atoms, "q_next_target", "N'"}};
+  for (const Slots& n : limited)
+    DQN_CHECK(n.count <= kLossCudaMaxAtoms, op, ": ", n.name, ": the CUDA kernel takes at most ", kLossCudaMaxAtoms,
+              " fractions per sample (IQN's ", n.letter, "), got ", n.count, " (the CPU kernel takes any)");
+  DQN_CHECK(s.next_atoms <= INT_MAX, op, ": q_next_online: the CUDA kernel takes at most ", INT_MAX,
+            " fractions per sample (IQN's K), got ", s.next_atoms);
+  const int64_t most = std::max({s.atoms, s.next_atoms, s.target_atoms});
+  DQN_CHECK(s.batch <= INT_MAX / 2 && s.batch * q_rows * most <= (int64_t(1) << 40), op, ": batch too large (",
+            s.batch, " samples)");
 }
 
 // _dqn_loss_on_logits: the three passes' output-layer GEMM results in the padded layout

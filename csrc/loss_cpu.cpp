@@ -1,11 +1,14 @@
-// CPU reference kernels of dqn_loss (one sample after the other; C51 and QR in double precision,
+// CPU reference kernels of dqn_loss (one sample after the other; C51, QR and IQN in double precision,
 // MSE / Huber in F32 as on CUDA, so that both devices overflow alike; an ensemble's members one
 // after the other within a sample, each its own double-DQN learner, csrc/dqn_ops.cpp) and of
 // _dqn_loss_on_logits (the output bias, the dueling aggregation (q = the branch logits without
 // dueling), dqn_loss and the aggregation's backward: network_cpu.h's pieces around the same loss).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -39,6 +42,17 @@ float to_f32(double v) {
   constexpr double kMax = std::numeric_limits<float>::max();
   if (std::isnan(v) || std::abs(v) <= kMax) return static_cast<float>(v);
   return v > 0 ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
+}
+
+// A float as the shortest text that reads back as the same value (9 significant digits at
+// most): an error names the value itself (std::to_string's fixed 6 decimals shows -1e-9 as -0.000000).
+std::string float_str(float v) {
+  char buf[32];
+  for (int digits = 1; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, double(v));
+    if (std::strtof(buf, nullptr) == v || v != v) break;
+  }
+  return buf;
 }
 
 // The row of member e's action a of branch d (at offset off) of sample b in q [B, E * A, atoms]:
@@ -134,43 +148,47 @@ void poison_taken_rows(float* g, const LossShape& S, const int64_t* act, int64_t
                   std::numeric_limits<float>::quiet_NaN());
 }
 
-// QR-DQN (Dabney et al. 2017, eq. 10, kappa 1) in double precision, for one branch of one
-// sample: theta (the taken action's N quantiles of q) against the target quantiles t[0..N).
-// Returns sum_i (1/N) sum_j |tau_i - 1{u_ij < 0}| huber(u_ij), u_ij = t_j - theta_i, tau_i =
-// (2i + 1) / 2N; writes d(that)/d(theta_i) * scale into g[i].
-double quantile_huber(const float* theta, const std::vector<double>& t, int64_t N, double scale, float* g) {
+// QR-DQN (Dabney et al. 2017, eq. 10, kappa 1) and IQN (Dabney et al. 2018, eq. 3, kappa 1)
+// in double precision, for one branch of one sample: theta (the taken action's N quantiles of
+// q) against the target quantiles t[0..N'). Returns sum_i (1/N') sum_j |tau_i - 1{u_ij < 0}|
+// huber(u_ij), u_ij = t_j - theta_i, tau_i = fractions[i] (IQN: the sample's own) or, without
+// fractions, (2i + 1) / 2N (QR: N' = N); writes d(that)/d(theta_i) * scale into g[i].
+double quantile_huber(const float* theta, const float* fractions, int64_t N, const std::vector<double>& t, int64_t N2,
+                      double scale, float* g) {
   double loss = 0;
   for (int64_t i = 0; i < N; ++i) {
-    const double tau = quantile_fraction(i, N);
+    const double tau = fractions ? double(fractions[i]) : quantile_fraction(i, N);
     double li = 0, gi = 0;
-    for (int64_t j = 0; j < N; ++j) {
+    for (int64_t j = 0; j < N2; ++j) {
       const double u = t[j] - double(theta[i]);
       const double w = u < 0 ? 1.0 - tau : tau;  // |tau - 1{u < 0}|
       const double au = std::abs(u);
       li += w * (au <= 1.0 ? 0.5 * u * u : au - 0.5);
       gi -= w * (std::isnan(u) ? u : std::min(1.0, std::max(-1.0, u)));  // a NaN theta must reach the gradient
     }
-    loss += li / double(N);
-    g[i] = static_cast<float>(gi / double(N) * scale);
+    loss += li / double(N2);
+    g[i] = static_cast<float>(gi / double(N2) * scale);
   }
   return loss;
 }
 
-// QR-DQN on the whole batch: per member and branch the next action by the mean of the member's
-// online quantiles (the first of equal maxima; a NaN wins), the target quantiles r + gamma
-// (1 - done) theta_target of the member, quantile_huber on the taken action; per sample the mean
-// over members and branches (masked for the loss, not for the TD error). A non-finite target
-// quantile poisons the sample as a non-finite C51 reward does.
-void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* act, const float* r, const float* dn,
-             const float* w, const float* masks, const LossShape& S, double gamma, float* g, float* td, Tensor& loss,
-             Tensor& mean_q) {
-  const int64_t B = S.batch, E = S.members, NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
+// QR-DQN and IQN on the whole batch: per member and branch the next action by the mean of the
+// member's online quantiles (K of them; the first of equal maxima; a NaN wins), the N' target
+// quantiles r + gamma (1 - done) theta_target of the member, quantile_huber on the taken
+// action's N (fr: IQN's fractions [B, N], the members sharing a sample's; nullptr: QR's
+// midpoints); per sample the mean over members and branches (masked for the loss, not for the
+// TD error). A non-finite target quantile poisons the sample as a non-finite C51 reward does.
+void qr_loss(const float* x, const float* xo, const float* xt, const float* fr, const int64_t* act, const float* r,
+             const float* dn, const float* w, const float* masks, const LossShape& S, double gamma, float* g,
+             float* td, Tensor& loss, Tensor& mean_q) {
+  const int64_t B = S.batch, E = S.members, N = S.atoms, K = S.next_atoms, N2 = S.target_atoms;
+  const int64_t D = static_cast<int64_t>(S.branch_sizes.size());
   const double terms = double(E * D);  // a sample's (member, branch) terms
   // Samples in parallel (N^2 pairs each), their sums in sample order afterwards: the same bits
   // as one sample after the other.
   std::vector<double> weighted_loss(B), sample_mean_q(B);
   at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
-    std::vector<double> t(NA);
+    std::vector<double> t(N2);
     for (int64_t b = begin; b < end; ++b) {
       // The target quantiles in F32, with the CUDA kernel's arithmetic (one fused multiply-add), so
       // that both devices overflow alike and see the same targets; the rest in double.
@@ -185,24 +203,25 @@ void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* ac
           int64_t a_star = 0;
           double best = -std::numeric_limits<double>::infinity();
           for (int64_t a = 0; a < n; ++a) {
-            const double qv = quantile_mean(xo + q_row(S, b, e, off, a) * NA, NA);
+            const double qv = quantile_mean(xo + q_row(S, b, e, off, a) * K, K);
             if (qv > best || std::isnan(qv)) {
               best = qv;
               a_star = a;
               if (std::isnan(qv)) break;
             }
           }
-          const float* xs = xt + q_row(S, b, e, off, a_star) * NA;
-          for (int64_t j = 0; j < NA; ++j) {
+          const float* xs = xt + q_row(S, b, e, off, a_star) * N2;
+          for (int64_t j = 0; j < N2; ++j) {
             t[j] = std::fma(discount, xs[j], r[b]);
             poisoned = poisoned || !std::isfinite(t[j]);
           }
           if (poisoned) break;
           const int64_t row = q_row(S, b, e, off, act[b * D + d]);
-          const double l = quantile_huber(x + row * NA, t, NA, wb * me / double(B * E * D), g + row * NA) / terms;
+          const float* tau = fr ? fr + b * N : nullptr;  // the members share the sample's fractions
+          const double l = quantile_huber(x + row * N, tau, N, t, N2, wb * me / double(B * E * D), g + row * N) / terms;
           sample_loss += l;
           masked_loss += me * l;
-          sample_q += quantile_mean(x + row * NA, NA) / terms;
+          sample_q += quantile_mean(x + row * N, N) / terms;
         }
       }
       if (poisoned) {  // NaN must reach the gradient: the optimizer skips the step
@@ -223,15 +242,16 @@ void qr_loss(const float* x, const float* xo, const float* xt, const int64_t* ac
   mean_q.fill_(to_f32(q_sum / B));
 }
 
-// The loss on validated inputs (S from check_loss_args or loss_shape); `op` names the op in
-// the out-of-range-action error.
+// The loss on validated inputs (S from check_loss_args or loss_shape; fractions: IQN's, else
+// None); `op` names the op in the out-of-range-action and out-of-range-fraction errors.
 std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, const Tensor& q_next_online,
                                                               const Tensor& q_next_target, const Tensor& actions,
                                                               const Tensor& rewards, const Tensor& dones,
                                                               const c10::optional<Tensor>& weights,
-                                                              const c10::optional<Tensor>& masks, const LossShape& S,
-                                                              double v_min, double v_max, double gamma,
-                                                              const char* op) {
+                                                              const c10::optional<Tensor>& masks,
+                                                              const c10::optional<Tensor>& fractions,
+                                                              const LossShape& S, double v_min, double v_max,
+                                                              double gamma, const char* op) {
   const int64_t B = S.batch, E = S.members, NA = S.atoms, D = static_cast<int64_t>(S.branch_sizes.size());
   Tensor loss = at::empty({}, q.options());
   Tensor grad_q = at::zeros_like(q);
@@ -245,6 +265,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, c
   const float* dn = dones.data_ptr<float>();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   const float* mk = masks.has_value() ? masks->data_ptr<float>() : nullptr;
+  const float* fr = fractions.has_value() ? fractions->data_ptr<float>() : nullptr;
   float* g = grad_q.data_ptr<float>();
   float* td = td_error.data_ptr<float>();
 
@@ -252,9 +273,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_reference(const Tensor& q, c
     for (int64_t d = 0; d < D; ++d)
       DQN_CHECK(act[b * D + d] >= 0 && act[b * D + d] < S.branch_sizes[d], op, ": actions: sample ", b,
                 " takes action ", act[b * D + d], " in branch ", d, ", which has ", S.branch_sizes[d], " actions");
+  // IQN's fractions are probabilities (a NaN fails the test too); the CUDA kernel, which cannot
+  // raise without a host sync, poisons the sample instead.
+  if (fr)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < NA; ++i)
+        DQN_CHECK(fr[b * NA + i] >= 0.f && fr[b * NA + i] <= 1.f, op, ": fractions: sample ", b, " slot ", i, " is ",
+                  float_str(fr[b * NA + i]), ", expected a value in [0, 1]");
 
-  if (S.type == LossType::kQR) {
-    qr_loss(x, xo, xt, act, r, dn, w, mk, S, gamma, g, td, loss, mean_q);
+  if (S.type == LossType::kQR || S.type == LossType::kIQN) {
+    qr_loss(x, xo, xt, fr, act, r, dn, w, mk, S, gamma, g, td, loss, mean_q);
     return {loss, grad_q, td_error, mean_q};
   }
   if (S.type != LossType::kC51) {
@@ -340,11 +368,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cpu(const Tensor& q, const T
                                                         const c10::optional<Tensor>& weights, c10::IntArrayRef branches,
                                                         double v_min, double v_max, double gamma,
                                                         c10::string_view loss_type,
-                                                        const c10::optional<Tensor>& masks) {
+                                                        const c10::optional<Tensor>& masks,
+                                                        const c10::optional<Tensor>& fractions) {
   const LossShape S = check_loss_args(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches,
-                                      v_min, v_max, gamma, std::string(loss_type), masks);
-  return dqn_loss_reference(q, q_next_online, q_next_target, actions, rewards, dones, weights, masks, S, v_min, v_max,
-                            gamma, kLossOp);
+                                      v_min, v_max, gamma, std::string(loss_type), masks, fractions);
+  return dqn_loss_reference(q, q_next_online, q_next_target, actions, rewards, dones, weights, masks, fractions, S,
+                            v_min, v_max, gamma, kLossOp);
 }
 
 // _dqn_loss_on_logits: q of each pass as bf16_dueling_forward forms it from these logits, the
@@ -362,7 +391,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cpu(
   S.batch = logits.size(0);
   S.members = L.members;
   S.total_actions = L.total_actions;
-  S.atoms = L.atoms;
+  S.atoms = S.next_atoms = S.target_atoms = L.atoms;
   S.branch_sizes = L.branch_sizes;
   S.action_offsets = L.action_offsets;
   auto q_of = [&](const Tensor& pass_logits, const Tensor& net_params) {
@@ -370,7 +399,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cpu(
   };
   const auto [loss, grad_q, td_error, mean_q] =
       dqn_loss_reference(q_of(logits, params), q_of(logits_next_online, params), q_of(logits_next_target, target_params),
-                         actions, rewards, dones, weights, masks, S, v_min, v_max, gamma, op);
+                         actions, rewards, dones, weights, masks, c10::nullopt, S, v_min, v_max, gamma, op);
   Tensor grad_head = cpu::dueling_backward(grad_q, c10::nullopt, L);
   Tensor grad_head_bf16 = cpu::padded_head_grad(grad_head, L, at::kBFloat16);
   return {loss, grad_head, grad_head_bf16, td_error, mean_q};

@@ -23,12 +23,14 @@ from . import _C
 from .layout import decode_config
 
 BACKWARD_PRECISIONS = ("tf32", "bf16", "fp32")
-LOSS_TYPES = ("c51", "qr", "mse", "huber")
+# 'iqn' (implicit quantile networks, docs/iqn-design.md) is dqn_loss's: the other ops that take a
+# loss type refuse it as a name they do not know (csrc/loss_args.h parse_loss_type, _check_loss_type).
+LOSS_TYPES = ("c51", "qr", "mse", "huber", "iqn")
 # The configurations _dqn_loss_on_logits runs as one fused kernel on CUDA (the dueling
 # aggregation inside the C51 loss); it composes the public kernels' arithmetic otherwise.
 # Read from the extension, which sizes the kernel by them.
 FUSED_LOSS_MAX_ATOMS: int = _C.FUSED_LOSS_MAX_ATOMS
-LOSS_CUDA_MAX_ATOMS: int = _C.LOSS_CUDA_MAX_ATOMS  # atoms (C51) or quantiles (QR) the CUDA loss takes
+LOSS_CUDA_MAX_ATOMS: int = _C.LOSS_CUDA_MAX_ATOMS  # atoms (C51) or quantiles (QR; IQN's N and N') the CUDA loss takes
 FUSED_LOSS_MAX_BRANCHES: int = _C.FUSED_LOSS_MAX_BRANCHES
 IQN_MAX_FRACTIONS: int = _C.IQN_MAX_FRACTIONS  # iqn_fractions' n and n_target: each set's slots lie below 2^17
 
@@ -73,6 +75,12 @@ def _raise_missing_kernel(op: str, err: NotImplementedError) -> None:
         what = (f"has no kernel for the {backend!r} backend (device {backend.lower()!r}): dqn_ops has CPU and "
                 "CUDA kernels only; move the tensors to the CPU or a CUDA device")
     raise MissingKernelError(f"dqn_ops.{op} {what}.") from err
+
+
+def _check_loss_type(op: str, loss_type: str, takes_iqn: bool = False) -> None:
+    """loss_type one of LOSS_TYPES ('iqn' only where the op takes it), as the kernels' parse_loss_type."""
+    names = LOSS_TYPES if takes_iqn else tuple(t for t in LOSS_TYPES if t != "iqn")
+    _check(loss_type in names, f"{op}: loss_type: expected one of {names}, got {loss_type!r}")
 
 
 def _check_masks(op: str, masks: Optional[Tensor], B: int, E: int) -> None:
@@ -385,15 +393,15 @@ def _(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations=
 class LossOutput(NamedTuple):
     loss: Tensor      # []  mean over samples of the (importance-weighted, masked) per-sample loss
     grad_q: Tensor    # [B, E * sum n_d, atoms]  d(loss)/d(q)
-    td_error: Tensor  # [B]  per-sample priority (unweighted, unmasked): C51 cross-entropy, QR quantile Huber loss,
-    #                        or mean_d |y - Q_d|; the mean over members
+    td_error: Tensor  # [B]  per-sample priority (unweighted, unmasked): C51 cross-entropy, QR / IQN quantile Huber
+    #                        loss, or mean_d |y - Q_d|; the mean over members
     mean_q: Tensor    # []  mean expected Q of the taken actions (for logging)
 
 
 def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: Tensor, rewards: Tensor,
              dones: Tensor, branches: Sequence[int], *, v_min: float = -10.0, v_max: float = 10.0,
              gamma: float = 0.99, weights: Optional[Tensor] = None, loss_type: str = "c51",
-             masks: Optional[Tensor] = None) -> LossOutput:
+             masks: Optional[Tensor] = None, fractions: Optional[Tensor] = None) -> LossOutput:
     """The double-DQN loss of a branching network, all on the device, no host sync.
 
     Args:
@@ -407,29 +415,39 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
         actions: [B, num_branches] int64, the action taken in each branch.
         rewards, dones: [B] F32 (dones: 1.0 for a terminal transition).
         branches: the action count of each branch.
-        v_min, v_max: the C51 support (atoms evenly spaced); 'qr' does not use them.
+        v_min, v_max: the C51 support (atoms evenly spaced); 'qr' and 'iqn' do not use them.
         gamma: the discount of the stored return (gamma ** n for n-step returns).
         weights: [B] importance weights (prioritized replay), or None.
         loss_type: 'c51' (atoms > 1); 'qr' (QR-DQN: atoms = N quantiles at the fractions
             (2i + 1) / 2N, quantile Huber loss with kappa 1, the next action by the mean of the
             online quantiles); 'mse' or 'huber' (atoms == 1, BDQ's mean-over-branches target,
-            per member).
+            per member); 'iqn' (implicit quantile networks, docs/iqn-design.md: QR's loss with
+            each sample's own fractions, below).
         masks: [B, E] F32 bootstrap masks (member e learns from sample b with weight
             masks[b, e]: scales its loss and gradient, not td_error or mean_q), or None (all 1).
+        fractions: 'iqn' only (required there, refused for the other types): [B, N] F32, q's
+            fractions (slot i of sample b holds the values at tau = fractions[b, i], shared by
+            the members), each in [0, 1]. With 'iqn' the three inputs have their own slot
+            counts: q [B, E * A, N], q_next_online [B, E * A, K] (the next action by its mean
+            over the K slots), q_next_target [B, E * A, N'] (the target quantiles); the loss
+            per (sample, member, branch) is sum_i (1/N') sum_j |tau_i - 1{T_j < theta_i}|
+            huber(T_j - theta_i). 'qr' is the case of the midpoints (2i + 1) / 2N with
+            N = K = N'. The CUDA kernel takes N, N' <= LOSS_CUDA_MAX_ATOMS.
 
     ``loss`` is differentiable w.r.t. ``q`` (its backward is ``grad_q``, already computed), so
     ``loss.backward()`` works in an autograd graph as with any PyTorch loss.
 
     Non-finite data: a NaN/Inf reward or done (which clamping onto the support would otherwise
-    hide; 'qr': any non-finite target quantile) makes that sample's loss, td_error and gradient
+    hide; 'qr' / 'iqn': any non-finite target quantile) makes that sample's loss, td_error and gradient
     NaN (every member's, whatever the masks), so ``FusedAdamBF16`` skips the step and the trainer
-    reports it. On CUDA an out-of-range action cannot be reported without a host sync, so it is
-    treated the same way; on the CPU it raises.
+    reports it. On CUDA an out-of-range action, or an IQN fraction outside [0, 1] (or NaN),
+    cannot be reported without a host sync, so it is treated the same way; on the CPU it raises
+    (naming the sample and the branch, or the slot).
     """
     try:
         return LossOutput(*torch.ops.dqn_ops.dqn_loss.default(q, q_next_online, q_next_target, actions, rewards, dones,
                                                               weights, list(branches), v_min, v_max, gamma, loss_type,
-                                                              masks))
+                                                              masks, fractions))
     except NotImplementedError as e:
         _raise_missing_kernel("dqn_loss", e)
         raise
@@ -437,9 +455,9 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
 
 @torch.library.register_fake("dqn_ops::dqn_loss")
 def _(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches, v_min, v_max, gamma,
-      loss_type="c51", masks=None):
+      loss_type="c51", masks=None, fractions=None):
     op = "dqn_ops.dqn_loss"
-    _check(loss_type in LOSS_TYPES, f"{op}: loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
+    _check_loss_type(op, loss_type, takes_iqn=True)
     _check(len(branches) >= 1, f"{op}: branches: expected at least one branch, got none")
     for d, n in enumerate(branches):
         _check(n >= 1, f"{op}: branches: branch {d} must have >= 1 action, got {n}")
@@ -447,11 +465,24 @@ def _(q, q_next_online, q_next_target, actions, rewards, dones, weights, branche
     _check(q.dim() == 3 and q.shape[1] >= A and q.shape[1] % A == 0,
            f"{op}: q: expected shape [B, {A}, atoms], got {list(q.shape)} (an ensemble of E members: "
            f"[B, E * {A}, atoms])")
+    B, width, N = q.shape
+    iqn = loss_type == "iqn"
     for name, t in (("q_next_online", q_next_online), ("q_next_target", q_next_target)):
-        _check(t.shape == q.shape, f"{op}: {name}: expected shape {list(q.shape)}, got {list(t.shape)}")
-    _check(actions.shape == (q.shape[0], len(branches)),
-           f"{op}: actions: expected shape [{q.shape[0]}, {len(branches)}], got {list(actions.shape)}")
-    _check_masks(op, masks, q.shape[0], q.shape[1] // A)
+        if iqn:  # values at other fractions: their own slot counts (K, N')
+            _check(t.dim() == 3 and t.shape[:2] == q.shape[:2],
+                   f"{op}: {name}: expected shape [{B}, {width}, *], got {list(t.shape)}")
+        else:
+            _check(t.shape == q.shape, f"{op}: {name}: expected shape {list(q.shape)}, got {list(t.shape)}")
+    _check(actions.shape == (B, len(branches)),
+           f"{op}: actions: expected shape [{B}, {len(branches)}], got {list(actions.shape)}")
+    _check_masks(op, masks, B, width // A)
+    if iqn:
+        _check(fractions is not None, f"{op}: fractions: loss_type 'iqn' needs q's fractions [{B}, {N}], got None")
+        _check(fractions.shape == (B, N) and fractions.dtype == torch.float32,
+               f"{op}: fractions: expected float32 [{B}, {N}], got {fractions.dtype} {list(fractions.shape)}")
+    else:
+        _check(fractions is None,
+               f"{op}: fractions: only loss_type 'iqn' takes fractions, got a tensor with loss_type '{loss_type}'")
     return q.new_empty(()), torch.empty_like(q), q.new_empty(q.shape[0]), q.new_empty(())
 
 
@@ -464,7 +495,7 @@ def _loss_setup_context(ctx, inputs, output):
 
 def _loss_backward(ctx, grad_loss, _grad_grad_q, _grad_td, _grad_mean_q):
     (grad_q,) = ctx.saved_tensors
-    return grad_q * grad_loss, None, None, None, None, None, None, None, None, None, None, None, None
+    return grad_q * grad_loss, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("dqn_ops::dqn_loss", _loss_backward, setup_context=_loss_setup_context)
@@ -542,7 +573,7 @@ def _(logits, logits_next_online, logits_next_target, params, target_params, act
       layout, v_min, v_max, gamma, loss_type="c51", masks=None):
     c = decode_config(layout)
     op = "dqn_ops._dqn_loss_on_logits"
-    _check(loss_type in LOSS_TYPES, f"{op}: loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
+    _check_loss_type(op, loss_type)
     _check(logits.dim() == 2 and logits.shape[1] == c.head_ld,
            f"{op}: logits: expected shape [*, {c.head_ld}], got {list(logits.shape)}")
     B = logits.shape[0]
@@ -619,7 +650,7 @@ def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[in
 @torch.library.register_fake("dqn_ops::act")
 def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng, loss_type="c51", ucb=0.0):
     op = "dqn_ops.act"
-    _check(loss_type in LOSS_TYPES, f"{op}: loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
+    _check_loss_type(op, loss_type)
     _check(math.isfinite(ucb), f"{op}: ucb: expected a finite value (either sign), got {ucb}")
     c = decode_config(layout)
     _check_network_inputs(op, c, states, params, params_bf16, layout)

@@ -544,6 +544,9 @@ def resolve_loss_type(loss_type: Optional[str], atoms: int, owner: str) -> str:
     """TrainerConfig.loss_type for a network of `atoms` atoms: None picks 'c51' (atoms > 1) or
     'huber'; a loss that does not fit the network's outputs is a ValueError naming `owner`."""
     resolved = loss_type or ("c51" if atoms > 1 else "huber")
+    if resolved == "iqn":  # dqn_loss takes it; the trainers' networks and step do not (docs/iqn-design.md)
+        raise ValueError(f"{owner}: loss_type 'iqn' is not supported: {owner} does not train IQN networks "
+                         f"(dqn_ops.dqn_loss takes it)")
     needs = {"c51": "atoms > 1", "mse": "atoms == 1", "huber": "atoms == 1", "qr": "atoms >= 1"}[resolved]
     fits = {"c51": atoms > 1, "mse": atoms == 1, "huber": atoms == 1, "qr": atoms >= 1}[resolved]
     if not fits:

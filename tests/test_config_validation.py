@@ -97,7 +97,7 @@ def test_dqn_config_normalises_what_it_accepts():
     (dict(sigma_max=[1.0, 0.0]), ValueError, r"TrainerConfig: sigma_max\[1\] must be a finite number > 0"),
     (dict(n_power_iterations=0), ValueError, r"TrainerConfig: n_power_iterations must be >= 1"),
     (dict(loss_type="quantile"), ValueError,
-     r"TrainerConfig: loss_type must be 'c51' or 'qr' or 'mse' or 'huber' or None, got 'quantile'"),
+     r"TrainerConfig: loss_type must be 'c51' or 'qr' or 'mse' or 'huber' or 'iqn' or None, got 'quantile'"),
     (dict(backward_precision="fp16"), ValueError,
      r"TrainerConfig: backward_precision must be 'tf32' or 'bf16' or 'fp32', got 'fp16'"),
     (dict(use_cuda_graph="yes"), TypeError, r"TrainerConfig: use_cuda_graph must be a bool"),

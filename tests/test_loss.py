@@ -170,7 +170,7 @@ BAD = [
     (8, 5.0, "v_min must be below v_max"),
     (10, 1.5, r"gamma: expected a value in \[0, 1\]"),
     (11, "mse", "loss_type 'mse' takes plain Q-values \\(1 atom\\), got 5 atoms \\(use 'c51' or 'qr'\\)"),
-    (11, "quantile", "loss_type: expected one of 'c51', 'qr', 'mse', 'huber', got 'quantile'"),
+    (11, "quantile", "loss_type: expected one of 'c51', 'qr', 'mse', 'huber', 'iqn', got 'quantile'"),
 ]
 
 

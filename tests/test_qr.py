@@ -363,7 +363,7 @@ def test_cuda_atom_limit_is_a_clear_error():
 @pytest.mark.parametrize("device", DEVICES)
 def test_unknown_loss_type_lists_qr(device):
     with pytest.raises(RuntimeError, match="dqn_ops.dqn_loss: loss_type: expected one of 'c51', 'qr', 'mse', 'huber', "
-                                           "got 'quantile'"):
+                                           "'iqn', got 'quantile'"):
         LOSS_OP(*_op_args(device, loss_type="quantile"))
     with pytest.raises(RuntimeError, match=r"dqn_ops.dqn_loss: loss_type 'mse' takes plain Q-values \(1 atom\), got 5 "
                                            r"atoms \(use 'c51' or 'qr'\)"):
@@ -372,7 +372,7 @@ def test_unknown_loss_type_lists_qr(device):
     with FakeTensorMode():  # the fake kernel (torch.compile's tracing) says the same
         fake = [torch.empty(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in real]
         with pytest.raises(RuntimeError, match=r"dqn_ops.dqn_loss: loss_type: expected one of \('c51', 'qr', 'mse', "
-                                               r"'huber'\), got 'quantile'"):
+                                               r"'huber', 'iqn'\), got 'quantile'"):
             LOSS_OP(*fake)
 
 
@@ -724,7 +724,7 @@ def test_resolve_loss_type_says_what_is_needed(owner):
     assert owner(five, TrainerConfig(batch_size=4), device="cpu").loss_type == "c51"
     assert resolve_loss_type(None, 1, "x") == "huber" and resolve_loss_type("qr", 1, "x") == "qr"
     with pytest.raises(ValueError, match=r"TrainerConfig: loss_type must be 'c51' or 'qr' or 'mse' or 'huber' or "
-                                         r"None, got 'quantile'"):
+                                         r"'iqn' or None, got 'quantile'"):
         TrainerConfig(loss_type="quantile")
 
 

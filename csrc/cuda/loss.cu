@@ -24,6 +24,9 @@
 //   its instruction counts: loss/quantile.cuh). A sample that one branch poisons (a
 //   non-finite target quantile, an out-of-range action) gets NaN rows in every branch after
 //   the block's barrier.
+// IQN: QR's kernel code in an instantiation of its own, the fractions read per sample
+//   (LossParams::fractions; a fraction outside [0, 1] poisons the sample) and the three inputs'
+//   own slot counts (N, K, N').
 // MSE / Huber (one atom): a warp per sample, lanes over the branches.
 //
 // A block holds whole samples (`warps_per_sample` warps each), so the branch means and the
@@ -133,7 +136,7 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   // Block shape: C51 and QR give each sample min(D, kMaxWarps) warps (warp k takes branches k,
   // k + kMaxWarps, ...) and a block as many whole samples as fit in kMaxWarps warps; MSE /
   // Huber a warp per sample.
-  const bool c51 = type == LossType::kC51, qr = type == LossType::kQR;
+  const bool c51 = type == LossType::kC51, iqn = type == LossType::kIQN, qr = type == LossType::kQR || iqn;
   const int warps_per_sample = c51 || qr ? static_cast<int>(std::min<int64_t>(br.count, kMaxWarps)) : 1;
   const int samples_per_block = kMaxWarps / warps_per_sample;
   const int threads = 32 * warps_per_sample * samples_per_block;
@@ -145,7 +148,8 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
             ": the fused loss kernel takes C51 with at most ", kDuelingMaxAtoms, " atoms and ", kMaxWarps,
             " branches of one network (no ensemble), got ", atoms, " atoms and ", br.count, " branches");
   const bool in_registers = small_atoms && max_actions <= kQChunk;
-  const Kernel kernel = qr                                ? dqn_loss_kernel<false, LossRows::kQ, false, true>
+  const Kernel kernel = iqn                               ? dqn_loss_kernel<false, LossRows::kQ, false, true, true>
+                        : qr                              ? dqn_loss_kernel<false, LossRows::kQ, false, true>
                         : !small_atoms                    ? dqn_loss_kernel<false, LossRows::kQ, false>
                         : rows == LossRows::kHeadDueling ? small_atoms_kernel<LossRows::kHeadDueling>(in_registers)
                         : rows == LossRows::kHeadPlain   ? small_atoms_kernel<LossRows::kHeadPlain>(in_registers)
@@ -154,14 +158,14 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   const size_t budget = dynamic_smem_budget(kernel);
   const bool staged = c51 && !small_atoms &&
                       size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= budget;
-  const int64_t work_floats = qr           ? qr_floats_per_warp(atoms)
+  const int64_t work_floats = qr           ? qr_floats_per_warp(atoms, P.target_atoms)
                               : !c51        ? 0
                               : small_atoms ? 4 * atoms
                                             : c51_floats_per_warp(atoms, max_actions, staged);
   const size_t smem = size_t(warps) * work_floats * sizeof(float);
   // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 128 atoms, 24 KiB at
-  // kLossCudaMaxAtoms), QR's at most 5,136 bytes (the sorted targets and their double prefix
-  // sums at kLossCudaMaxAtoms: 41,088 bytes at 8 warps): within the budget of any device
+  // kLossCudaMaxAtoms), QR's and IQN's at most 5,136 bytes (the sorted targets and their double
+  // prefix sums at N' = kLossCudaMaxAtoms: 41,088 bytes at 8 warps): within the budget of any device
   // these kernels build for.
   DQN_CHECK(smem <= budget, op, ": the CUDA loss kernel needs ", smem, " bytes of shared memory for ", atoms,
             " atoms, the device allows it ", budget);
@@ -196,8 +200,8 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
 }
 
 // The fields both ops fill alike: the samples and the loss constants (q_rows: q's rows per
-// sample, E * A). The caller sets the logits, the gradient outputs and (the fused loss) the
-// head fields.
+// sample, E * A; the three inputs' slots all `atoms`, which dqn_loss's IQN then overrides).
+// The caller sets the logits, the gradient outputs and (the fused loss) the head fields.
 LossParams loss_params(const Tensor& actions, const Tensor& rewards, const Tensor& dones,
                        const c10::optional<Tensor>& weights, const c10::optional<Tensor>& masks, int64_t q_rows,
                        int64_t atoms, LossType type, double v_min, double v_max, double gamma) {
@@ -208,6 +212,7 @@ LossParams loss_params(const Tensor& actions, const Tensor& rewards, const Tenso
   P.weights = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   P.masks = masks.has_value() ? masks->data_ptr<float>() : nullptr;
   P.total_actions = static_cast<int>(q_rows);
+  P.atoms = P.next_atoms = P.target_atoms = static_cast<int>(atoms);
   P.v_min = static_cast<float>(v_min);
   P.v_max = static_cast<float>(v_max);
   P.dz = type == LossType::kC51 ? static_cast<float>((v_max - v_min) / double(atoms - 1)) : 0.f;
@@ -221,10 +226,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
                                                          const c10::optional<Tensor>& weights,
                                                          c10::IntArrayRef branches, double v_min, double v_max,
                                                          double gamma, c10::string_view loss_type,
-                                                         const c10::optional<Tensor>& masks) {
+                                                         const c10::optional<Tensor>& masks,
+                                                         const c10::optional<Tensor>& fractions) {
   const LossShape S = check_loss_args(q, q_next_online, q_next_target, actions, rewards, dones, weights, branches,
-                                      v_min, v_max, gamma, std::string(loss_type), masks);
-  check_loss_cuda_limits(kLossOp, S.batch, S.members * S.total_actions, S.atoms);
+                                      v_min, v_max, gamma, std::string(loss_type), masks, fractions);
+  check_loss_cuda_limits(kLossOp, S);
   const BranchTable br = make_branch_table(branches, S.members, kLossOp);
   // Kernels must run on the tensors' device, whichever device is current.
   const c10::cuda::CUDAGuard guard(q.device());
@@ -235,6 +241,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dqn_loss_cuda(const Tensor& q, const 
   P.q_next_online = q_next_online.data_ptr<float>();
   P.q_next_target = q_next_target.data_ptr<float>();
   P.grad_q = grad_q.data_ptr<float>();
+  P.next_atoms = static_cast<int>(S.next_atoms);
+  P.target_atoms = static_cast<int>(S.target_atoms);
+  P.fractions = fractions.has_value() ? fractions->data_ptr<float>() : nullptr;
   const LossResults r = launch_loss(kLossOp, br, P, S.batch, S.atoms, S.type, LossRows::kQ, q.options());
   return {r.loss, grad_q, r.td_error, r.mean_q};
 }

@@ -365,10 +365,13 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // loads) are latency-bound, and more warps hide more: 4 blocks (32 warps) per SM, at most 64
 // registers, which it fits without spilling (its sorted version's shared memory, 34 KiB a
 // block at 200 quantiles, still lets 4 blocks reside).
+// kFractions: IQN, kQuantiles' code (qr_branch<true>) with the fractions read per sample and the
+// three inputs' own slot counts; its own instantiation, so that QR's, with N = K = N' and the
+// midpoints known when it compiles, keeps its registers.
 constexpr int kSmallAtomsMinBlocks = 3;
 constexpr int kQuantileMinBlocks = 4;
 
-template <bool kSmallAtoms, LossRows kRows, bool kRowsInRegisters, bool kQuantiles = false>
+template <bool kSmallAtoms, LossRows kRows, bool kRowsInRegisters, bool kQuantiles = false, bool kFractions = false>
 __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinBlocks
                                                   : kQuantiles ? kQuantileMinBlocks
                                                                : 1)
@@ -377,6 +380,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
   static_assert(!reads_head(kRows) || kSmallAtoms, "the fused loss runs the <= 64-atom version");
   static_assert(!kRowsInRegisters || kSmallAtoms, "rows in registers: the <= 64-atom version");
   static_assert(!kQuantiles || (!kSmallAtoms && kRows == LossRows::kQ), "QR: dqn_loss's rows, its own version");
+  static_assert(!kFractions || kQuantiles, "IQN runs QR's version");
   // C51 and QR: P.work_floats per warp. 16-byte aligned, as QR reads its stage as float4s
   // (nvcc already aligns an extern shared array to 16 bytes: this states the requirement).
   extern __shared__ __align__(16) float smem[];
@@ -411,7 +415,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
       if constexpr (kQuantiles) {
         for (int d = wi; d < br.count; d += W) {
           const float m = masked ? member_mask(br, P, b, d) : 1.f;
-          const float3 r = qr_branch(br, P, b, d, masked ? scale * m : scale, work, lane);
+          const float3 r = qr_branch<kFractions>(br, P, b, d, masked ? scale * m : scale, work, lane);
           if (masked && lane == 0) part_d[buf][warp] += m * r.x;
           x += r.x;
           y += r.y;

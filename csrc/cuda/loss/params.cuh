@@ -48,6 +48,7 @@ struct LossParams {
   const float* dones;
   const float* weights;  // nullptr: all 1
   const float* masks;    // [batch, E] bootstrap masks of an ensemble's members (BranchTable); nullptr: all 1
+  const float* fractions;  // IQN: [batch, atoms] q's fractions, each sample's own; nullptr: QR's midpoints
   float* grad_q;
   float* td_error;
   float* loss;
@@ -55,6 +56,7 @@ struct LossParams {
   float* partials;    // [2, gridDim.x]
   unsigned* counter;  // blocks finished: 0 at launch
   int batch, total_actions, atoms;
+  int next_atoms, target_atoms;  // q_next_online's and q_next_target's slots (IQN's K and N'; else atoms)
   int warps_per_sample, samples_per_block;
   int max_actions;  // the largest branch: sizes the staging area
   bool staged;      // general version: the rows are copied to shared memory first

@@ -1,12 +1,15 @@
-// The QR-DQN loss of one (sample, branch) (loss.cu's parts: see loss.cu). A warp per branch:
-// the double-DQN choice by the mean of the online quantiles (quantiles.cuh), the target
-// quantiles T_j = r + gamma (1 - done) theta_target(s', a*)_j staged in the warp's shared
-// memory, then the quantile Huber sums of the taken action's quantiles over every T_j, one of
-// two ways (the same sums; lane l owns the quantiles i = l, l + 32, ...):
-//   direct (N <= kQrDirectMaxQuantiles): the N x N pairs, every lane reading the same T_j from
+// The QR-DQN and IQN loss of one (sample, branch) (loss.cu's parts: see loss.cu): one code
+// path, IQN's fractions tau_i read per sample where QR's are the midpoints (2i + 1) / 2N, and
+// its three inputs with their own slot counts (q's N, q_next_online's K, q_next_target's N';
+// QR: all N). A warp per branch: the double-DQN choice by the mean of the K online quantiles
+// (quantiles.cuh), the N' target quantiles T_j = r + gamma (1 - done) theta_target(s', a*)_j
+// staged in the warp's shared memory, then the quantile Huber sums of the taken action's N
+// quantiles over every T_j, one of two ways (the same sums; lane l owns the quantiles i = l,
+// l + 32, ...):
+//   direct (N <= kQrDirectMaxQuantiles): the N x N' pairs, every lane reading the same T_j from
 //     shared memory (a broadcast);
 //   sorted (larger N): T sorted in shared memory with its prefix sums, and each quantile's sums
-//     in closed form from three binary searches: O(N log N) per branch instead of O(N^2).
+//     in closed form from three binary searches: O((N + N') log N') per branch instead of O(N N').
 #pragma once
 
 #include <cstdint>
@@ -31,25 +34,29 @@ namespace {  // see loss/params.cuh
 //     closed form: ~600 at N = 32 (the sort's steps on half a warp), ~1,100 at N = 64,
 //     ~4,900 at N = 200 (sort 36 x 4 x 15 ~ 2,200, scan 7 x 75 ~ 500, 7 x (9 x 22 + 110)
 //     ~ 2,200 for the quantiles).
-// Even at N = 64 and clearly below, so the direct loop keeps N <= 32, its one round.
+// Even at N = 64 and clearly below, so the direct loop keeps N <= 32, its one round. The choice
+// goes by N (a lane's quantiles: one round or several) whatever N' (IQN; QR's N' is N): the
+// direct version's pairs are N' per lane, the sorted version's sort of N' is paid once per branch.
 constexpr int kQrDirectMaxQuantiles = 32;
 
-// The sorted version's sort size: the power of two >= N (a bitonic network's), >= 64 there.
-__host__ __device__ inline int qr_sort_size(int quantiles) {
-  int n2 = 1;
-  while (n2 < quantiles) n2 <<= 1;
+// The sorted version's sort size: the power of two >= N' (a bitonic network's), at least 4 so
+// that the prefix sums after the targets stay 16-byte aligned (IQN's N' may be small).
+__host__ __device__ inline int qr_sort_size(int target_quantiles) {
+  int n2 = 4;
+  while (n2 < target_quantiles) n2 <<= 1;
   return n2;
 }
 
-// Floats of shared memory per warp, every warp's area a multiple of 16 bytes (the direct loop
-// reads T as float4s, the sorted version's prefix sums are double2s):
+// Floats of shared memory per warp for N quantiles of q and N' targets, every warp's area a
+// multiple of 16 bytes (the direct loop reads T as float4s, the sorted version's prefix sums are
+// double2s):
 //   direct: the target quantiles, padded to whole float4s;
-//   sorted: the targets padded with +inf to qr_sort_size(N) (a multiple of 4), then the N + 1
-//   prefix sums (S1, S2) as double2s: 5,136 bytes at N = 256, 41,088 for kMaxWarps warps, within
+//   sorted: the targets padded with +inf to qr_sort_size(N') (a multiple of 4), then the N' + 1
+//   prefix sums (S1, S2) as double2s: 5,136 bytes at N' = 256, 41,088 for kMaxWarps warps, within
 //   the 48 KiB a launch may have without an opt-in.
-__host__ __device__ inline int64_t qr_floats_per_warp(int64_t quantiles) {
-  if (quantiles <= kQrDirectMaxQuantiles) return (quantiles + 3) / 4 * 4;
-  return qr_sort_size(static_cast<int>(quantiles)) + 4 * (quantiles + 1);
+__host__ __device__ inline int64_t qr_floats_per_warp(int64_t quantiles, int64_t target_quantiles) {
+  if (quantiles <= kQrDirectMaxQuantiles) return (target_quantiles + 3) / 4 * 4;
+  return qr_sort_size(static_cast<int>(target_quantiles)) + 4 * (target_quantiles + 1);
 }
 
 // A poisoned sample's gradient rows in branch d: the taken action's N quantiles NaN, or, when
@@ -65,15 +72,15 @@ __device__ void qr_poison_rows(const BranchTable& br, const LossParams& P, int b
 }
 
 // The quantile Huber sums of kRows quantiles (theta, with fractions tau and 1 - tau) over the
-// target quantiles T[0..N), in the order of j: per pair u = T_j - theta,
+// target quantiles T[0..N2), in the order of j: per pair u = T_j - theta,
 //   loss += |tau - 1{u < 0}| huber(u),  grad += |tau - 1{u < 0}| clamp(u, -1, 1)
 // (huber with kappa 1 as c (|u| - c / 2), c = min(|u|, 1): 0.5 u^2 for |u| <= 1, |u| - 0.5
 // beyond, without a branch). A NaN theta gives a NaN loss here but not a NaN grad (fminf drops
-// the NaN): the caller sees to that. The pairs are N^2 per branch, so this loop is the direct
+// the NaN): the caller sees to that. The pairs are N N2 per branch, so this loop is the direct
 // version's work: kRows quantiles share each T read, four T at a time (one 16-byte shared load), and
 // each quantile's two sums are independent chains of FMAs.
 template <int kRows>
-__device__ __forceinline__ void quantile_huber_sums(const float* __restrict__ T, int N, const float (&theta)[kRows],
+__device__ __forceinline__ void quantile_huber_sums(const float* __restrict__ T, int N2, const float (&theta)[kRows],
                                                     const float (&tau)[kRows], const float (&tau_neg)[kRows],
                                                     float (&loss)[kRows], float (&grad)[kRows]) {
   auto pair = [&](float t) {
@@ -87,7 +94,7 @@ __device__ __forceinline__ void quantile_huber_sums(const float* __restrict__ T,
     }
   };
   const float4* T4 = reinterpret_cast<const float4*>(T);
-  const int quads = N / 4;
+  const int quads = N2 / 4;
   for (int q = 0; q < quads; ++q) {
     const float4 t = T4[q];
     pair(t.x);
@@ -95,26 +102,38 @@ __device__ __forceinline__ void quantile_huber_sums(const float* __restrict__ T,
     pair(t.z);
     pair(t.w);
   }
-  for (int j = 4 * quads; j < N; ++j) pair(T[j]);
+  for (int j = 4 * quads; j < N2; ++j) pair(T[j]);
 }
 
-// Round k of the lane's quantiles and kRows - 1 after it: i = lane + 32 (k + e), those < N.
-// Writes their gradient (gscale = -w_b / (B D N)) and adds their loss sums and thetas to the
-// lane's sums, in the order of i. A lane without a quantile there runs the loop on theta = 0
-// (the warp runs it anyway) and keeps nothing.
+// The fraction of quantile i of N: IQN's tau_row[i] (the sample's own), or QR's midpoint
+// (2i + 1) / 2N (tau_row nullptr), in F32 (the direct version's) or double (the sorted one's;
+// half_over_n = 0.5 / N).
+__device__ __forceinline__ float quantile_tau(const float* tau_row, int i, int N) {
+  return tau_row ? tau_row[i] : float(2 * i + 1) / float(2 * N);
+}
+__device__ __forceinline__ double quantile_tau_f64(const float* tau_row, int i, double half_over_n) {
+  return tau_row ? double(tau_row[i]) : double(2 * i + 1) * half_over_n;
+}
+
+// Round k of the lane's quantiles and kRows - 1 after it: i = lane + 32 (k + e), those < N, at
+// fractions tau_row (quantile_tau), over the N2 targets T. Writes their gradient (gscale =
+// -w_b / (B E D N2)) and adds their loss sums and thetas to the lane's sums, in the order of i.
+// A lane without a quantile there runs the loop on theta = 0 (the warp runs it anyway) and
+// keeps nothing.
 template <int kRows>
-__device__ __forceinline__ void qr_round(const float* T, const float* theta_row, float* grad_row, int N, int k,
-                                         int lane, float gscale, float& loss_sum, float& theta_sum) {
+__device__ __forceinline__ void qr_round(const float* T, int N2, const float* theta_row, const float* tau_row,
+                                         float* grad_row, int N, int k, int lane, float gscale, float& loss_sum,
+                                         float& theta_sum) {
   float theta[kRows], tau[kRows], tau_neg[kRows], loss[kRows], grad[kRows];
 #pragma unroll
   for (int e = 0; e < kRows; ++e) {
     const int i = lane + 32 * (k + e);
     theta[e] = i < N ? theta_row[i] : 0.f;
-    tau[e] = float(2 * i + 1) / float(2 * N);  // the fraction tau_i = (2i + 1) / 2N
-    tau_neg[e] = 1.f - tau[e];                 // |tau_i - 1| (u < 0)
+    tau[e] = i < N ? quantile_tau(tau_row, i, N) : 0.f;
+    tau_neg[e] = 1.f - tau[e];  // |tau_i - 1| (u < 0)
     loss[e] = grad[e] = 0.f;
   }
-  quantile_huber_sums<kRows>(T, N, theta, tau, tau_neg, loss, grad);
+  quantile_huber_sums<kRows>(T, N2, theta, tau, tau_neg, loss, grad);
 #pragma unroll
   for (int e = 0; e < kRows; ++e) {
     const int i = lane + 32 * (k + e);
@@ -134,9 +153,9 @@ __device__ __forceinline__ void qr_round(const float* T, const float* theta_row,
 // prefix sums. At the runs' borders (u = -1, 0, 1) both neighbouring pieces and weights give
 // the same term, so which run a border target joins does not matter.
 
-// Sorts T[0..n2) ascending in place, n2 a power of two >= 64: a bitonic network,
-// log2(n2) (log2(n2) + 1) / 2 steps of n2 / 2 compare-exchanges, n2 / 64 per lane (disjoint
-// pairs within a step, a __syncwarp between steps). No NaN reaches it (a branch with a
+// Sorts T[0..n2) ascending in place, n2 a power of two: a bitonic network, log2(n2)
+// (log2(n2) + 1) / 2 steps of n2 / 2 compare-exchanges, n2 / 64 per lane (below 64, some
+// lanes idle; disjoint pairs within a step, a __syncwarp between steps). No NaN reaches it (a branch with a
 // non-finite target is poisoned before).
 __device__ void qr_sort(float* T, int n2, int lane) {
   for (int k = 2; k <= n2; k <<= 1)
@@ -184,7 +203,7 @@ __device__ void qr_prefix_sums(const float* T, int N, double c, double2* S, int 
 // #{T_j < ka}, #{T_j < kb}, #{T_j <= kc} in the sorted T[0..n2), n2 a power of two: three
 // branch-free binary searches, interleaved for their loads' latency (before the step of size s
 // a count lies in [k, k + 2s], after the last in [k, k + 1], which T[k] decides). The +inf
-// padding is below no key, and at most an infinite kc: the caller clamps that count to N.
+// padding is below no key, and at most an infinite kc: the caller clamps that count to N'.
 __device__ __forceinline__ void qr_counts(const float* T, int n2, float ka, float kb, float kc, int& ca, int& cb,
                                           int& cc) {
   ca = cb = cc = 0;
@@ -198,17 +217,18 @@ __device__ __forceinline__ void qr_counts(const float* T, int n2, float ka, floa
   cc += T[cc] <= kc;
 }
 
-// The lane's quantiles i = lane, lane + 32, ... over the sorted targets T[0..n2) and their
-// prefix sums S (c: the sums' shift): writes each one's gradient (gscale = -w_b / (B D N)) and
-// adds its loss sum and theta to the lane's sums, in the order of i (the lane's loss sum in
-// double, rounded once). A run's terms are evaluated only when it has a target: an infinite
-// theta then gives an infinite loss and a finite gradient, as the direct sums do, never
-// 0 * inf. A NaN theta finds no target below any key (every comparison false): all of them in
-// D, so its loss is NaN; its gradient is set NaN, as the direct version does.
-__device__ __forceinline__ void qr_sorted_sums(const float* T, const double2* S, int n2, int N, double c,
-                                               const float* theta_row, float* grad_row, int lane, float gscale,
-                                               float& loss_sum, float& theta_sum) {
-  const double2 total = S[N];
+// The lane's quantiles i = lane, lane + 32, ... (< N, at fractions tau_row: quantile_tau_f64)
+// over the N2 sorted targets T[0..n2) and their prefix sums S (c: the sums' shift): writes each
+// one's gradient (gscale = -w_b / (B E D N2)) and adds its loss sum and theta to the lane's
+// sums, in the order of i (the lane's loss sum in double, rounded once). A run's terms are
+// evaluated only when it has a target: an infinite theta then gives an infinite loss and a
+// finite gradient, as the direct sums do, never 0 * inf. A NaN theta finds no target below any
+// key (every comparison false): all of them in D, so its loss is NaN; its gradient is set NaN,
+// as the direct version does.
+__device__ __forceinline__ void qr_sorted_sums(const float* T, const double2* S, int n2, int N2, double c,
+                                               const float* theta_row, const float* tau_row, float* grad_row, int N,
+                                               int lane, float gscale, float& loss_sum, float& theta_sum) {
+  const double2 total = S[N2];
   const double half_over_n = 0.5 / N;  // one division per branch, not per quantile
   double lane_loss = 0.0;
 #pragma unroll 1
@@ -218,10 +238,10 @@ __device__ __forceinline__ void qr_sorted_sums(const float* T, const double2* S,
     // below theta - 1 rounded up, T_j <= theta + 1 iff T_j <= theta + 1 rounded down.
     int kA, kB, kC;
     qr_counts(T, n2, __fadd_ru(th, -1.f), th, __fadd_rd(th, 1.f), kA, kB, kC);
-    kC = min(kC, N);
+    kC = min(kC, N2);
     const double t = double(th) - c;  // theta, shifted as the sums are
     const double2 pA = S[kA], pB = S[kB], pC = S[kC];
-    const double nA = kA, nB = kB - kA, nC = kC - kB, nD = N - kC;
+    const double nA = kA, nB = kB - kA, nC = kC - kB, nD = N2 - kC;
     const double s1B = pB.x - pA.x, s2B = pB.y - pA.y;
     const double s1C = pC.x - pB.x, s2C = pC.y - pB.y;
     const double s1D = total.x - pC.x;
@@ -229,11 +249,11 @@ __device__ __forceinline__ void qr_sorted_sums(const float* T, const double2* S,
     const double hA = kA > 0 ? nA * (t - 0.5) - pA.x : 0.0;
     const double hB = kB > kA ? 0.5 * (s2B - t * (2.0 * s1B - nB * t)) : 0.0;
     const double hC = kC > kB ? 0.5 * (s2C - t * (2.0 * s1C - nC * t)) : 0.0;
-    const double hD = N > kC ? s1D - nD * (t + 0.5) : 0.0;
+    const double hD = N2 > kC ? s1D - nD * (t + 0.5) : 0.0;
     // clamp(u): -1 on A, u on B and C, 1 on D
     const double uB = kB > kA ? s1B - nB * t : 0.0;
     const double uC = kC > kB ? s1C - nC * t : 0.0;
-    const double tau = double(2 * i + 1) * half_over_n;  // the fraction tau_i = (2i + 1) / 2N
+    const double tau = quantile_tau_f64(tau_row, i, half_over_n);
     lane_loss += (1.0 - tau) * (hA + hB) + tau * (hC + hD);
     const double gsum = (1.0 - tau) * (uB - nA) + tau * (uC + nD);
     // d(huber)/d(theta) = -clamp(u): NaN for a NaN theta, as torch's huber_loss backward gives
@@ -243,15 +263,18 @@ __device__ __forceinline__ void qr_sorted_sums(const float* T, const double2* S,
   loss_sum += float(lane_loss);
 }
 
-// The QR loss of branch d of sample b: returns (loss_bd, the mean of the taken action's
+// The QR / IQN loss of branch d of sample b: returns (loss_bd, the mean of the taken action's
 // quantiles, 1 when the branch poisons its sample else 0) and writes the branch's rows of
 // grad_q. A non-finite target quantile (a NaN/Inf reward or done, a non-finite target network
-// output, an overflow) or an out-of-range action poisons the sample: this branch's rows get
-// NaN here (qr_poison_rows) and its loss and Q are NaN; the kernel then gives the sample's
-// other branches NaN rows too. `stage`: qr_floats_per_warp(N) floats of this warp's.
+// output, an overflow), an out-of-range action, or (IQN) a fraction of the sample outside
+// [0, 1] or NaN poisons the sample: this branch's rows get NaN here (qr_poison_rows) and its
+// loss and Q are NaN; the kernel then gives the sample's other branches NaN rows too.
+// `stage`: qr_floats_per_warp(N, N') floats of this warp's. kIqn: IQN (P.fractions, N, K, N'
+// as P has them); else QR (the midpoints, K = N' = N), the same code with those known.
+template <bool kIqn>
 __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, int d, float scale, float* stage,
                             int lane) {
-  const int N = P.atoms, n = br.size[d];
+  const int N = P.atoms, K = kIqn ? P.next_atoms : N, N2 = kIqn ? P.target_atoms : N, n = br.size[d];
   const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
   const int64_t a = taken_action(br, P.actions, b, d);
   if (!(a >= 0 && a < n)) {  // no host sync can report it (see c51_branch)
@@ -264,7 +287,7 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
 
   // double DQN: the online network's greedy next action by the quantiles' mean (the first of
   // equal maxima; NaN wins), kQChunk actions' loads and reductions in flight together
-  const float* on = P.q_next_online + row0 * N;
+  const float* on = P.q_next_online + row0 * K;
   int a_star = 0;
   float best = -INFINITY;
   bool nan_seen = false;
@@ -274,11 +297,11 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
     for (int k = 0; k < kQChunk; ++k) {
       s[k] = 0.f;
       if (a0 + k < n)
-        for (int j = lane; j < N; j += 32) s[k] += on[(a0 + k) * N + j];
+        for (int j = lane; j < K; j += 32) s[k] += on[int64_t(a0 + k) * K + j];
     }
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k) {
-      const float qv = quantile_mean(s[k], N);  // every lane, every k: a warp-wide reduction
+      const float qv = quantile_mean(s[k], K);  // every lane, every k: a warp-wide reduction
       if (a0 + k < n && !nan_seen && (qv > best || qv != qv)) {
         best = qv;
         a_star = a0 + k;
@@ -288,15 +311,20 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
   }
 
   // the target quantiles of that action, staged for the whole warp
-  const float* tg = P.q_next_target + (row0 + a_star) * N;
+  const float* tg = P.q_next_target + (row0 + a_star) * N2;
   const float discount = P.gamma * (1.f - P.dones[b]);
   const float r = P.rewards[b];
   bool finite = true;
-  for (int j = lane; j < N; j += 32) {
+  for (int j = lane; j < N2; j += 32) {
     const float t = fmaf(discount, tg[j], r);
     stage[j] = t;
     finite = finite && isfinite(t);
   }
+  // IQN: the sample's fractions are probabilities (NaN fails both comparisons); the CPU kernel
+  // raises on one that is not, this one cannot without a host sync
+  const float* tau_row = kIqn ? P.fractions + int64_t(b) * N : nullptr;
+  if (kIqn)
+    for (int i = lane; i < N; i += 32) finite = finite && tau_row[i] >= 0.f && tau_row[i] <= 1.f;
   if (!__all_sync(0xffffffffu, finite)) {
     qr_poison_rows(br, P, b, d, lane);
     __syncwarp();  // the warp's next branch reuses the stage
@@ -307,24 +335,24 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
   // the quantile Huber loss on the taken action
   const float* theta_row = P.q + (row0 + a) * N;
   float* g = P.grad_q + (row0 + a) * N;
-  const float gscale = -scale / N;
+  const float gscale = -scale / N2;
   float loss_sum = 0.f, theta_sum = 0.f;
   static_assert(kQrDirectMaxQuantiles <= 32, "the direct version runs one round");
   if (N <= kQrDirectMaxQuantiles) {
-    qr_round<1>(stage, theta_row, g, N, 0, lane, gscale, loss_sum, theta_sum);
+    qr_round<1>(stage, N2, theta_row, tau_row, g, N, 0, lane, gscale, loss_sum, theta_sum);
   } else {
-    const int n2 = qr_sort_size(N);
-    for (int j = N + lane; j < n2; j += 32) stage[j] = INFINITY;
+    const int n2 = qr_sort_size(N2);
+    for (int j = N2 + lane; j < n2; j += 32) stage[j] = INFINITY;
     __syncwarp();
     qr_sort(stage, n2, lane);
-    const double c = stage[(N - 1) / 2];  // the median target: the prefix sums' shift
+    const double c = stage[(N2 - 1) / 2];  // the median target: the prefix sums' shift
     double2* S = reinterpret_cast<double2*>(stage + n2);
-    qr_prefix_sums(stage, N, c, S, lane);
+    qr_prefix_sums(stage, N2, c, S, lane);
     __syncwarp();
-    qr_sorted_sums(stage, S, n2, N, c, theta_row, g, lane, gscale, loss_sum, theta_sum);
+    qr_sorted_sums(stage, S, n2, N2, c, theta_row, tau_row, g, N, lane, gscale, loss_sum, theta_sum);
   }
   __syncwarp();  // the warp's next branch reuses the stage
-  return make_float3(warp_sum(loss_sum) / N, quantile_mean(theta_sum, N), 0.f);
+  return make_float3(warp_sum(loss_sum) / N2, quantile_mean(theta_sum, N), 0.f);
 }
 
 }  // namespace
