@@ -27,12 +27,23 @@ constexpr int64_t kActMaxRows = int64_t(1) << 32;
 // loss_type: how the outputs become Q-values (dqn_loss's names: 'c51' the expected value over
 // the support, 'qr' the mean of the quantiles, 'mse' / 'huber' one atom, the Q-value itself);
 // v_min < v_max, both finite, for C51 with atoms > 1 (anything else ignores them); ucb finite,
-// either sign (csrc/dqn_ops.cpp: Inf times a std of 0 would be NaN). Returns the parsed loss type.
-inline LossType check_act_args(const at::Tensor& states, const at::Tensor& params, const at::Tensor& params_bf16,
-                               const NetLayout& L, double v_min, double v_max, const at::Tensor& epsilon,
-                               const at::Tensor& rng, const std::string& loss_type, double ucb) {
+// either sign (csrc/dqn_ops.cpp: Inf times a std of 0 would be NaN); an IQN network acts with
+// loss_type 'iqn' on fractions [K] shared by every row (check_fractions), any other takes none.
+// Returns the parsed loss type and the slots each action's expected Q averages or weighs: the
+// atoms, or IQN's K fractions.
+struct ActKind {
+  LossType type;
+  int64_t slots;
+};
+inline ActKind check_act_args(const at::Tensor& states, const at::Tensor& params, const at::Tensor& params_bf16,
+                              const NetLayout& L, double v_min, double v_max, const at::Tensor& epsilon,
+                              const at::Tensor& rng, const std::string& loss_type, double ucb,
+                              const c10::optional<at::Tensor>& fractions) {
   const char* op = kActOp;
-  const LossType type = parse_loss_type(loss_type, op);
+  const LossType type = parse_loss_type(loss_type, op, /*takes_iqn=*/true);
+  DQN_CHECK((type == LossType::kIQN) == L.iqn(), op, ": loss_type '", loss_type, "': ",
+            L.iqn() ? "an IQN network (iqn_embedding > 0) acts with loss_type 'iqn'"
+                    : "'iqn' needs an IQN network (iqn_embedding > 0)");
   DQN_CHECK(std::isfinite(ucb), op, ": ucb: expected a finite value (either sign), got ", std::to_string(ucb));
   check_params(params, params_bf16, L, op);
   check_tensor(states, op, "states", params.device(), params.scalar_type(), {-1, L.state_dim});
@@ -50,7 +61,8 @@ inline LossType check_act_args(const at::Tensor& states, const at::Tensor& param
               ": v_min must be below v_max, both finite (the C51 support of ", L.atoms, " atoms), got v_min=",
               std::to_string(v_min), ", v_max=", std::to_string(v_max));
   }
-  return type;
+  const int64_t K = check_fractions(fractions, params, L, op, {-1});
+  return {type, L.iqn() ? K : L.atoms};
 }
 
 // The distance between two atoms of the C51 support z_i = v_min + i * dz (0 for one atom).

@@ -28,7 +28,7 @@ using at::Tensor;
 template <typename scalar_t>
 double expected_q(const scalar_t* x, int64_t atoms, LossType type, double v_min, double dz) {
   if (atoms == 1) return double(x[0]);
-  if (type == LossType::kQR) return quantile_mean(x, atoms);
+  if (type == LossType::kQR || type == LossType::kIQN) return quantile_mean(x, atoms);
   double m = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < atoms; ++j) m = std::max(m, double(x[j]));
   double s = 0, sz = 0;
@@ -62,12 +62,13 @@ double ensemble_score(const scalar_t* x, int64_t stride, int64_t atoms, LossType
   return *mean + ucb * std::sqrt(sq / double(members));
 }
 
-// q [N, E * total_actions, atoms] (contiguous; member e's branch d at rows e * total_actions +
-// off_d, E = L.members) -> greedy actions and their mean expected Q over the members [N, D].
+// q [N, E * total_actions, slots] (contiguous; member e's branch d at rows e * total_actions +
+// off_d, E = L.members; slots: the atoms, or IQN's fractions) -> greedy actions and their mean
+// expected Q over the members [N, D].
 template <typename scalar_t>
 void greedy(const Tensor& q, const NetLayout& L, LossType type, double v_min, double dz, double ucb, int64_t* act,
             scalar_t* greedy_q) {
-  const int64_t N = q.size(0), A = L.total_actions, NA = L.atoms, D = L.num_branches(), E = L.members;
+  const int64_t N = q.size(0), A = L.total_actions, NA = q.size(2), D = L.num_branches(), E = L.members;
   const scalar_t* x = q.data_ptr<scalar_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     std::vector<double> qs(E);
@@ -95,10 +96,11 @@ void greedy(const Tensor& q, const NetLayout& L, LossType type, double v_min, do
 
 std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, const Tensor& params_bf16,
                                    c10::IntArrayRef layout, double v_min, double v_max, const Tensor& epsilon,
-                                   Tensor& rng, c10::string_view loss_type, double ucb) {
+                                   Tensor& rng, c10::string_view loss_type, double ucb,
+                                   const c10::optional<Tensor>& fractions) {
   const NetLayout L = parse_layout(layout, kActOp);
-  const LossType type =
-      check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type), ucb);
+  const auto [type, slots] = check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng,
+                                            std::string(loss_type), ucb, fractions);
   const int64_t N = states.size(0), D = L.num_branches();
   Tensor actions = at::empty({N, D}, states.options().dtype(at::kLong));
   Tensor greedy_q = at::empty({N, D}, params.options());
@@ -107,8 +109,12 @@ std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, c
   // bf16_dueling_forward's CPU kernel, stopped at q_logits.
   const NetViews p(params, params_bf16);
   const Tensor x = states.to(params_bf16.scalar_type());
-  const Tensor last = hidden_layers(x, p, L).back();
-  const Tensor q = dueling_aggregate(head_from_logits(output_logits(last, p, L), params, L), L).contiguous();
+  // IQN: every row at the same K fractions.
+  const c10::optional<Tensor> row_fractions =
+      L.iqn() ? c10::optional<Tensor>(fractions->expand({N, slots}).contiguous()) : c10::nullopt;
+  const Tensor last = hidden_layers(x, p, L, row_fractions).back();
+  Tensor q = dueling_aggregate(head_from_logits(output_logits(last, p, L), params, L), L);
+  q = L.iqn() ? fractions_to_slots(q, slots) : q.contiguous();
   TORCH_INTERNAL_ASSERT(q.size(1) == L.q_rows(), "act: q_logits of ", q.size(1), " rows, expected ", L.members,
                         " members of ", L.total_actions, " actions");
 

@@ -71,9 +71,14 @@ TORCH_LIBRARY(dqn_ops, m) {
   // branch's), and the activations the backward reads: the states and every hidden layer at the
   // mirror's precision (BF16 on CUDA), L + H + 1 tensors (dqn_ops/layout.py). backward_precision
   // is read only by autograd (it chooses mixed_backward's precision) and is validated here.
+  // An IQN network (docs/iqn-design.md) takes fractions [B, N], each sample's quantile
+  // fractions: q_logits [B, E * sum n_d, N] (slot i: the value at fraction i), head_logits
+  // [B * N, ...] (row b * N + i), and the activations gain the cosines, phi and z after the trunk
+  // (L + H + 4 tensors, those from the cosines on B * N rows).
   m.def(
       "bf16_dueling_forward(Tensor states, Tensor params, Tensor params_bf16, int[] layout, "
-      "str backward_precision=\"tf32\") -> (Tensor q_logits, Tensor head_logits, Tensor[] activations)");
+      "str backward_precision=\"tf32\", Tensor? fractions=None) -> (Tensor q_logits, Tensor head_logits, "
+      "Tensor[] activations)");
   // d(q_logits) and/or d(head_logits) -> the flat gradient (every dW and db, in the layout of
   // params, padding zero) and, when need_grad_states, d(states) [B, SD] (else an empty tensor).
   m.def(
@@ -207,10 +212,13 @@ TORCH_LIBRARY(dqn_ops, m) {
   // the greedy action the first argmax of the score (a NaN wins), greedy_q its mean_e Q_e. ucb:
   // any finite value (> 0 optimism, UCB exploration; < 0 pessimism, a lower confidence bound);
   // NaN or Inf raises (Inf * a std of 0 would be NaN). With one member the std is 0 and ucb
-  // changes nothing; ucb = 0 takes the argmax of the mean.
+  // changes nothing; ucb = 0 takes the argmax of the mean. An IQN network acts with loss_type
+  // 'iqn' at fractions [K] shared by every row (the trainer's: the midpoints (2k + 1) / 2K): an
+  // action's expected Q is the mean of its K values (docs/iqn-design.md, "Acting").
   m.def(
       "act(Tensor states, Tensor params, Tensor params_bf16, int[] layout, float v_min, float v_max, "
-      "Tensor epsilon, Tensor(a!) rng, str loss_type=\"c51\", float ucb=0.0) -> (Tensor actions, Tensor greedy_q)");
+      "Tensor epsilon, Tensor(a!) rng, str loss_type=\"c51\", float ucb=0.0, Tensor? fractions=None) -> "
+      "(Tensor actions, Tensor greedy_q)");
 
   // Bootstrap masks of an ensemble (bootstrapped DQN, Osband et al. 2016; dqn_loss's masks):
   // indices [B] int64, the replay rows of a batch (any values: their 64 bits are the counter) ->

@@ -43,8 +43,8 @@ struct HeadSlice {
 // first-layer rows are adjacent in W_h1); a deeper head layer has one block per head, head k
 // reading its own columns of the previous layer.
 struct HiddenLayer {
-  int64_t in_width, out_width;
-  int64_t b_off;                  // bias [out_width]: every block's, side by side
+  int64_t in_width = 0, out_width = 0;
+  int64_t b_off = 0;              // bias [out_width]: every block's, side by side
   std::vector<HeadSlice> blocks;  // the dense layer's one block, or one per head (in head order)
 };
 
@@ -52,6 +52,10 @@ struct NetLayout {
   int64_t state_dim, atoms;
   bool dueling;                         // a value head and the dueling aggregation; else q = a branch head's output
   int64_t members;                      // E >= 1 ensemble members on the one trunk, each a full head set
+  // IQN (docs/iqn-design.md): n > 0 adds the layer phi after the trunk, and the heads run on one
+  // row per (sample, fraction): z[b * N + i] = h_L[b] * relu(cos(pi k tau[b, i]) W_phi^T + b_phi).
+  int64_t iqn_embedding;                // n >= 0 (0: no IQN)
+  HiddenLayer phi;                      // with n > 0: in_width n, out_width T_L, one dense block
   std::vector<int64_t> branch_sizes;    // n_d
   std::vector<int64_t> action_offsets;  // first action index of branch d within a member's rows of q
   int64_t total_actions;                // A = sum n_d: one member's rows of q
@@ -75,14 +79,38 @@ struct NetLayout {
   int64_t numel;                        // length of the flat buffer
 
   int64_t num_branches() const { return static_cast<int64_t>(branch_sizes.size()); }
+  bool iqn() const { return iqn_embedding > 0; }
   int64_t value_heads() const { return dueling ? members : 0; }
   int64_t num_heads() const { return members * ((dueling ? 1 : 0) + num_branches()); }
   // Rows of q [B, q_rows(), NA]: member e's branch d at rows e * total_actions + action_offsets[d].
   int64_t q_rows() const { return members * total_actions; }
   const HeadSlice& value_head(int64_t e) const { return heads[e]; }
   const HeadSlice& branch_head(int64_t e, int64_t d) const { return heads[value_heads() + e * num_branches() + d]; }
-  // Width of hidden activation i, i = 0 being the states (the saved activations' shapes).
-  int64_t activation_width(size_t i) const { return i == 0 ? state_dim : hidden[i - 1].out_width; }
+  // The saved activations: [states, h_1, ..., h_L, (IQN: c, phi, z,) head layer 1, ..., head layer H].
+  // With IQN, c [rows * N, n], phi and z [rows * N, T_L] and the head layers lie on one row per
+  // (sample, fraction); the others on one row per sample.
+  static constexpr size_t kIqnActivations = 3;  // c, phi, z
+  size_t num_activations() const { return hidden.size() + 1 + (iqn() ? kIqnActivations : 0); }
+  // Index of hidden layer i's output in the saved activations; its input is the one before.
+  size_t hidden_activation(size_t i) const {
+    return i + 1 + (iqn() && static_cast<int64_t>(i) >= trunk_layers ? kIqnActivations : 0);
+  }
+  // The IQN activations' indices: the cosines c (phi's input), phi, and z = h_L * phi (the heads' input).
+  size_t cos_activation() const { return static_cast<size_t>(trunk_layers) + 1; }
+  size_t phi_activation() const { return cos_activation() + 1; }
+  size_t z_activation() const { return cos_activation() + 2; }
+  // Whether saved activation k lies on one row per (sample, fraction).
+  bool per_fraction(size_t k) const { return iqn() && k > static_cast<size_t>(trunk_layers); }
+  // Width of saved activation k, k = 0 being the states (the saved activations' shapes).
+  int64_t activation_width(size_t k) const {
+    if (k == 0) return state_dim;
+    if (iqn() && k > static_cast<size_t>(trunk_layers)) {
+      if (k == cos_activation()) return iqn_embedding;
+      if (k <= z_activation()) return phi.out_width;
+      return hidden[k - 1 - kIqnActivations].out_width;
+    }
+    return hidden[k - 1].out_width;
+  }
 
   // Every parameter segment of the flat buffer as (offset, length), unsorted: b_out, each hidden
   // layer's bias and block weights, each output head's weight. padded_heads: an output head's
@@ -96,6 +124,10 @@ struct NetLayout {
       for (const HeadSlice& b : h.blocks) seg.emplace_back(b.w_off, b.out_width * b.in_width);
     }
     for (const HeadSlice& h : heads) seg.emplace_back(h.w_off, (padded_heads ? h.pad_width : h.out_width) * h.in_width);
+    if (iqn()) {
+      seg.emplace_back(phi.b_off, phi.out_width);
+      seg.emplace_back(phi.blocks[0].w_off, phi.out_width * phi.in_width);
+    }
     return seg;
   }
 };
@@ -154,7 +186,7 @@ inline std::vector<HeadGroup> block_groups(const std::vector<HeadSlice>& blocks)
 inline std::vector<HeadGroup> head_groups(const NetLayout& L) { return block_groups(L.heads); }
 
 // The `int[] layout` format (dqn_ops/layout.py, ParamLayout.encode: LAYOUT_FORMAT and the order).
-constexpr int64_t kLayoutFormat = 3;
+constexpr int64_t kLayoutFormat = 4;
 
 inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   const size_t n = v.size();
@@ -174,12 +206,16 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   L.atoms = next("atoms");
   const int64_t dueling = next("dueling");
   L.members = next("the ensemble size");
+  L.iqn_embedding = next("the IQN embedding size");
   const int64_t D = next("the branch count");
   DQN_CHECK(L.state_dim >= 1, op, ": layout: state_dim must be >= 1, got ", L.state_dim);
   DQN_CHECK(L.atoms >= 1, op, ": layout: atoms must be >= 1, got ", L.atoms);
   DQN_CHECK(dueling == 0 || dueling == 1, op, ": layout: dueling must be 0 or 1, got ", dueling);
   DQN_CHECK(L.members >= 1 && L.members <= static_cast<int64_t>(n), op,
             ": layout: expected at least 1 ensemble member, got ", L.members);
+  DQN_CHECK(L.iqn_embedding >= 0, op, ": layout: the IQN embedding size must be >= 0, got ", L.iqn_embedding);
+  DQN_CHECK(!L.iqn() || L.atoms == 1, op, ": layout: an IQN network (embedding size ", L.iqn_embedding,
+            ") has 1 atom, got ", L.atoms);
   DQN_CHECK(D >= 1 && D <= static_cast<int64_t>(n), op, ": layout: expected at least 1 branch, got ", D);
   L.dueling = dueling == 1;
   L.total_actions = 0;
@@ -231,6 +267,10 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   };
   for (int64_t i = 0; i < L.trunk_layers; ++i) L.hidden.push_back(dense(trunk[i]));
   const int64_t trunk_out = in_width;
+  if (L.iqn()) {  // phi: n -> T_L; z = h_L * phi keeps the trunk's width, so the heads read it as h_L
+    in_width = L.iqn_embedding;
+    L.phi = dense(trunk_out);
+  }
   for (int64_t j = 0; j < L.head_layers; ++j) {
     int64_t out_width = 0;
     for (int64_t k = 0; k < heads; ++k) out_width += widths[j][k];

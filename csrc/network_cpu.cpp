@@ -17,22 +17,56 @@ namespace cpu {
 
 using at::Tensor;
 
-std::vector<Tensor> hidden_layers(const Tensor& x, const NetViews& p, const NetLayout& L) {
-  const auto lp = p.params_bf16.scalar_type();
+namespace {
+
+// relu(in W^T + b) per block of `layer` (a dense layer is one block), stored at the mirror's
+// precision (what the next GEMM reads). Out-of-place products: the inputs may require grad (no
+// out= then).
+Tensor hidden_layer(const HiddenLayer& layer, const Tensor& input, const NetViews& p) {
+  Tensor in = input.to(p.ct);
+  Tensor z = at::empty({in.size(0), layer.out_width}, p.params.options());
+  for (const HeadSlice& blk : layer.blocks)
+    z.narrow(1, blk.out_col, blk.out_width)
+        .copy_(at::addmm(p.bias(layer.b_off + blk.out_col, blk.out_width), in.narrow(1, blk.in_col, blk.in_width),
+                         p.mirror_weight(blk.w_off, blk.out_width, blk.in_width).t()));
+  return at::relu(z).to(p.params_bf16.scalar_type());
+}
+
+// IQN's embedding input c[r * N + i, k] = cos(pi * (k * tau[r, i])), k = 0..n-1, at the mirror's
+// precision: the product k * tau in the fractions' dtype (the CUDA kernel's F32 argument of
+// cospif), the cosine in double, rounded to the compute dtype and then to the mirror's.
+Tensor iqn_cosines(const Tensor& fractions, int64_t n, const NetViews& p) {
+  Tensor k = at::arange(n, fractions.options());
+  Tensor angle = fractions.reshape({-1, 1}) * k;
+  return at::cos(angle.to(at::kDouble) * M_PI).to(p.ct).to(p.params_bf16.scalar_type());
+}
+
+}  // namespace
+
+std::vector<Tensor> hidden_layers(const Tensor& x, const NetViews& p, const NetLayout& L,
+                                  const c10::optional<Tensor>& fractions) {
   std::vector<Tensor> acts{x};
-  acts.reserve(L.hidden.size() + 1);
-  for (const HiddenLayer& layer : L.hidden) {
-    Tensor in = acts.back().to(p.ct);
-    // relu(x W^T + b) per block (a dense layer is one block), stored at the mirror's precision
-    // (what the next GEMM reads). Out-of-place products: the inputs may require grad (no out= then).
-    Tensor z = at::empty({in.size(0), layer.out_width}, p.params.options());
-    for (const HeadSlice& blk : layer.blocks)
-      z.narrow(1, blk.out_col, blk.out_width)
-          .copy_(at::addmm(p.bias(layer.b_off + blk.out_col, blk.out_width), in.narrow(1, blk.in_col, blk.in_width),
-                           p.mirror_weight(blk.w_off, blk.out_width, blk.in_width).t()));
-    acts.push_back(at::relu(z).to(lp));
+  acts.reserve(L.num_activations());
+  for (size_t i = 0; i < L.hidden.size(); ++i) {
+    acts.push_back(hidden_layer(L.hidden[i], acts.back(), p));
+    if (L.iqn() && acts.size() == L.cos_activation()) {  // after the trunk: c, phi, z on rows * N rows
+      const int64_t N = fractions->size(1);
+      Tensor c = iqn_cosines(*fractions, L.iqn_embedding, p);
+      Tensor phi = hidden_layer(L.phi, c, p);
+      // h_L * phi: a product of two mirror-precision values, rounded once (exact in F32 for BF16).
+      Tensor z = (acts.back().to(p.ct).repeat_interleave(N, 0) * phi.to(p.ct)).to(p.params_bf16.scalar_type());
+      acts.insert(acts.end(), {c, phi, z});
+    }
   }
   return acts;
+}
+
+Tensor fractions_to_slots(const Tensor& q, int64_t N) {
+  return q.view({-1, N, q.size(1)}).transpose(1, 2).contiguous();
+}
+
+Tensor slots_to_fractions(const Tensor& q) {
+  return q.transpose(1, 2).reshape({-1, q.size(1), 1});
 }
 
 Tensor output_logits(const Tensor& last, const NetViews& p, const NetLayout& L) {
@@ -126,7 +160,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Tensor& d_head, at::TensorLi
   auto blocks_backward = [&](const std::vector<HeadSlice>& blocks, const Tensor& dy, const Tensor& x,
                              int64_t in_width, bool need_dx) {
     Tensor xc = x.to(p.ct);
-    Tensor dx = need_dx ? at::zeros({B, in_width}, options) : Tensor();
+    Tensor dx = need_dx ? at::zeros({x.size(0), in_width}, options) : Tensor();
     for (const HeadSlice& blk : blocks) {
       Tensor dyj = dy.narrow(1, blk.out_col, blk.out_width);
       grad_weight(blk.w_off, blk.out_width, blk.in_width)
@@ -139,15 +173,29 @@ std::tuple<Tensor, Tensor> backward_from_head(const Tensor& d_head, at::TensorLi
 
   // Output heads, on the last hidden activation.
   const size_t M = L.hidden.size();
-  Tensor d_out = blocks_backward(L.heads, gemm_operand(d_head), activations[M], L.head_in_width, true);
+  Tensor d_out = blocks_backward(L.heads, gemm_operand(d_head), activations.back(), L.head_in_width, true);
   grad.narrow(0, L.b_out, L.head_out).copy_(d_head.sum(0));
 
   // Hidden layers, last to first. Bias gradients come from the unrounded dZ.
   for (size_t i = M; i-- > 0;) {
+    if (L.iqn() && i + 1 == static_cast<size_t>(L.trunk_layers)) {
+      // d_out is d(z) [B * N, T] (z = h_L * phi, no ReLU of its own): into d(h_L) [B, T], the
+      // sum over each sample's fractions, and phi's dP = d(z) h_L masked by phi's ReLU.
+      const Tensor& h = activations[L.hidden_activation(i)];
+      const Tensor& phi = activations[L.phi_activation()];
+      const int64_t N = phi.size(0) / B;
+      Tensor dh = (d_out * phi.to(p.ct)).view({B, N, -1}).sum(1);
+      Tensor dP = relu_backward(d_out * h.to(p.ct).repeat_interleave(N, 0), phi);
+      grad.narrow(0, L.phi.b_off, L.phi.out_width).copy_(dP.sum(0));
+      blocks_backward(L.phi.blocks, gemm_operand(dP), activations[L.cos_activation()], L.iqn_embedding, false);
+      d_out = dh;
+    }
     const HiddenLayer& layer = L.hidden[i];
-    Tensor dz = relu_backward(d_out, activations[i + 1]);
+    const size_t out = L.hidden_activation(i);
+    Tensor dz = relu_backward(d_out, activations[out]);
     grad.narrow(0, layer.b_off, layer.out_width).copy_(dz.sum(0));
-    d_out = blocks_backward(layer.blocks, gemm_operand(dz), activations[i], layer.in_width, i > 0 || need_grad_states);
+    d_out = blocks_backward(layer.blocks, gemm_operand(dz), activations[out - 1], layer.in_width,
+                            i > 0 || need_grad_states);
   }
   return {grad, need_grad_states ? d_out : at::empty({0}, options)};
 }
@@ -156,14 +204,17 @@ namespace {
 
 std::tuple<Tensor, Tensor, std::vector<Tensor>> dueling_forward_cpu(const Tensor& states, const Tensor& params,
                                                                    const Tensor& params_bf16, c10::IntArrayRef layout,
-                                                                   c10::string_view backward_precision) {
+                                                                   c10::string_view backward_precision,
+                                                                   const c10::optional<Tensor>& fractions) {
   const NetLayout L = parse_layout(layout, kForwardOp);
   check_forward_args(states, params, params_bf16, L, std::string(backward_precision));
+  const int64_t N = check_fractions(fractions, params, L, kForwardOp, {states.size(0), -1});
   const NetViews p(params, params_bf16);
   Tensor x = states.to(params_bf16.scalar_type(), /*non_blocking=*/false, /*copy=*/true);  // never an alias of states
-  std::vector<Tensor> acts = hidden_layers(x, p, L);
+  std::vector<Tensor> acts = hidden_layers(x, p, L, fractions);
   Tensor head = head_from_logits(output_logits(acts.back(), p, L), params, L);
   Tensor q = dueling_aggregate(head, L);
+  if (L.iqn()) q = fractions_to_slots(q, N);
   return {q, head, std::move(acts)};
 }
 
@@ -176,7 +227,10 @@ std::tuple<Tensor, Tensor> mixed_backward_cpu(const c10::optional<Tensor>& grad_
   const std::string precision_s(precision_str);
   check_backward_args(grad_q, grad_head, activations, params, params_bf16, L, precision_s);
   const BackwardPrecision precision = parse_precision(precision_s, kBackwardOp);
-  return backward_from_head(dueling_backward(grad_q, grad_head, L), activations, NetViews(params, params_bf16), L,
+  // IQN: grad_q [B, R, N] -> one row per (sample, fraction), as the head logits lie.
+  const c10::optional<Tensor> dq = L.iqn() && grad_q.has_value() ? c10::optional<Tensor>(slots_to_fractions(*grad_q))
+                                                                   : grad_q;
+  return backward_from_head(dueling_backward(dq, grad_head, L), activations, NetViews(params, params_bf16), L,
                             precision, need_grad_states);
 }
 

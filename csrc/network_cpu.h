@@ -41,8 +41,16 @@ struct NetViews {
 // The activation list of the network on x (states already at the mirror's precision,
 // [rows, SD]): {x, h_1, ..., h_M}, every hidden layer of L.hidden in forward order (the trunk's,
 // then the heads'), each [rows, width] at the mirror's precision. What the ops return as
-// `activations` and the backward reads.
-std::vector<at::Tensor> hidden_layers(const at::Tensor& x, const NetViews& p, const NetLayout& L);
+// `activations` and the backward reads. An IQN network takes fractions [rows, N] (params'
+// dtype) and adds, after the trunk, the cosines c [rows * N, n], phi and z = h_L * phi
+// [rows * N, T_L] (NetLayout::num_activations): the head layers then run on the rows * N rows.
+std::vector<at::Tensor> hidden_layers(const at::Tensor& x, const NetViews& p, const NetLayout& L,
+                                      const c10::optional<at::Tensor>& fractions = c10::nullopt);
+
+// IQN's q layout: q [rows * N, R, 1] (one row per (sample, fraction)) <-> [rows, R, N] (slot i:
+// fraction i), the layout bf16_dueling_forward returns and dqn_loss reads.
+at::Tensor fractions_to_slots(const at::Tensor& q, int64_t N);
+at::Tensor slots_to_fractions(const at::Tensor& q);
 
 // The output layer's products on the last hidden activation, no bias, in the padded layout
 // [rows, head_ld] of params' dtype (csrc/layout.h): head j's pad_width columns from its weight
@@ -68,8 +76,9 @@ at::Tensor dueling_backward(const c10::optional<at::Tensor>& grad_q, const c10::
 // A compact head gradient [B, head_out] in the padded layout [B, head_ld] of `dtype`, padding 0.
 at::Tensor padded_head_grad(const at::Tensor& d_head, const NetLayout& L, at::ScalarType dtype);
 
-// mixed_backward from d(head logits) on, reading the activation list {x, h_1, ..., h_M}: the
-// flat gradient and, when need_grad_states, d(states) (else an empty tensor).
+// mixed_backward from d(head logits) on, reading the activation list {x, h_1, ..., h_M} (with
+// IQN's c, phi, z after the trunk): the flat gradient and, when need_grad_states, d(states)
+// (else an empty tensor).
 std::tuple<at::Tensor, at::Tensor> backward_from_head(const at::Tensor& d_head, at::TensorList activations,
                                                       const NetViews& p, const NetLayout& L,
                                                       BackwardPrecision precision, bool need_grad_states);

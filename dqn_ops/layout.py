@@ -289,7 +289,7 @@ def shape_numel(shape) -> int:
 
 # The first entry of ParamLayout.encode(): a layout of another format (a stale one, or one
 # written by hand) fails csrc/layout.h's check with a clear error instead of being misread.
-LAYOUT_FORMAT = 3
+LAYOUT_FORMAT = 4
 
 
 class ParamLayout:
@@ -307,14 +307,11 @@ class ParamLayout:
 
     ``encode()`` gives the ``int[] layout`` argument of the ops:
 
-        [LAYOUT_FORMAT, state_dim, atoms, dueling, E, D, n_1..n_D, L, T_1..T_L, H,
-         (value widths V_1..V_H with dueling), branch widths A_1..A_H,
-         per trunk layer: W_s<i>, b_s<i>;  with H >= 1: W_h1, b_h1;
+        [LAYOUT_FORMAT, state_dim, atoms, dueling, E, n (iqn_embedding, 0: none), D, n_1..n_D,
+         L, T_1..T_L, H, (value widths V_1..V_H with dueling), branch widths A_1..A_H,
+         per trunk layer: W_s<i>, b_s<i>;  with n > 0: W_phi, b_phi;  with H >= 1: W_h1, b_h1;
          per head layer j = 2..H: W_h<j>.<k> for each head k, b_h<j>;
          W_out<k> for each head k, b_out;  numel]
-
-    An IQN network has no encoding yet: ``encode()`` refuses it (the ops' format 3 has no phi
-    layer; docs/iqn-design.md gives the format 4 that the IQN kernels will parse).
 
     The C++ side validates it (csrc/layout.h) rather than recomputing it, so this class is the
     one source of truth.
@@ -408,20 +405,15 @@ class ParamLayout:
 
     def encode(self) -> List[int]:
         c, seg = self.config, self.segments
-        if c.iqn:
-            # Format 3 (what csrc/layout.h parses) has no phi layer: a layout without it would
-            # run the heads on h_L and silently drop the fractions. Format 4 comes with the
-            # kernels (docs/iqn-design.md).
-            raise NotImplementedError(
-                f"ParamLayout.encode: IQN networks (iqn_embedding={c.iqn_embedding}) need the kernels of a later "
-                f"version of dqn_ops: the ops' layout format {LAYOUT_FORMAT} has no phi layer (docs/iqn-design.md). "
-                f"The plain-PyTorch dqn_ops.rl.baseline.TorchQNet and torch_dqn_loss(loss_type='iqn') run them.")
         H = c.head_depth
-        sizes = [LAYOUT_FORMAT, c.state_dim, c.atoms, int(c.dueling), c.members, c.num_branches, *c.branches,
+        sizes = [LAYOUT_FORMAT, c.state_dim, c.atoms, int(c.dueling), c.members, c.iqn_embedding, c.num_branches,
+                 *c.branches,
                  len(c.trunk_hidden), *c.trunk_hidden, H, *(c.value_hidden if c.dueling else ()), *c.adv_hidden]
         offsets: List[int] = []
         for i in range(len(c.trunk_hidden)):
             offsets += [seg[f"W_s{i + 1}"][0], seg[f"b_s{i + 1}"][0]]
+        if c.iqn:
+            offsets += [seg["W_phi"][0], seg["b_phi"][0]]
         if H >= 1:
             offsets += [seg["W_h1"][0], seg["b_h1"][0]]
         for j in range(1, H):
@@ -440,13 +432,13 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
         raise ValueError(f"layout: expected the int[] from dqn_ops.ParamLayout.encode() (format {LAYOUT_FORMAT}), "
                          f"{why}")
 
-    if len(v) < 6 or v[0] != LAYOUT_FORMAT:
+    if len(v) < 7 or v[0] != LAYOUT_FORMAT:
         fail(f"got {v[:5]}{'...' if len(v) > 5 else ''}")
     p = 1
-    state_dim, atoms, dueling, E, D = v[p:p + 5]
-    p += 5
-    if dueling not in (0, 1) or E < 1 or D < 1 or len(v) < p + D + 1:
-        fail(f"got dueling={dueling}, {E} members, {D} branches in {len(v)} entries")
+    state_dim, atoms, dueling, E, iqn, D = v[p:p + 6]
+    p += 6
+    if dueling not in (0, 1) or E < 1 or iqn < 0 or D < 1 or len(v) < p + D + 1:
+        fail(f"got dueling={dueling}, {E} members, IQN embedding {iqn}, {D} branches in {len(v)} entries")
     branches = tuple(v[p:p + D])
     p += D
     L = v[p]
@@ -462,7 +454,7 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
     if H < 0 or len(v) < p + H:
         fail(f"got {H} head layers in {len(v)} entries")
     config = DQNConfig(state_dim=state_dim, trunk_hidden=trunk, value_hidden=value, adv_hidden=adv, atoms=atoms,
-                       branches=branches, dueling=bool(dueling), ensemble=E)
+                       branches=branches, dueling=bool(dueling), ensemble=E, iqn_embedding=iqn)
     # The offsets csrc/layout.h reads after the sizes: ParamLayout, the one place that computes
     # them, gives the only ones the ops are documented to take.
     expected = ParamLayout(config).encode()

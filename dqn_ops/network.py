@@ -132,27 +132,31 @@ class DuelingBranchQNet(nn.Module):
         return self
 
     # -- forward ------------------------------------------------------------------------
-    def forward_full(self, states: Tensor) -> ops.ForwardOutput:
+    def forward_full(self, states: Tensor, fractions: Optional[Tensor] = None) -> ops.ForwardOutput:
+        """``ops.bf16_dueling_forward`` on this network; an IQN network takes its quantile
+        fractions [B, N] (q_logits then [B, E * sum n_d, N])."""
         if self.sync_mirror:
             self._sync_mirror()
         return ops.bf16_dueling_forward(states, self.flat_params, self.params_bf16, self._layout_ints,
-                                        self.backward_precision)
+                                        self.backward_precision, fractions)
 
-    def forward(self, states: Tensor) -> Tensor:
-        return self.forward_full(states).q_logits
+    def forward(self, states: Tensor, fractions: Optional[Tensor] = None) -> Tensor:
+        return self.forward_full(states, fractions).q_logits
 
     @torch.no_grad()
     def act(self, states: Tensor, epsilon: Tensor, rng: Tensor, v_min: float = -10.0,
-            v_max: float = 10.0, loss_type: str = "c51", ucb: float = 0.0) -> ops.ActOutput:
+            v_max: float = 10.0, loss_type: str = "c51", ucb: float = 0.0,
+            fractions: Optional[Tensor] = None) -> ops.ActOutput:
         """Epsilon-greedy actions [N, D] and the greedy actions' expected Q (``dqn_ops.ops.act``):
         ``epsilon`` a one-element float32 tensor and ``rng`` the int64 (seed, call) pair, both on
         the states' device (read and advanced there: no sync); v_min / v_max: the C51 support;
-        loss_type: what the outputs are ('c51', 'qr' quantiles, 'mse' / 'huber'); ucb: an
-        ensemble's score mean + ucb * std over the members (``ops.act``)."""
+        loss_type: what the outputs are ('c51', 'qr' quantiles, 'mse' / 'huber', 'iqn'); ucb: an
+        ensemble's score mean + ucb * std over the members; fractions: an IQN network's K
+        fractions [K], shared by every row (``ops.act``)."""
         if self.sync_mirror:
             self._sync_mirror()
         return ops.act(states, self.flat_params.detach(), self.params_bf16, self._layout_ints, v_min, v_max,
-                       epsilon, rng, loss_type, ucb)
+                       epsilon, rng, loss_type, ucb, fractions)
 
     def split_members(self, q_logits: Tensor):
         """[B, E * sum n_d, NA] -> a tuple of E views [B, sum n_d, NA], one per ensemble member."""

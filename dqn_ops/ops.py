@@ -103,8 +103,9 @@ def _check_network_inputs(op: str, c, states: Tensor, params: Tensor, params_bf1
 
 def _check_activation_count(op: str, c, activations) -> None:
     """The saved activations must be the forward's list: the states and each hidden layer."""
-    n = 1 + len(c.hidden_widths)
-    _check(len(activations) == n, f"{op}: activations: expected {n} tensors (the states and each hidden layer, as "
+    n = 1 + len(c.hidden_widths) + (3 if c.iqn else 0)
+    what = "hidden layer, with the IQN cosines, phi and z" if c.iqn else "hidden layer"
+    _check(len(activations) == n, f"{op}: activations: expected {n} tensors (the states and each {what}, as "
                                   f"the forward returned them), got {len(activations)}")
 
 
@@ -113,18 +114,21 @@ def _check_activation_count(op: str, c, activations) -> None:
 
 class ForwardOutput(NamedTuple):
     # [B, E * sum n_d, NA]  dueling-aggregated (without dueling: the branch logits); member e's
-    # rows after member e-1's (E = 1 but for an ensemble)
+    # rows after member e-1's (E = 1 but for an ensemble). IQN: [B, E * sum n_d, N], slot i the
+    # value at fraction i.
     q_logits: Tensor
     # [B, NA * E * (dueling + sum n_d)]  raw logits in head order: the value heads (dueling),
-    # then member 0's branches, member 1's, ...
+    # then member 0's branches, member 1's, ... IQN: [B * N, ...], row b * N + i.
     head_logits: Tensor
     # Saved for the backward, at the mirror's precision: the states [B, SD], then every hidden
-    # layer [B, w] for w in config.hidden_widths (the trunk's, then the heads' side by side).
+    # layer [B, w] for w in config.hidden_widths (the trunk's, then the heads' side by side);
+    # IQN: after the trunk the cosines [B * N, n], phi and z [B * N, T_L], and the head layers on
+    # B * N rows.
     activations: List[Tensor]
 
 
 def bf16_dueling_forward(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[int],
-                         backward_precision: str = "tf32") -> ForwardOutput:
+                         backward_precision: str = "tf32", fractions: Optional[Tensor] = None) -> ForwardOutput:
     """Forward pass of the branching network (dueling or not, any shape: dqn_ops.DQNConfig) on BF16
     tensor cores.
 
@@ -135,35 +139,61 @@ def bf16_dueling_forward(states: Tensor, params: Tensor, params_bf16: Tensor, la
             On the CPU it may also have ``params``' dtype: then nothing is rounded.
         layout: ``ParamLayout(config).encode()``.
         backward_precision: the precision autograd's backward will use ('tf32', 'bf16', 'fp32').
+        fractions: an IQN network's quantile fractions [B, N] in params' dtype (required iff the
+            config has ``iqn_embedding`` > 0; docs/iqn-design.md); not differentiated.
     """
+    args = (states, params, params_bf16, list(layout), backward_precision)
     try:
         return ForwardOutput(*torch.ops.dqn_ops.bf16_dueling_forward.default(
-            states, params, params_bf16, list(layout), backward_precision))
+            *args, *(() if fractions is None else (fractions,))))
     except NotImplementedError as e:
         _raise_missing_kernel("bf16_dueling_forward", e)
         raise
 
 
 @torch.library.register_fake("dqn_ops::bf16_dueling_forward")
-def _(states, params, params_bf16, layout, backward_precision="tf32"):
+def _(states, params, params_bf16, layout, backward_precision="tf32", fractions=None):
     op = "dqn_ops.bf16_dueling_forward"
     c = decode_config(layout)
     _check(backward_precision in BACKWARD_PRECISIONS,
            f"{op}: backward_precision: expected one of {BACKWARD_PRECISIONS}, got {backward_precision!r}")
     _check_network_inputs(op, c, states, params, params_bf16, layout)
     B = states.shape[0]
-    return (params.new_empty(B, c.q_rows, c.atoms), params.new_empty(B, c.head_out),
-            _fake_activations(c, states, B, params_bf16.dtype))
+    N = _check_fractions(op, c, fractions, params, (B, None))
+    return (params.new_empty(B, c.q_rows, N if c.iqn else c.atoms), params.new_empty(B * N, c.head_out),
+            _fake_activations(c, states, B, params_bf16.dtype, N))
 
 
-def _fake_activations(c, like: Tensor, rows: int, dtype) -> List[Tensor]:
-    """The activation list of `rows` rows: the states and every hidden layer, in `dtype`."""
-    return [like.new_empty(rows, w, dtype=dtype) for w in (c.state_dim, *c.hidden_widths)]
+def _check_fractions(op: str, c, fractions: Optional[Tensor], params: Tensor, shape) -> int:
+    """csrc/network_args.h check_fractions: given iff the config is IQN's, in params' dtype,
+    `shape` (None: any size). Returns N, the fractions per row (1 without IQN)."""
+    if not c.iqn:
+        _check(fractions is None, f"{op}: fractions: only an IQN network (iqn_embedding > 0) takes them; this "
+                                  f"layout has none")
+        return 1
+    _check(fractions is not None, f"{op}: fractions: an IQN network (iqn_embedding {c.iqn_embedding}) needs the "
+                                  f"quantile fractions tau, got None")
+    ok = fractions.dim() == len(shape) and all(e is None or e == n for e, n in zip(shape, fractions.shape))
+    _check(ok and fractions.dtype == params.dtype, f"{op}: fractions: expected {params.dtype} "
+           f"[{', '.join('*' if e is None else str(e) for e in shape)}], got {fractions.dtype} {list(fractions.shape)}")
+    _check(fractions.shape[-1] >= 1, f"{op}: fractions: expected at least 1 fraction per row, got 0")
+    return fractions.shape[-1]
+
+
+def _fake_activations(c, like: Tensor, rows: int, dtype, fractions: int = 1) -> List[Tensor]:
+    """The activation list of `rows` rows: the states and every hidden layer, in `dtype`; an IQN
+    network's cosines, phi and z after the trunk, and the head layers, on rows * fractions rows."""
+    L = len(c.trunk_hidden)
+    widths = [c.state_dim, *c.hidden_widths]
+    if c.iqn:
+        widths[L + 1:L + 1] = [c.iqn_embedding, c.trunk_hidden[-1], c.trunk_hidden[-1]]
+    return [like.new_empty(rows * (fractions if c.iqn and k > L else 1), w, dtype=dtype) for k, w in enumerate(widths)]
 
 
 # Its backward is mixed_backward; the saved activations it returns are non-differentiable.
 def _forward_setup_context(ctx, inputs, output):
-    states, params, params_bf16, layout, backward_precision = inputs
+    states, params, params_bf16, layout = inputs[:4]
+    backward_precision = inputs[4] if len(inputs) > 4 else "tf32"
     activations = output[2]
     ctx.save_for_backward(*activations, params, params_bf16)
     ctx.mark_non_differentiable(*activations)
@@ -612,7 +642,8 @@ class ActOutput(NamedTuple):
 
 
 def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[int], v_min: float, v_max: float,
-        epsilon: Tensor, rng: Tensor, loss_type: str = "c51", ucb: float = 0.0) -> ActOutput:
+        epsilon: Tensor, rng: Tensor, loss_type: str = "c51", ucb: float = 0.0,
+        fractions: Optional[Tensor] = None) -> ActOutput:
     """Epsilon-greedy actions of the online network, on the device, without a host sync.
 
     The network runs as ``bf16_dueling_forward`` runs it (same arguments, same GEMMs: the
@@ -638,22 +669,30 @@ def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[in
             of the score, greedy_q its mean_e Q_e. Any finite value (< 0: a lower confidence
             bound); one member (std 0) or ucb = 0: the argmax of the mean. The CUDA kernel
             scores in F32 (|ucb| up to F32's largest finite value).
+        fractions: an IQN network's (loss_type 'iqn') K quantile fractions [K], in params' dtype,
+            shared by every row: an action's expected Q is the mean of its K values (the
+            trainer passes the midpoints (2k + 1) / 2K; docs/iqn-design.md). None otherwise.
     """
+    extra = () if fractions is None else (fractions,)
     try:
         return ActOutput(*torch.ops.dqn_ops.act.default(states, params, params_bf16, list(layout), float(v_min),
-                                                        float(v_max), epsilon, rng, loss_type, float(ucb)))
+                                                        float(v_max), epsilon, rng, loss_type, float(ucb), *extra))
     except NotImplementedError as e:
         _raise_missing_kernel("act", e)
         raise
 
 
 @torch.library.register_fake("dqn_ops::act")
-def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng, loss_type="c51", ucb=0.0):
+def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng, loss_type="c51", ucb=0.0, fractions=None):
     op = "dqn_ops.act"
-    _check_loss_type(op, loss_type)
+    _check_loss_type(op, loss_type, takes_iqn=True)
     _check(math.isfinite(ucb), f"{op}: ucb: expected a finite value (either sign), got {ucb}")
     c = decode_config(layout)
+    _check((loss_type == "iqn") == c.iqn, f"{op}: loss_type '{loss_type}': " + (
+        "an IQN network (iqn_embedding > 0) acts with loss_type 'iqn'" if c.iqn
+        else "'iqn' needs an IQN network (iqn_embedding > 0)"))
     _check_network_inputs(op, c, states, params, params_bf16, layout)
+    _check_fractions(op, c, fractions, params, (None,))
     _check(loss_type not in ("mse", "huber") or c.atoms == 1,
            f"{op}: loss_type '{loss_type}' takes plain Q-values (1 atom), got {c.atoms} atoms (use 'c51' or 'qr')")
     _check(epsilon.numel() == 1, f"{op}: epsilon: expected one element, got shape {list(epsilon.shape)}")

@@ -10,15 +10,18 @@ of three times, two kernels fewer; elsewhere the op composes the public kernels.
 
 ``PublicOpsStep`` is the same step on the public ops, ``bf16_dueling_forward`` ->
 ``dqn_loss`` -> ``mixed_backward``: the reference the tests compare the trainer's path with
-(the same bits) and whose ops the benchmarks time one by one.
+(the same bits) and whose ops the benchmarks time one by one. It is also the trainer's step for
+IQN networks (docs/iqn-design.md), whose forward takes quantile fractions: the online network
+runs on [s; s'] at [tau; the K = N midpoints], the target on s' at tau', the loss reads tau.
 
 Both take the online and target ``DuelingBranchQNet`` (read at each call, so a checkpoint
 load is seen) and the loss's settings, and run the stages ``forward(state_pairs)``,
 ``loss(forward_out, actions, rewards, dones, weights, masks)`` and ``backward(forward_out,
 loss_out)`` one by one or together (calling the object returns a ``StepOutput``); ``masks``:
 an ensemble's bootstrap masks [B, E] (``dqn_ops.ops.bootstrap_masks``) or None, as the loss
-takes them. No host
-sync, no allocation outside torch's caching allocator: the sequence captures in a CUDA graph.
+takes them; ``fractions``: an IQN network's (tau [B, N], tau' [B, N']) (``dqn_ops.ops.iqn_fractions``),
+None for any other. No host sync, no allocation outside torch's caching allocator: the
+sequence captures in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -45,6 +48,12 @@ def fused_loss_supported(config: DQNConfig, loss_type: str, device: torch.device
     masks, run the composed path."""
     return (torch.device(device).type == "cuda" and loss_type == "c51" and config.members == 1 and not masked
             and 2 <= config.atoms <= ops.FUSED_LOSS_MAX_ATOMS and config.num_branches <= ops.FUSED_LOSS_MAX_BRANCHES)
+
+
+def quantile_midpoints(n: int, like: Tensor) -> Tensor:
+    """The fixed fractions (2k + 1) / 2n, k < n, [n] in `like`'s dtype and device: QR-DQN's
+    quantiles, and the fractions IQN acts and picks the next action at (docs/iqn-design.md)."""
+    return (torch.arange(n, device=like.device, dtype=like.dtype) * 2 + 1) / (2 * n)
 
 
 def default_batch_networks(batch_size: int) -> bool:
@@ -88,13 +97,22 @@ class _Step:
         self.precision = precision
 
     def __call__(self, state_pairs: Tensor, actions: Tensor, rewards: Tensor, dones: Tensor,
-                 weights: Optional[Tensor] = None, masks: Optional[Tensor] = None) -> StepOutput:
+                 weights: Optional[Tensor] = None, masks: Optional[Tensor] = None,
+                 fractions: Optional[Tuple[Tensor, Tensor]] = None) -> StepOutput:
         """One forward -> loss -> backward. ``state_pairs``: [2B, SD], s then s'; actions [B, D]
-        int64; rewards, dones, weights (or None) [B]; masks (or None) [B, E]."""
-        fwd = self.forward(state_pairs)
-        out = self.loss(fwd, actions, rewards, dones, weights, masks)
+        int64; rewards, dones, weights (or None) [B]; masks (or None) [B, E]; fractions: an IQN
+        network's (tau [B, N], tau' [B, N']), else None."""
+        self._check_fractions(fractions)
+        fwd = self.forward(state_pairs, fractions)
+        out = self.loss(fwd, actions, rewards, dones, weights, masks, fractions)
         grad = self.backward(fwd, out)
         return StepOutput(out.loss, grad, out.td_error, out.mean_q, self.saved(fwd), fwd, out)
+
+    def _check_fractions(self, fractions):
+        iqn = self.online.config.iqn
+        if iqn != (fractions is not None):
+            raise ValueError(f"{type(self).__name__}: an IQN network's step takes fractions (tau, tau'), any "
+                             f"other's none; this network has iqn_embedding={self.online.config.iqn_embedding}")
 
     def _params(self) -> _Params:
         # detached: the stages form the gradient themselves, so they run alike in any grad mode
@@ -104,20 +122,19 @@ class _Step:
                        net._layout_ints)
 
     def saved(self, fwd) -> Tuple[Tensor, ...]:
-        """The activations of s (the first half of the forward's rows) that the backward reads;
-        leading rows of contiguous tensors, so contiguous and aligned."""
-        acts = self._activations(fwd)
-        B = acts[0].shape[0] // 2
-        return tuple(t[:B] for t in acts)
+        """The activations of s (the first half of each tensor's rows: of the samples, or of the
+        (sample, fraction) rows of an IQN network) that the backward reads; leading rows of
+        contiguous tensors, so contiguous and aligned."""
+        return tuple(t[:t.shape[0] // 2] for t in self._activations(fwd))
 
     def _activations(self, fwd) -> Sequence[Tensor]:
         raise NotImplementedError
 
-    def forward(self, state_pairs: Tensor):
+    def forward(self, state_pairs: Tensor, fractions=None):
         raise NotImplementedError
 
     def loss(self, fwd, actions: Tensor, rewards: Tensor, dones: Tensor, weights: Optional[Tensor],
-             masks: Optional[Tensor] = None):
+             masks: Optional[Tensor] = None, fractions=None):
         raise NotImplementedError
 
     def backward(self, fwd, loss_out) -> Tensor:
@@ -132,9 +149,11 @@ class InternalOpsStep(_Step):
 
     def __init__(self, online, target, *, batch_networks: bool = False, **kwargs):
         super().__init__(online, target, **kwargs)
+        if online.config.iqn:
+            raise ValueError("InternalOpsStep: IQN networks run the public ops' step (PublicOpsStep)")
         self.batch_networks = bool(batch_networks)
 
-    def forward(self, state_pairs: Tensor) -> ops.Logits:
+    def forward(self, state_pairs: Tensor, fractions=None) -> ops.Logits:
         p = self._params()
         return ops._online_and_target_logits(state_pairs, p.online, p.online_bf16, p.target, p.target_bf16, p.layout,
                                              self.batch_networks)
@@ -142,7 +161,8 @@ class InternalOpsStep(_Step):
     def _activations(self, fwd: ops.Logits):
         return fwd.activations
 
-    def loss(self, fwd: ops.Logits, actions, rewards, dones, weights=None, masks=None) -> ops.LossOnLogits:
+    def loss(self, fwd: ops.Logits, actions, rewards, dones, weights=None, masks=None,
+             fractions=None) -> ops.LossOnLogits:
         p, B = self._params(), actions.shape[0]
         return ops._dqn_loss_on_logits(fwd.logits[:B], fwd.logits[B:], fwd.logits_next_target, p.online, p.target,
                                        actions, rewards, dones, weights, p.layout, self.v_min, self.v_max, self.gamma,
@@ -164,22 +184,29 @@ class PublicOpsStep(_Step):
     s') -> ``dqn_loss`` -> ``mixed_backward``. Stage outputs: ``PublicForward``,
     ``ops.LossOutput``, the flat gradient."""
 
-    def forward(self, state_pairs: Tensor) -> PublicForward:
+    def forward(self, state_pairs: Tensor, fractions=None) -> PublicForward:
         p, B = self._params(), state_pairs.shape[0] // 2
-        online = ops.bf16_dueling_forward(state_pairs, p.online, p.online_bf16, p.layout, self.precision)
+        online_fractions = target_fractions = None
+        if fractions is not None:  # IQN: s at tau, s' at the midpoints (the next action's), the target at tau'
+            tau, target_fractions = fractions
+            online_fractions = torch.cat([tau, quantile_midpoints(tau.shape[1], tau).expand(B, -1)])
+        online = ops.bf16_dueling_forward(state_pairs, p.online, p.online_bf16, p.layout, self.precision,
+                                          online_fractions)
         q_next_target = ops.bf16_dueling_forward(state_pairs[B:], p.target, p.target_bf16, p.layout,
-                                                 self.precision).q_logits
+                                                 self.precision, target_fractions).q_logits
         return PublicForward(online, q_next_target)
 
     def _activations(self, fwd: PublicForward):
         return fwd.online.activations
 
-    def loss(self, fwd: PublicForward, actions, rewards, dones, weights=None, masks=None) -> ops.LossOutput:
+    def loss(self, fwd: PublicForward, actions, rewards, dones, weights=None, masks=None,
+             fractions=None) -> ops.LossOutput:
         B = actions.shape[0]
         q = fwd.online.q_logits
         return ops.dqn_loss(q[:B], q[B:], fwd.q_next_target, actions, rewards, dones, self.online.config.branches,
                             v_min=self.v_min, v_max=self.v_max, gamma=self.gamma, weights=weights,
-                            loss_type=self.loss_type, masks=masks)
+                            loss_type=self.loss_type, masks=masks,
+                            fractions=None if fractions is None else fractions[0])
 
     def backward(self, fwd: PublicForward, loss_out: ops.LossOutput) -> Tensor:
         p = self._params()

@@ -36,7 +36,7 @@ from .network import DuelingBranchQNet
 from .optim import FusedAdamBF16
 from .readback import DeferredReadback
 from .spectral import SpectralNorm
-from .step import InternalOpsStep, default_batch_networks, fused_loss_supported
+from .step import InternalOpsStep, PublicOpsStep, default_batch_networks, fused_loss_supported, quantile_midpoints
 
 BATCH_KEYS = ("states", "actions", "rewards", "next_states", "dones")
 OPTIONAL_BATCH_KEYS = ("weights", "indices")  # indices: the replay rows, read for bootstrap masks
@@ -61,7 +61,8 @@ class TrainerConfig:
     tau: float = 0.005             # Polyak rate of the target network
     sigma_max: Optional[float] = 1.0  # spectral-norm clamp; None: no spectral norm
     n_power_iterations: int = 1
-    loss_type: Optional[str] = None   # 'c51', 'qr', 'mse', 'huber'; None: 'c51' with atoms > 1, else 'huber'
+    # 'c51', 'qr', 'mse', 'huber', 'iqn'; None: 'iqn' for an IQN network, 'c51' with atoms > 1, else 'huber'
+    loss_type: Optional[str] = None
     backward_precision: str = "bf16"
     use_cuda_graph: bool = True    # on CUDA: capture the step after warmup_steps eager steps
     warmup_steps: int = 3
@@ -72,6 +73,10 @@ class TrainerConfig:
     # transition (no masks).
     bootstrap_p: float = 1.0
     act_ucb: float = 0.0           # acting scores mean + act_ucb * std over an ensemble's members
+    # An IQN network's fractions per sample (docs/iqn-design.md): N = N' = K, the online network
+    # at N fractions drawn per sample (tau), the target at N' others (tau'), the next action and
+    # acting by the mean over the K midpoints (2k + 1) / 2K.
+    iqn_fractions: int = 32
 
     def __post_init__(self):
         """Checks every field at construction (types and ranges); the error names the field, what
@@ -118,6 +123,7 @@ class TrainerConfig:
         check_choice(n, "on_non_finite", self.on_non_finite, ("raise", "flag"))
         self.bootstrap_p = check_float(n, "bootstrap_p", self.bootstrap_p, low=0.0, high=1.0, low_open=True)
         self.act_ucb = check_float(n, "act_ucb", self.act_ucb)
+        self.iqn_fractions = check_int(n, "iqn_fractions", self.iqn_fractions, minimum=1)
 
     @property
     def uses_masks(self) -> bool:
@@ -196,7 +202,7 @@ class Trainer:
         self.config = cfg = config or TrainerConfig()
         self.device = torch.device(device)
         c = self.net_config
-        self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "Trainer")
+        self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "Trainer", c.iqn)
         self.mask_seed = seed  # the bootstrap masks' key: a checkpoint's replaces it (load_state_dict)
         gen = torch.Generator().manual_seed(seed)
         self.online = DuelingBranchQNet(c, backward_precision=cfg.backward_precision, generator=gen).to(self.device)
@@ -224,9 +230,12 @@ class Trainer:
             self.inputs["indices"] = torch.zeros(B, dtype=torch.long, device=dev)
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
-        self.gradient_step = InternalOpsStep(self.online, self.target, loss_type=self.loss_type, v_min=cfg.v_min,
-                                             v_max=cfg.v_max, gamma=cfg.gamma, precision=cfg.backward_precision,
-                                             batch_networks=default_batch_networks(B))
+        step_kw = dict(loss_type=self.loss_type, v_min=cfg.v_min, v_max=cfg.v_max, gamma=cfg.gamma,
+                       precision=cfg.backward_precision)
+        # IQN's forward takes fractions, which the internal ops do not: its step is the public ops'.
+        self.gradient_step = (PublicOpsStep(self.online, self.target, **step_kw) if c.iqn else
+                              InternalOpsStep(self.online, self.target, batch_networks=default_batch_networks(B),
+                                              **step_kw))
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev, bad_field="skipped")
         if self.spectral is not None:
             self.stats.watch("sigma", self.spectral.sigma)
@@ -241,6 +250,12 @@ class Trainer:
         self._act_epsilon0 = torch.zeros(1, device=dev)
         self._act_greedy_rng = torch.zeros(2, dtype=torch.long, device=dev)
         self.explore_rng = torch.tensor([ops.philox_seed(seed), 0], dtype=torch.long, device=dev)
+        # IQN: the step draws tau and tau' from fraction_rng = (seed, step) on the device
+        # (ops.iqn_fractions, advanced by one per step); acting reads the K midpoints.
+        self.fraction_rng = torch.tensor([ops.philox_seed(seed), 0], dtype=torch.long, device=dev)
+        self._act_fractions = quantile_midpoints(cfg.iqn_fractions, self._act_epsilon0) if c.iqn else None
+        self._fraction_row_offset = (torch.distributed.get_rank(self.process_group) * B if self.world_size > 1
+                                     else 0)  # each rank's samples draw fractions of their own
         # Counts load_state_dict calls: a loop that captured device_step in its own graph
         # (dqn_ops.rl.loop) captures again when it changes (the optimizer's tensors are new).
         self.state_generation = 0
@@ -258,10 +273,14 @@ class Trainer:
 
     @property
     def batch_networks(self) -> bool:
-        return self.gradient_step.batch_networks
+        """Whether the forward batches the online and target networks' hidden layers (never for
+        IQN, whose networks run at different fractions)."""
+        return getattr(self.gradient_step, "batch_networks", False)
 
     @batch_networks.setter
     def batch_networks(self, value: bool):
+        if self.net_config.iqn:
+            raise ValueError("Trainer.batch_networks: an IQN network's step runs the two networks apart")
         self.gradient_step.batch_networks = bool(value)
 
     def set_lr(self, lr: float):
@@ -308,8 +327,12 @@ class Trainer:
     @torch.no_grad()
     def _step_body(self):
         cfg, p, x = self.config, self.online.flat_params, self.inputs
+        fractions = None
+        if self.net_config.iqn:
+            N = cfg.iqn_fractions
+            fractions = ops.iqn_fractions(self.fraction_rng, cfg.batch_size, N, N, self._fraction_row_offset)
         out = self.gradient_step(self._state_pairs, x["actions"], x["rewards"], x["dones"], x["weights"],
-                                 self.bootstrap_masks(x["indices"]) if cfg.uses_masks else None)
+                                 self.bootstrap_masks(x["indices"]) if cfg.uses_masks else None, fractions)
         grad = out.grad
         if self.world_size > 1:  # data-parallel: the mean gradient over every rank's batch
             torch.distributed.all_reduce(grad, group=self.process_group)
@@ -404,7 +427,7 @@ class Trainer:
         batch."""
         with self._on_device():
             return self.online.act(states, self._act_epsilon0, self._act_greedy_rng, self.config.v_min,
-                                   self.config.v_max, self.loss_type).actions
+                                   self.config.v_max, self.loss_type, fractions=self._act_fractions).actions
 
     @torch.no_grad()
     def act_explore(self, states: Tensor, epsilon: Tensor) -> Tuple[Tensor, Tensor]:
@@ -418,7 +441,7 @@ class Trainer:
         its mean)."""
         with self._on_device():
             return tuple(self.online.act(states, epsilon, self.explore_rng, self.config.v_min, self.config.v_max,
-                                         self.loss_type, self.config.act_ucb))
+                                         self.loss_type, self.config.act_ucb, self._act_fractions))
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -426,6 +449,7 @@ class Trainer:
                     optimizer=self.optimizer.state_dict(),
                     spectral=self.spectral.state_dict() if self.spectral is not None else None,
                     lr=self.lr.clone(), explore_rng=self.explore_rng.clone(), mask_seed=self.mask_seed,
+                    fraction_rng=self.fraction_rng.clone(),
                     steps=self.steps,
                     net_config=dataclasses.asdict(self.net_config),
                     config=dataclasses.asdict(self.config))
@@ -446,7 +470,7 @@ class Trainer:
                              f"this trainer's {dataclasses.asdict(self.net_config)}")
         # C51 and QR heads have the same shape: the loss type tells their outputs apart
         saved = resolve_loss_type(state.get("config", {}).get("loss_type"), self.net_config.atoms,
-                                  "Trainer.load_state_dict")
+                                  "Trainer.load_state_dict", self.net_config.iqn)
         if saved != self.loss_type:
             raise ValueError(f"Trainer.load_state_dict: the checkpoint was trained with loss_type {saved!r}, this "
                              f"trainer's is {self.loss_type!r} (the outputs mean different things)")
@@ -458,6 +482,8 @@ class Trainer:
         self.lr.copy_(state["lr"])
         if "explore_rng" in state:  # act_explore continues the checkpoint's random stream
             self.explore_rng.copy_(state["explore_rng"])
+        if "fraction_rng" in state:  # and an IQN step its fractions' stream
+            self.fraction_rng.copy_(state["fraction_rng"])
         # the replay rows keep the masks they had: the checkpoint's key (the graph is captured
         # anew below, with it)
         self.mask_seed = int(state.get("mask_seed", self.mask_seed))
@@ -540,15 +566,18 @@ def _data_parallel_group(process_group):
     return process_group, dist.get_world_size(process_group)
 
 
-def resolve_loss_type(loss_type: Optional[str], atoms: int, owner: str) -> str:
-    """TrainerConfig.loss_type for a network of `atoms` atoms: None picks 'c51' (atoms > 1) or
-    'huber'; a loss that does not fit the network's outputs is a ValueError naming `owner`."""
-    resolved = loss_type or ("c51" if atoms > 1 else "huber")
-    if resolved == "iqn":  # dqn_loss takes it; the trainers' networks and step do not (docs/iqn-design.md)
-        raise ValueError(f"{owner}: loss_type 'iqn' is not supported: {owner} does not train IQN networks "
-                         f"(dqn_ops.dqn_loss takes it)")
-    needs = {"c51": "atoms > 1", "mse": "atoms == 1", "huber": "atoms == 1", "qr": "atoms >= 1"}[resolved]
-    fits = {"c51": atoms > 1, "mse": atoms == 1, "huber": atoms == 1, "qr": atoms >= 1}[resolved]
+def resolve_loss_type(loss_type: Optional[str], atoms: int, owner: str, iqn: bool = False) -> str:
+    """TrainerConfig.loss_type for a network of `atoms` atoms, IQN's or not: None picks 'iqn' (an
+    IQN network), 'c51' (atoms > 1) or 'huber'; a loss that does not fit the network's outputs
+    is a ValueError naming `owner`."""
+    resolved = loss_type or ("iqn" if iqn else "c51" if atoms > 1 else "huber")
+    if iqn != (resolved == "iqn"):
+        raise ValueError(f"{owner}: loss_type {resolved!r} " + (
+            "needs an IQN network (DQNConfig.iqn_embedding > 0)" if not iqn else
+            "does not fit an IQN network (DQNConfig.iqn_embedding > 0), whose loss is 'iqn'"))
+    needs = {"c51": "atoms > 1", "mse": "atoms == 1", "huber": "atoms == 1", "qr": "atoms >= 1",
+             "iqn": "atoms == 1"}[resolved]
+    fits = {"c51": atoms > 1, "mse": atoms == 1, "huber": atoms == 1, "qr": atoms >= 1, "iqn": atoms == 1}[resolved]
     if not fits:
         raise ValueError(f"{owner}: loss_type {resolved!r} needs {needs}, got a network of {atoms} atom(s)")
     return resolved
@@ -567,10 +596,11 @@ def greedy_actions(net: DuelingBranchQNet, states: Tensor, v_min: float = -10.0,
 
 
 def expected_q(q: Tensor, v_min: float, v_max: float, loss_type: str = "c51") -> Tensor:
-    """[..., atoms] outputs -> [...] expected Q, as ``act`` reads them: QR the quantiles' mean,
-    C51 softmax times the support [v_min, v_max], one atom the value itself (torch ops)."""
+    """[..., atoms] outputs -> [...] expected Q, as ``act`` reads them: QR the quantiles' mean
+    (IQN: of its values at the fractions), C51 softmax times the support [v_min, v_max], one atom
+    the value itself (torch ops)."""
     atoms = q.shape[-1]
-    if loss_type == "qr":
+    if loss_type in ("qr", "iqn"):
         return q.mean(-1)
     if atoms > 1:
         support = torch.linspace(v_min, v_max, atoms, device=q.device, dtype=q.dtype)

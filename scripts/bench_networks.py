@@ -7,8 +7,9 @@ recipe, in one run.
 
 The networks (NETWORKS below) are the reference config of docs/design.md, CleanRL's c51.py network
 (4 -> 120 -> 84 -> 2 x 101 atoms, no dueling, no head layer), a 3 x 512 trunk with the reference
-heads, QR-DQN with 200 quantiles on the reference network (loss_type 'qr') and an ensemble of 5
-head sets on the reference trunk (bootstrap masks, p = 0.5). The step is dqn_ops.Trainer's (graphed) against dqn_ops.rl.baseline.TorchTrainer with
+heads, QR-DQN with 200 quantiles on the reference network (loss_type 'qr'), an ensemble of 5
+head sets on the reference trunk (bootstrap masks, p = 0.5) and IQN on the reference network (64
+cosines, N = N' = K = 32 fractions; loss 'iqn'). The step is dqn_ops.Trainer's (graphed) against dqn_ops.rl.baseline.TorchTrainer with
 torch.compile of the forward + loss and of the updates, the whole step in one CUDA graph, under
 autocast BF16 (scripts/bench.py's torch_compile_graph_bf16, the fastest PyTorch recipe there).
 Target (issue 20): dqn_ops >= 4x faster for each network at B = 256 and 4096. torch.compile
@@ -38,6 +39,8 @@ NETWORKS = {
     "trunk_3x512": (DQNConfig(trunk_hidden=(512, 512, 512)), {}),
     "qr_dqn_200": (DQNConfig(atoms=200), dict(loss_type="qr")),
     "ensemble_5": (DQNConfig(ensemble=5), dict(bootstrap_p=0.5)),  # bootstrapped DQN's masks
+    # IQN on the reference network: the paper's 64 cosines, N = N' = K = 32 fractions
+    "iqn_32": (DQNConfig(atoms=1, iqn_embedding=64), dict(iqn_fractions=32)),
 }
 
 

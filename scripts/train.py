@@ -64,10 +64,14 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="output folder (default runs/<backend>-seed<seed>)")
     ap.add_argument("--quiet", action="store_true", help="no per-epoch lines")
     ap.add_argument("--tiny", action="store_true", help="a small network (for smoke tests)")
-    ap.add_argument("--loss-type", choices=("c51", "qr"), default="c51",
-                    help="c51 (categorical, support [-10, 10]) or qr (QR-DQN: the atoms are quantiles)")
+    ap.add_argument("--loss-type", choices=("c51", "qr", "iqn"), default="c51",
+                    help="c51 (categorical, support [-10, 10]), qr (QR-DQN: the atoms are quantiles) or iqn "
+                         "(implicit quantile network: one atom, the fractions sampled; --iqn-embedding, "
+                         "--iqn-fractions)")
     ap.add_argument("--atoms", type=int, default=None,
                     help="atoms (C51) or quantiles (QR) per action (default: 51; --tiny: 11)")
+    ap.add_argument("--iqn-embedding", type=int, default=64, help="IQN: cosines of each fraction (the paper's 64)")
+    ap.add_argument("--iqn-fractions", type=int, default=32, help="IQN: fractions per sample, N = N' = K")
     ap.add_argument("--ensemble", type=int, default=1,
                     help="ensemble members on the shared trunk, each its own heads (DQNConfig.ensemble)")
     ap.add_argument("--bootstrap-p", type=float, default=1.0,
@@ -89,12 +93,14 @@ def make_trainer(args):
     if args.atoms is not None:
         net = dataclasses.replace(net, atoms=args.atoms)
     net = dataclasses.replace(net, ensemble=args.ensemble)
+    if args.loss_type == "iqn":  # one value per action at each fraction
+        net = dataclasses.replace(net, atoms=1, iqn_embedding=args.iqn_embedding)
     # gamma ** n: the loss discounts an n-step return's bootstrap; the readback ring holds an epoch
     # (one graph replay of the loop)
     cfg = TrainerConfig(batch_size=args.batch, lr=args.lr, gamma=args.gamma ** args.n_step, v_min=-10.0, v_max=10.0,
                         tau=0.005, max_grad_norm=10.0, sigma_max=1.0, use_cuda_graph=not args.no_graph,
                         readback_interval=args.steps, on_non_finite="flag", loss_type=args.loss_type,
-                        bootstrap_p=args.bootstrap_p, act_ucb=args.act_ucb)
+                        bootstrap_p=args.bootstrap_p, act_ucb=args.act_ucb, iqn_fractions=args.iqn_fractions)
     if args.backend == "dqn_ops":
         return Trainer(net, cfg, device=args.device, seed=args.seed)
     if args.distributed:

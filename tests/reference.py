@@ -101,8 +101,14 @@ def reference_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]], s:
     return aggregate(c, outs), torch.cat(outs, 1), acts + head_acts
 
 
-def _rounding(round_to: Optional[torch.dtype]):
-    return lambda x: x if round_to is None else x.to(round_to).to(x.dtype)
+def _rounding(round_to: Optional[torch.dtype], straight_through: bool = False):
+    """x rounded to `round_to` (None: x itself); straight_through: with the gradient passed
+    unchanged, as the kernels' backward treats their rounded activations."""
+    if round_to is None:
+        return lambda x: x
+    if straight_through:
+        return lambda x: x + (x.to(round_to).to(x.dtype) - x).detach()
+    return lambda x: x.to(round_to).to(x.dtype)
 
 
 def _trunk(c: DQNConfig, layers, x: Tensor, rounded) -> List[Tensor]:
@@ -137,19 +143,23 @@ def _heads(c: DQNConfig, layers, x: Tensor, rounded) -> Tuple[List[Tensor], List
 #   q[b, a, i] = the value of action a on row (b, i)   [B, E * A, N]
 
 def reference_iqn_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]], s: Tensor, tau: Tensor,
-                          round_to: Optional[torch.dtype] = None):
+                          round_to: Optional[torch.dtype] = None, straight_through: bool = False):
     """The IQN network on s [B, SD] at fractions tau [B, N]: (q [B, E * A, N], head [B * N,
     head_out] with row (b, i) at b * N + i, activations [s, h_1, ..., h_L, c, phi, z, head layer
     1, ..., head layer H], each IQN one [B * N, width]). round_to: a dtype every activation (the
-    states and the cosines included) is rounded to, as the BF16 kernels will store them."""
+    states and the cosines included) is rounded to, as the BF16 kernels store them, and then the
+    cosines' argument k * tau is formed in F32, as the kernels form it; straight_through:
+    autograd passes the gradient through those roundings (the kernels' backward)."""
     assert c.iqn_embedding > 0 and c.atoms == 1
-    rounded = _rounding(round_to)
+    rounded = _rounding(round_to, straight_through)
     B, N = tau.shape
     x = rounded(s)
     acts = [x] + _trunk(c, layers, x, rounded)
     h = acts[-1]
-    k = torch.arange(c.iqn_embedding, dtype=torch.float64)
-    cos = rounded(torch.cos(torch.pi * tau.to(torch.float64).reshape(B * N, 1) * k).to(h.dtype))  # [B*N, n]
+    argument_dtype = torch.float64 if round_to is None else torch.float32
+    k = torch.arange(c.iqn_embedding, dtype=argument_dtype)
+    angle = (tau.to(argument_dtype).reshape(B * N, 1) * k).to(torch.float64)
+    cos = rounded(torch.cos(torch.pi * angle).to(h.dtype))                                      # [B*N, n]
     phi = rounded(F.relu(F.linear(cos, *layers["phi"])))                                        # [B*N, T]
     z = rounded(h.repeat_interleave(N, 0) * phi)                                                # row b*N + i
     outs, head_acts = _heads(c, layers, z, rounded)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from dqn_ops import DuelingBranchQNet, Trainer, TrainerConfig
+from dqn_ops import DuelingBranchQNet, Trainer, TrainerConfig, ops
 from dqn_ops.step import PublicOpsStep
 
 
@@ -27,15 +27,20 @@ def check_trainer_step_is_the_public_ops_step(t, batches, v_min, v_max, gamma, m
     states, next_states, actions, rewards, dones, weights; on CUDA the first ones warm up and
     capture its graph), the last against PublicOpsStep on copies of its networks taken before
     that step, given `masks` (an ensemble's bootstrap masks of the last batch, or None): the same
-    gradient, TD errors, loss and mean Q, bit for bit."""
+    gradient, TD errors, loss and mean Q, bit for bit. An IQN trainer's step draws its fractions
+    from its fraction_rng: the public step gets the same draws (ops.iqn_fractions of a copy)."""
     for b in batches[:-1]:
         t.step({k: v for k, v in b.items() if k != "state_pairs"})
     online, target = snapshot(t.online), snapshot(t.target)
+    fractions = None
+    if t.net_config.iqn:
+        N = t.config.iqn_fractions
+        fractions = ops.iqn_fractions(t.fraction_rng.clone(), t.config.batch_size, N, N)
     t.step({k: v for k, v in batches[-1].items() if k != "state_pairs"})
     assert t.graphed == (t.device.type == "cuda")
     want = PublicOpsStep(online, target, loss_type=t.loss_type, v_min=v_min, v_max=v_max, gamma=gamma,
                          precision=t.config.backward_precision)(
-        *(batches[-1][k] for k in ("state_pairs", "actions", "rewards", "dones", "weights")), masks)
+        *(batches[-1][k] for k in ("state_pairs", "actions", "rewards", "dones", "weights")), masks, fractions)
     same_bits(t.online.flat_params.grad, want.grad, "grad")
     same_bits(t.td_error, want.td_error, "td_error")
     t.readback()

@@ -441,7 +441,7 @@ def _call(a):
     (lambda a: a.update(rng=torch.zeros(3, dtype=torch.long, device=a["states"].device)), r"rng: expected shape \[2\], got \[3\]"),
     (lambda a: a.update(rng=torch.zeros(2, 2, dtype=torch.long, device=a["states"].device)[:, 0]), "rng: expected a contiguous"),
     (lambda a: a.update(epsilon=a["rng"].view(torch.float32)[1:2]), "rng and epsilon must not share memory"),
-    (lambda a: a.update(layout=a["layout"][:-1]), "layout: ended after 24 entries, before the buffer length"),
+    (lambda a: a.update(layout=a["layout"][:-1]), "layout: ended after 25 entries, before the buffer length"),
     (lambda a: a.update(layout=[*a["layout"][:-1], 8]), "lies outside the buffer"),
     (lambda a: a.update(v_min=1.0, v_max=1.0), "v_min must be below v_max, both finite .*got v_min=1.0+, v_max=1.0+"),
     (lambda a: a.update(v_min=2.0, v_max=-2.0), "v_min must be below v_max"),

@@ -1,5 +1,5 @@
 """Ensemble networks (DQNConfig.ensemble = E > 1: E head sets on one trunk) on the CPU kernels:
-the config and its errors, the layout (format 3) and the e<m>. names, E = 1 unchanged; the
+the config and its errors, the layout (format 4) and the e<m>. names, E = 1 unchanged; the
 forward against the float64 reference of tests/reference.py and against E single networks that
 share the trunk, the backward, gradcheck, opcheck, fake kernels, torch.compile and the state-dict
 round trip with the plain network (TorchQNet); on CUDA, the kernels against the CPU reference
@@ -74,7 +74,8 @@ def test_one_member_is_the_network_without_the_field(kw):
     assert one.tensors == plain.tensors and one.segments == plain.segments and one.numel == plain.numel
     assert one.head_names() == plain.head_names() and all(not n.startswith("e") for n, _ in one.layers())
     enc = one.encode()
-    assert enc == plain.encode() and enc[0] == 3 and enc[4] == 1 and enc[5] == len(plain.config.branches)
+    assert enc == plain.encode() and enc[0] == 4 and enc[4] == 1 and enc[5] == 0  # E = 1, no IQN embedding
+    assert enc[6] == len(plain.config.branches)
     assert decode_config(enc) == plain.config
 
 
@@ -82,7 +83,7 @@ def test_reference_config_keeps_its_layout():
     p = ParamLayout(DQNConfig())
     assert p.config.num_parameters == 287_998
     assert [n for n, _ in p.layers()] == ["s1", "s2", "v1", "v2", "a1.0", "a2.0", "a1.1", "a2.1", "a1.2", "a2.2"]
-    assert p.encode()[:7] == [3, 96, 51, 1, 1, 3, 3]
+    assert p.encode()[:8] == [4, 96, 51, 1, 1, 0, 3, 3]
 
 
 def test_ensemble_names_and_head_order():
@@ -110,7 +111,7 @@ def test_ensemble_names_and_head_order():
 def test_layout_encodes_the_members_and_decodes(name):
     c = CASES[name]
     enc = ParamLayout(c).encode()
-    assert enc[:6] == [3, c.state_dim, c.atoms, int(c.dueling), c.members, c.num_branches]
+    assert enc[:7] == [4, c.state_dim, c.atoms, int(c.dueling), c.members, 0, c.num_branches]
     assert decode_config(enc) == c
     net = make_net(c)
     mark = torch.zeros(net.layout.numel, dtype=torch.int32)
@@ -128,9 +129,9 @@ def test_bad_member_counts_in_a_layout_are_clear_errors():
     op = "dqn_ops.bf16_dueling_forward: layout: "
     with pytest.raises(RuntimeError, match=op + "expected at least 1 ensemble member, got 0"):
         ops.bf16_dueling_forward(s, p, p_lp, [*layout[:4], 0, *layout[5:]])
-    with pytest.raises(RuntimeError, match=op + r"30 heads \(10 members of 1 \+ 2\) do not fit in 28 entries"):
+    with pytest.raises(RuntimeError, match=op + r"30 heads \(10 members of 1 \+ 2\) do not fit in 29 entries"):
         ops.bf16_dueling_forward(s, p, p_lp, [*layout[:4], 10, *layout[5:]])
-    with pytest.raises(ValueError, match=r"\(format 3\), got dueling=1, 0 members, 2 branches"):
+    with pytest.raises(ValueError, match=r"\(format 4\), got dueling=1, 0 members, IQN embedding 0, 2 branches"):
         decode_config([*layout[:4], 0, *layout[5:]])
     # three members' sizes, two members' offsets
     with pytest.raises(RuntimeError, match=op + "ended after"):

@@ -407,10 +407,11 @@ def test_unknown_loss_type_lists_iqn():
 TINY = DQNConfig(state_dim=6, trunk_hidden=(16,), value_hidden=8, adv_hidden=8, atoms=5, branches=(2, 3))
 
 
-def test_the_ops_without_fractions_refuse_iqn():
-    """act and the trainer's loss op take no fractions (yet: docs/iqn-design.md, "Op surface"):
-    'iqn' is a name they do not know, in the kernel and the fake alike, never another type's
-    arithmetic; the trainers refuse it at construction."""
+def test_iqn_needs_an_iqn_network_and_the_fused_loss_op_refuses_it():
+    """act takes 'iqn' for an IQN network only (tests/test_iqn_trainer.py acts with one); the
+    trainer's loss op takes no fractions (the IQN step runs the public ops): 'iqn' is a name it
+    does not know, in the kernel and the fake alike, never another type's arithmetic; the
+    trainers refuse 'iqn' for a network without IQN at construction."""
     net = DuelingBranchQNet(TINY, generator=torch.Generator().manual_seed(1))
     p, p_lp, layout = net.flat_params.detach(), net.params_bf16, net._layout_ints
     s = torch.randn(4, TINY.state_dim)
@@ -419,19 +420,21 @@ def test_the_ops_without_fractions_refuse_iqn():
     actions = torch.zeros(4, 2, dtype=torch.long)
     loss_args = (f.logits[:4].contiguous(), f.logits[4:].contiguous(), f.logits_next_target, p, p, actions,
                  torch.zeros(4), torch.zeros(4), None, layout, V_MIN, V_MAX, GAMMA, "iqn")
-    for op, args, name in [(torch.ops.dqn_ops.act.default, act_args, "act"),
-                           (torch.ops.dqn_ops._dqn_loss_on_logits.default, loss_args, "_dqn_loss_on_logits")]:
-        with pytest.raises(RuntimeError, match=f"dqn_ops.{name}: loss_type: expected one of 'c51', 'qr', 'mse', "
-                                               f"'huber', got 'iqn'"):
+    act_match = r"dqn_ops.act: loss_type 'iqn': 'iqn' needs an IQN network \(iqn_embedding > 0\)"
+    loss_match = ("dqn_ops._dqn_loss_on_logits: loss_type: expected one of 'c51', 'qr', 'mse', 'huber', got 'iqn'",
+                  r"dqn_ops._dqn_loss_on_logits: loss_type: expected one of \('c51', 'qr', 'mse', 'huber'\), "
+                  r"got 'iqn'")
+    for op, args, (kernel_match, fake_match) in [(torch.ops.dqn_ops.act.default, act_args, (act_match, act_match)),
+                                                 (torch.ops.dqn_ops._dqn_loss_on_logits.default, loss_args,
+                                                  loss_match)]:
+        with pytest.raises(RuntimeError, match=kernel_match):
             op(*args)
         with FakeTensorMode():
             fake = [torch.empty(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
-            with pytest.raises(RuntimeError, match=rf"dqn_ops.{name}: loss_type: expected one of \('c51', 'qr', "
-                                                   rf"'mse', 'huber'\), got 'iqn'"):
+            with pytest.raises(RuntimeError, match=fake_match):
                 op(*fake)
     for owner in (Trainer, TorchTrainer):
-        with pytest.raises(ValueError, match=rf"{owner.__name__}: loss_type 'iqn' is not supported: "
-                                             rf"{owner.__name__} does not train IQN networks"):
+        with pytest.raises(ValueError, match=rf"{owner.__name__}: loss_type 'iqn' needs an IQN network"):
             owner(TINY, TrainerConfig(loss_type="iqn", batch_size=4), device="cpu")
 
 

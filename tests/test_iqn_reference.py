@@ -1,6 +1,6 @@
-"""IQN groundwork (docs/iqn-design.md; the ops do not run IQN networks yet): DQNConfig's
-iqn_embedding and its errors; ParamLayout's phi segments and the refusal of ParamLayout.encode;
-the float64 references of tests/reference.py (reference_iqn_forward, reference_iqn_loss) checked
+"""IQN's configuration and references (docs/iqn-design.md; the ops' IQN kernels are tested in
+tests/test_iqn_network.py and tests/test_iqn_loss.py): DQNConfig's iqn_embedding and its errors;
+ParamLayout's phi segments; the float64 references of tests/reference.py (reference_iqn_forward, reference_iqn_loss) checked
 on hand-computed cases, against the plain network (phi = 1) and against the QR references at the
 fixed fractions; the plain-PyTorch baseline (TorchQNet with phi, torch_dqn_loss 'iqn') against
 those references, forward, loss and every parameter's gradient by autograd.
@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout, Trainer, TrainerConfig
+from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout
 from dqn_ops.layout import ALIGN, LAYOUT_FORMAT
-from dqn_ops.rl.baseline import TorchQNet, TorchTrainer, iqn_cosines, torch_dqn_loss
+from dqn_ops.rl.baseline import TorchQNet, iqn_cosines, torch_dqn_loss
 from reference import (ReferenceNet, layer_shapes, quantile_fractions, reference_forward,
                        reference_iqn_forward, reference_iqn_loss, reference_qr)
 from test_ensemble_loss import GAMMA as ENSEMBLE_GAMMA
@@ -92,7 +92,7 @@ def test_config_iqn_field_and_errors():
 
 
 # ----------------------------------------------------------------------------------------
-# ParamLayout: phi right after the trunk; encode() refuses IQN
+# ParamLayout: phi right after the trunk
 
 def test_layout_of_cleanrl_iqn_written_out():
     """The offsets by hand: W_s1 [120, 4] at 0, W_s2 [84, 120] at 480, W_phi [84, 64] at 10560,
@@ -134,24 +134,12 @@ def test_phi_shifts_only_the_segments_after_it(name):
     assert c.num_parameters == plain.config.num_parameters + T * n + T
 
 
-def test_encode_refuses_iqn_and_keeps_format_3_for_the_rest():
-    """Format 3 (what the built csrc/layout.h parses) has no phi layer: encode() refuses IQN, so
-    neither the module nor a trainer is built on a layout that would drop the fractions; every
-    other network encodes as before, and the built kernels run it."""
-    match = (r"^ParamLayout.encode: IQN networks \(iqn_embedding=64\) need the kernels of a later version of dqn_ops: "
-             r"the ops' layout format 3 has no phi layer \(docs/iqn-design.md\)\. The plain-PyTorch "
-             r"dqn_ops.rl.baseline.TorchQNet and torch_dqn_loss\(loss_type='iqn'\) run them\.$")
-    with pytest.raises(NotImplementedError, match=match):
-        ParamLayout(CLEANRL_IQN).encode()
-    with pytest.raises(NotImplementedError, match=match):
-        DuelingBranchQNet(CLEANRL_IQN)
-    with pytest.raises(NotImplementedError, match=match):
-        Trainer(CLEANRL_IQN, TrainerConfig(batch_size=4), device="cpu")
-    with pytest.raises(NotImplementedError, match=match):
-        TorchTrainer(CLEANRL_IQN, TrainerConfig(batch_size=4), device="cpu")
+def test_the_plain_network_keeps_its_offsets_in_format_4():
+    """Format 4 adds the embedding size (0 without IQN) after E: every offset and the length of
+    a network without IQN are format 3's, and the kernels run it as before."""
     plain = dataclasses.replace(CLEANRL_IQN, iqn_embedding=0)
     enc = ParamLayout(plain).encode()
-    assert enc[0] == LAYOUT_FORMAT == 3
+    assert enc[0] == LAYOUT_FORMAT == 4 and enc[5] == 0
     net = DuelingBranchQNet(plain, generator=torch.Generator().manual_seed(0)).double()
     s = torch.randn(5, 4, dtype=torch.float64)
     state = net.state_dict()

@@ -11,13 +11,13 @@ from dqn_ops.layout import ALIGN, decode_config
 from reference import SHAPES
 
 V_MIN, V_MAX = -10.0, 10.0
-PREFIX = r"layout: expected the int\[\] from dqn_ops.ParamLayout.encode\(\) \(format 3\), "
+PREFIX = r"layout: expected the int\[\] from dqn_ops.ParamLayout.encode\(\) \(format 4\), "
 
 
 def first_offset(c: DQNConfig) -> int:
     """Index of the first offset entry of the encoded layout (after the sizes)."""
     H = c.head_depth
-    return 6 + c.num_branches + 1 + len(c.trunk_hidden) + 1 + (H if c.dueling else 0) + H
+    return 7 + c.num_branches + 1 + len(c.trunk_hidden) + 1 + (H if c.dueling else 0) + H
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

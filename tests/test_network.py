@@ -335,9 +335,9 @@ def _call_forward(a):
     (lambda a: a.update(states=torch.randn(5, 4, device=a["states"].device).t()), "states: expected a contiguous tensor"),
     (lambda a: a.update(params=a["params"][:-8]), r"params: expected shape \["),
     (lambda a: a.update(params_bf16=a["params_bf16"].half()), "params_bf16: expected dtype BFloat16"),
-    (lambda a: a.update(layout=a["layout"][:-1]), "layout: ended after 24 entries, before the buffer length"),
+    (lambda a: a.update(layout=a["layout"][:-1]), "layout: ended after 25 entries, before the buffer length"),
     (lambda a: a.update(layout=[1, *a["layout"][1:]]),  # a stale format
-     r"layout: expected the int\[\] from dqn_ops.ParamLayout.encode\(\) \(format 3, .*\), got first entry 1"),
+     r"layout: expected the int\[\] from dqn_ops.ParamLayout.encode\(\) \(format 4, .*\), got first entry 1"),
     (lambda a: a.update(layout=[*a["layout"][:-2], a["layout"][-2] + 1, a["layout"][-1]]), "not a non-negative multiple of 8"),
     (lambda a: a.update(layout=[*a["layout"][:-1], 8]), "lies outside the buffer"),
     (lambda a: a.update(precision="tf16"), "expected one of 'tf32', 'bf16', 'fp32', got 'tf16'"),

@@ -436,7 +436,7 @@ def test_a_stale_layout_is_a_clear_error(device):
     net = make_net(c, device)
     p, p_lp, _ = net_args(net)
     s = torch.randn(4, c.state_dim, device=device)
-    fmt = r"layout: expected the int\[\] from dqn_ops.ParamLayout.encode\(\) \(format 3, its first entry\), "
+    fmt = r"layout: expected the int\[\] from dqn_ops.ParamLayout.encode\(\) \(format 4, its first entry\), "
     for layout, got in ((_old_format_layout(c), "got first entry 96"), ([1, *ParamLayout(c).encode()[1:]],
                                                                          "got first entry 1")):
         with pytest.raises(RuntimeError, match="dqn_ops.bf16_dueling_forward: " + fmt + got):
@@ -451,7 +451,7 @@ def test_a_stale_layout_is_a_clear_error(device):
             ops.mixed_backward(None, out.head_logits, out, p, p_lp, layout)
     # the Python side (fake kernels) decodes it too, with the same verdict
     with pytest.raises(ValueError, match=r"layout: expected the int\[\] from dqn_ops.ParamLayout.encode\(\) "
-                                         r"\(format 3\), got \[96, 256, 256, 128, 128\]"):
+                                         r"\(format 4\), got \[96, 256, 256, 128, 128\]"):
         dqn_ops.layout.decode_config(_old_format_layout(c))
 
 
@@ -546,5 +546,5 @@ def test_decode_config_refuses_a_layout_of_the_wrong_length():
     layout = ParamLayout(c).encode()
     assert dqn_ops.layout.decode_config(layout) == c
     for bad in (layout[:-1], layout + [0]):
-        with pytest.raises(ValueError, match=rf"\(format 3\), {len(layout)} entries for these sizes, got {len(bad)}"):
+        with pytest.raises(ValueError, match=rf"\(format 4\), {len(layout)} entries for these sizes, got {len(bad)}"):
             dqn_ops.layout.decode_config(bad)

@@ -599,7 +599,7 @@ def test_act_loss_type_errors(device):
     with pytest.raises(RuntimeError, match=mse_on_11_atoms):
         ACT_OP(s, *net_args(net), V_MIN, V_MAX, eps_of(0.0, device), rng, "mse")
     with pytest.raises(RuntimeError, match="dqn_ops.act: loss_type: expected one of 'c51', 'qr', 'mse', 'huber', "
-                                           "got 'quantile'"):
+                                           "'iqn', got 'quantile'"):
         ACT_OP(s, *net_args(net), V_MIN, V_MAX, eps_of(0.0, device), rng, "quantile")
     assert rng.tolist() == [1, 0]  # nothing drawn
     with FakeTensorMode():
@@ -608,7 +608,7 @@ def test_act_loss_type_errors(device):
         a, g = ACT_OP(fs, fp, fm, net._layout_ints, V_MIN, V_MAX, fe, fr, "qr")
         assert a.shape == g.shape == (4, 2) and a.dtype == torch.int64
         with pytest.raises(RuntimeError, match=r"dqn_ops.act: loss_type: expected one of \('c51', 'qr', 'mse', "
-                                               r"'huber'\), got 'quantile'"):
+                                               r"'huber', 'iqn'\), got 'quantile'"):
             ACT_OP(fs, fp, fm, net._layout_ints, V_MIN, V_MAX, fe, fr, "quantile")
         with pytest.raises(RuntimeError, match=mse_on_11_atoms):  # traced calls fail as the kernel does
             ACT_OP(fs, fp, fm, net._layout_ints, V_MIN, V_MAX, fe, fr, "mse")

@@ -63,8 +63,14 @@ struct ActParams {
   const int64_t* rng;   // (seed, call)
   int64_t* actions;     // [rows, D]
   float* greedy_q;      // [rows, D]
-  int64_t rows, head_ld;
-  int atoms;
+  int64_t rows;
+  // Where row b's slot z of an output column lies: the slots are the atoms (adjacent columns)
+  // or, IQN, the K fractions (one logits row each, K rows a sample; the bias the same for all).
+  int64_t row_ld;    // logits between two samples
+  int64_t slot_ld;   // logits between two slots of a column
+  int bias_slot;     // b_out between two slots (0: IQN's slots share the column's bias)
+  int atom_cols;     // an action's output columns (L.atoms)
+  int atoms;         // the slots an expected Q reads: the atoms, or IQN's K fractions
   float v_min, dz;
   float ucb;  // an ensemble's exploration bonus: score = mean + ucb * std over the members
 };
@@ -84,14 +90,19 @@ __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActP
   const uint64_t seed = static_cast<uint64_t>(P.rng[0]), call = static_cast<uint64_t>(P.rng[1]);
   const float epsilon = P.epsilon[0];
   const int value_heads = value_heads_of(br);  // E value heads (dueling), their logits first
-  const int64_t value_ld = round_up_to_align(NA);
+  const int AC = P.atom_cols;
+  const int64_t value_ld = round_up_to_align(AC);
+  // Action a's biased logit at slot z, from its column's logits and bias.
+  auto logit_at = [&](const float* logits, const float* bias, int a, int z) {
+    return biased_logit(logits[int64_t(a) * AC + z * P.slot_ld], bias[int64_t(a) * AC + z * P.bias_slot]);
+  };
 
   for (int64_t b = int64_t(blockIdx.x) * warps + warp; b < P.rows; b += int64_t(gridDim.x) * warps) {
-    const float* in = P.logits + b * P.head_ld;
+    const float* in = P.logits + b * P.row_ld;
     if (value_heads)
       for (int e = 0; e < E; ++e)
         for (int z = lane; z < NA; z += 32)
-          v[e * NA + z] = biased_logit(in[e * value_ld + z], P.b_out[int64_t(e) * NA + z]);
+          v[e * NA + z] = logit_at(in + e * value_ld, P.b_out + int64_t(e) * AC, 0, z);
     // Lane 0 writes the row's actions: only it needs the draws.
     const bool explore = lane == 0 && act_explores(seed, call, static_cast<uint32_t>(b), epsilon);
     for (int d = 0; d < D; ++d) {
@@ -100,10 +111,10 @@ __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActP
         for (int e = 0; e < E; ++e) {
           const int k = e * D + d;  // member e's entry of branch d
           const float* adv = in + br.pad_col[k];
-          const float* bias = P.b_out + int64_t(NA) * (value_heads + br.action_offset[k]);
+          const float* bias = P.b_out + int64_t(AC) * (value_heads + br.action_offset[k]);
           for (int z = lane; z < NA; z += 32) {
             float sum = 0.f;
-            for (int a = 0; a < n; ++a) sum += biased_logit(adv[int64_t(a) * NA + z], bias[int64_t(a) * NA + z]);
+            for (int a = 0; a < n; ++a) sum += logit_at(adv, bias, a, z);
             mean[e * NA + z] = branch_mean(sum, n);
           }
         }
@@ -113,10 +124,9 @@ __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActP
       auto member_q = [&](int e, int k0, int live, float (&qv)[kActChunk]) {
         const int k = e * D + d;
         const float* adv = in + br.pad_col[k];
-        const float* bias = P.b_out + int64_t(NA) * (value_heads + br.action_offset[k]);
+        const float* bias = P.b_out + int64_t(AC) * (value_heads + br.action_offset[k]);
         auto q_at = [&](int a, int z) {
-          const int64_t i = int64_t(a) * NA + z;
-          const float x = biased_logit(adv[i], bias[i]);
+          const float x = logit_at(adv, bias, a, z);
           return value_heads ? dueling_q(v[e * NA + z], x, mean[e * NA + z]) : x;
         };
         if (NA == 1) {
@@ -204,15 +214,17 @@ __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActP
 
 std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, const Tensor& params_bf16,
                                     c10::IntArrayRef layout, double v_min, double v_max, const Tensor& epsilon,
-                                    Tensor& rng, c10::string_view loss_type, double ucb) {
+                                    Tensor& rng, c10::string_view loss_type, double ucb,
+                                    const c10::optional<Tensor>& fractions) {
   const char* op = kActOp;
   const NetLayout L = parse_layout(layout, op);
-  const LossType type =
-      check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng, std::string(loss_type), ucb);
+  const auto [type, slots] = check_act_args(states, params, params_bf16, L, v_min, v_max, epsilon, rng,
+                                            std::string(loss_type), ucb, fractions);
   DQN_CHECK(std::abs(ucb) <= std::numeric_limits<float>::max(), op, ": ucb: the CUDA kernel scores in F32, got ",
             std::to_string(ucb));
-  DQN_CHECK(L.members * L.atoms <= kActMaxAtoms, op, ": the CUDA kernel takes at most ", kActMaxAtoms, " atoms",
-            L.members > 1 ? " over all ensemble members" : "", ", got ", L.members * L.atoms);
+  DQN_CHECK(L.members * slots <= kActMaxAtoms, op, ": the CUDA kernel takes at most ", kActMaxAtoms,
+            L.iqn() ? " fractions" : " atoms", L.members > 1 ? " over all ensemble members" : "", ", got ",
+            L.members * slots);
   const BranchTable branches = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(states.device());
   const int64_t N = states.size(0), D = L.num_branches();
@@ -220,7 +232,10 @@ std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, 
   Tensor greedy_q = at::empty({N, D}, params.options());
   if (N == 0) return {actions, greedy_q};  // no launch: rng unchanged
 
-  const Logits f = forward_to_logits(op, states, params, params_bf16, L);
+  // IQN: every row at the same K fractions, one logits row per (row, fraction).
+  const Logits f = forward_to_logits(
+      op, states, params, params_bf16, L,
+      L.iqn() ? c10::optional<Tensor>(fractions->expand({N, slots}).contiguous()) : c10::nullopt);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   ActParams P;
   P.logits = f.logits.data_ptr<float>();
@@ -230,17 +245,21 @@ std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, 
   P.actions = actions.data_ptr<int64_t>();
   P.greedy_q = greedy_q.data_ptr<float>();
   P.rows = N;
-  P.head_ld = L.head_ld;
-  P.atoms = static_cast<int>(L.atoms);
+  P.row_ld = L.head_ld * (L.iqn() ? slots : 1);
+  P.slot_ld = L.iqn() ? L.head_ld : 1;
+  P.bias_slot = L.iqn() ? 0 : 1;
+  P.atom_cols = static_cast<int>(L.atoms);
+  P.atoms = static_cast<int>(slots);
   P.v_min = static_cast<float>(v_min);
   P.dz = static_cast<float>(support_step(v_min, v_max, L.atoms));
   P.ucb = static_cast<float>(ucb);
-  const int64_t floats_per_warp = kActFloatsPerAtom * L.members * L.atoms;
+  const int64_t floats_per_warp = kActFloatsPerAtom * L.members * slots;
   const int warps = static_cast<int>(
       std::clamp<int64_t>(kActSharedBytes / int64_t(floats_per_warp * sizeof(float)), 1, kActWarps));
   const size_t shared_bytes = size_t(warps) * floats_per_warp * sizeof(float);
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((N + warps - 1) / warps, int64_t(1) << 16));
-  const auto epilogue = type == LossType::kQR ? act_epilogue_kernel<true> : act_epilogue_kernel<false>;
+  const bool quantiles = type == LossType::kQR || type == LossType::kIQN;
+  const auto epilogue = quantiles ? act_epilogue_kernel<true> : act_epilogue_kernel<false>;
   epilogue<<<blocks, warps * 32, shared_bytes, stream>>>(P, branches);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   advance_call(rng.data_ptr<int64_t>(), stream);

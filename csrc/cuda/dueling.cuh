@@ -59,16 +59,20 @@ __device__ __forceinline__ void zero_head_padding(__nv_bfloat16* head, int64_t w
 // From the output layer's GEMM results in the padded layout (logits [rows, head_ld], no bias):
 // head = logits + b_out, compact [rows, head_out], and q [rows, total_actions, atoms] = the
 // dueling aggregate, or without dueling (branches.dueling == 0) the branch heads' biased logits.
-// Defined in dueling_forward.cu.
+// slots > 1 (IQN, one atom): the rows are (sample, fraction) pairs, row b * slots + i, and q is
+// [rows / slots, total_actions, slots], fraction i in slot i. Defined in dueling_forward.cu.
 void launch_head_bias_dueling(const float* logits, const float* b_out, float* head, float* q, int64_t rows,
-                              const NetLayout& L, const BranchTable& branches, cudaStream_t stream);
+                              const NetLayout& L, const BranchTable& branches, cudaStream_t stream,
+                              int64_t slots = 1);
 
 // d_head = grad_head + d(dueling aggregate)/d(head) . grad_q (without dueling: grad_q + grad_head,
 // no value column), compact [rows, head_out] F32, and its BF16 copy in the padded layout
 // [rows, head_ld], padding 0 (d_head_bf16 may be null; grad_q or grad_head may be null, not
-// both). Defined in mixed_backward.cu.
+// both). slots: as launch_head_bias_dueling's (grad_q then [rows / slots, total_actions, slots]).
+// Defined in mixed_backward.cu.
 void launch_dueling_backward(const float* grad_q, const float* grad_head, float* d_head, __nv_bfloat16* d_head_bf16,
-                             int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream);
+                             int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream,
+                             int64_t slots = 1);
 
 }  // namespace cuda
 }  // namespace dqn_ops

@@ -103,15 +103,17 @@ __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const flo
 __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64_t head_ld,
                                          const float* __restrict__ b_out, float* __restrict__ head,
                                          float* __restrict__ q, int64_t rows, int atoms, int64_t head_out,
-                                         int total_actions, BranchTable branches) {
+                                         int total_actions, BranchTable branches, int64_t slots) {
   const RowGroup g = row_group(atoms);
   if (g.idle) return;
   const int value_heads = value_heads_of(branches);  // the members' value heads' atoms come first in `head`
   const int64_t value_ld = round_up_to_align(atoms);  // a value head's padded logit columns
+  const int64_t q_step = int64_t(atoms) * slots;      // between two actions' entries in q
   for (int64_t b = g.first_row; b < rows; b += g.row_stride) {
     const float* in = logits + b * head_ld;
     float* row = head + b * head_out;
-    float* q_row = q + b * int64_t(total_actions) * atoms;
+    // Row b is fraction b % slots of sample b / slots (slots = 1: sample b).
+    float* q_row = q + (b / slots) * total_actions * q_step + b % slots;
     for (int z = g.col; z < atoms; z += g.width) {
       float v = 0.f;  // the current member's value
       for (int d = 0; d < branches.count; ++d) {
@@ -125,7 +127,7 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
         const float* adv = in + branches.pad_col[d] + z;
         const float* bias = b_out + col;
         float* out = row + col;
-        float* q_out = q_row + int64_t(first) * atoms + z;
+        float* q_out = q_row + (int64_t(first) * atoms + z) * slots;
         float sum = 0.f;
         for (int k0 = 0; k0 < size; k0 += kLoadsInFlight) {  // the chunk's loads first, then its stores
           float a[kLoadsInFlight];
@@ -137,16 +139,43 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
             if (k0 + j < size) {
               out[int64_t(k0 + j) * atoms] = a[j];
               sum += a[j];
-              if (!value_heads) q_out[int64_t(k0 + j) * atoms] = a[j];
+              if (!value_heads) q_out[int64_t(k0 + j) * q_step] = a[j];
             }
         }
         if (!value_heads) continue;
         const float mean = branch_mean(sum, size);
 #pragma unroll 4
         for (int k = 0; k < size; ++k)
-          q_out[int64_t(k) * atoms] =
+          q_out[int64_t(k) * q_step] =
               dueling_q(v, biased_logit(adv[int64_t(k) * atoms], bias[int64_t(k) * atoms]), mean);
       }
+    }
+  }
+}
+
+// IQN's embedding input c[r, k] = bf16(cos(pi * k * tau[r])), r over the rows * N fractions:
+// the argument k * tau in F32, cospif (accurate to an ulp of F32) before the rounding to BF16.
+__global__ void iqn_cosines_kernel(const float* __restrict__ tau, __nv_bfloat16* __restrict__ c, int64_t fractions,
+                                   int n) {
+  const int64_t total = fractions * n;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
+    c[i] = __float2bfloat16_rn(cospif(float(i % n) * tau[i / n]));
+}
+
+// phi = bf16(relu(pre + b_phi)) and z = bf16(h_L[r / N] * phi) on the [rows * N, T] fraction
+// rows: pre is phi's GEMM result (F32), h_L the last trunk layer [rows, T] (BF16). The product of
+// two BF16 values is exact in F32, so z is rounded once, as the CPU kernel's.
+__global__ void iqn_phi_z_kernel(const float* __restrict__ pre, const float* __restrict__ b_phi,
+                                 const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ phi,
+                                 __nv_bfloat16* __restrict__ z, int64_t rows, int64_t cols, int64_t N) {
+  const RowGroup g = row_group(cols);
+  if (g.idle) return;
+  for (int64_t r = g.first_row; r < rows; r += g.row_stride) {
+    const __nv_bfloat16* h_row = h + (r / N) * cols;
+    for (int64_t c = g.col; c < cols; c += g.width) {
+      const __nv_bfloat16 p = __float2bfloat16_rn(relu_keep_nan(pre[r * cols + c] + b_phi[c]));
+      phi[r * cols + c] = p;
+      z[r * cols + c] = __float2bfloat16_rn(__bfloat162float(h_row[c]) * __bfloat162float(p));
     }
   }
 }
@@ -171,8 +200,9 @@ struct NetParams {
   const __nv_bfloat16* w;
 };
 
-// The hidden layers of one or two networks on the same BF16 input rows x [rows, SD]: per
-// network h_1..h_M (M = L.hidden.size()), BF16 [rows, width] each.
+// The hidden layers [begin, end) of L.hidden of one or two networks on the same BF16 input rows
+// x [rows, width of layer begin's input] (the states for begin = 0): per network h_begin+1..h_end,
+// BF16 [rows, width] each. Two networks only from the first layer (begin = 0).
 // Each layer's GEMMs write F32 pre-activations into one scratch [count, rows, width], then one
 // bias + ReLU launch over all its rows makes the layer's [count, rows, width] output: a dense
 // layer is one GEMM, a block-diagonal one a GEMM per group of same-shape blocks (block_groups;
@@ -184,8 +214,10 @@ struct NetParams {
 // rounding to BF16).
 std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, const std::vector<NetParams>& nets,
                                                const NetLayout& L, const at::TensorOptions& f32,
-                                               cudaStream_t stream) {
+                                               cudaStream_t stream, size_t begin, size_t end) {
   const int64_t rows = x.size(0), count = static_cast<int64_t>(nets.size());
+  TORCH_INTERNAL_ASSERT(begin <= end && end <= L.hidden.size() && (count == 1 || begin == 0));
+  if (begin == end) return std::vector<std::vector<Tensor>>(count);
   const bool swap = count == 2 && nets[1].w < nets[0].w;
   // The networks in the order of their slots in each layer's [count, rows, width] buffers.
   const NetParams* slot_net[2] = {&nets[swap ? 1 : 0], &nets[count == 2 && !swap ? 1 : 0]};
@@ -193,18 +225,18 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
   const NetParams& hi = *slot_net[1];
   const int64_t w_stride = hi.w - lo.w;
   int64_t widest = 0;
-  for (const HiddenLayer& layer : L.hidden) widest = std::max(widest, layer.out_width);
+  for (size_t i = begin; i < end; ++i) widest = std::max(widest, L.hidden[i].out_width);
   // One F32 scratch for the pre-activations of every layer (stream-ordered reuse).
   Tensor z = at::empty({count * rows * widest}, f32);
   float* zp = z.data_ptr<float>();
   std::vector<Tensor> outs;  // each layer's [count, rows, width]
-  for (size_t i = 0; i < L.hidden.size(); ++i) {
+  for (size_t i = begin; i < end; ++i) {
     const HiddenLayer& layer = L.hidden[i];
     const int64_t out = layer.out_width;
     const std::string what = hidden_layer_name(L, i);
-    const auto* in = static_cast<const __nv_bfloat16*>(i == 0 ? x.data_ptr() : outs.back().data_ptr());
+    const auto* in = static_cast<const __nv_bfloat16*>(i == begin ? x.data_ptr() : outs.back().data_ptr());
     // The first layer reads the same x for both networks (stride 0), the others their own input.
-    const int64_t in_net_stride = i == 0 ? 0 : rows * layer.in_width;
+    const int64_t in_net_stride = i == begin ? 0 : rows * layer.in_width;
     for (const HeadGroup& g : block_groups(layer.blocks)) {
       const HeadSlice& s = g.first;
       if (g.count == 1) {
@@ -270,19 +302,49 @@ NetParams net_params(const Tensor& params, const Tensor& params_bf16) {
   return {params.data_ptr<float>(), static_cast<const __nv_bfloat16*>(params_bf16.data_ptr())};
 }
 
+// IQN's layer after the trunk (docs/iqn-design.md): from the last trunk layer h [rows, T] and the
+// fractions [rows, N], the cosines c [rows * N, n], phi and z = h * phi [rows * N, T], BF16:
+// 1 cosine launch, phi's GEMM, 1 bias + ReLU + product launch.
+std::vector<Tensor> iqn_embedding(const char* op, const Tensor& h, const Tensor& fractions, const NetParams& net,
+                                  const NetLayout& L, const at::TensorOptions& f32, cudaStream_t stream) {
+  const int64_t rows = fractions.numel(), n = L.iqn_embedding, T = L.phi.out_width;
+  Tensor c = at::empty({rows, n}, h.options());
+  auto* c_ptr = static_cast<__nv_bfloat16*>(c.data_ptr());
+  iqn_cosines_kernel<<<blocks_for(rows * n, kThreads), kThreads, 0, stream>>>(fractions.data_ptr<float>(), c_ptr,
+                                                                              rows, static_cast<int>(n));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  Tensor pre = at::empty({rows, T}, f32);
+  const HeadSlice& w = L.phi.blocks[0];
+  gemm(op, "phi", rows, T, n, Operand{c_ptr, CUDA_R_16BF, n, false}, Operand{net.w + w.w_off, CUDA_R_16BF, n, true},
+       pre.data_ptr<float>(), CUDA_R_32F, T, CUBLAS_COMPUTE_32F);
+  Tensor phi = at::empty({rows, T}, h.options()), z = at::empty({rows, T}, h.options());
+  iqn_phi_z_kernel<<<row_group_blocks(rows, T, kThreads), kThreads, 0, stream>>>(
+      pre.data_ptr<float>(), net.p + L.phi.b_off, static_cast<const __nv_bfloat16*>(h.data_ptr()),
+      static_cast<__nv_bfloat16*>(phi.data_ptr()), static_cast<__nv_bfloat16*>(z.data_ptr()), rows, T,
+      fractions.size(fractions.dim() - 1));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {c, phi, z};
+}
+
 }  // namespace
 
 Logits forward_to_logits(const char* op, const Tensor& states, const Tensor& params, const Tensor& params_bf16,
-                         const NetLayout& L) {
+                         const NetLayout& L, const c10::optional<Tensor>& fractions) {
   // Kernels and cuBLAS must run on the tensors' device, whichever device is current.
   const c10::cuda::CUDAGuard guard(states.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   Tensor x = cast_states(states, params_bf16.options(), stream);
   const NetParams net = net_params(params, params_bf16);
+  const auto f32 = params.options();
+  const size_t trunk = static_cast<size_t>(L.trunk_layers);
   std::vector<Tensor> activations = {x};
-  std::vector<std::vector<Tensor>> hidden = hidden_layers(op, x, {net}, L, params.options(), stream);
-  for (Tensor& h : hidden[0]) activations.push_back(std::move(h));
-  Tensor logits = output_logits(op, activations.back(), net.w, L, params.options());
+  for (Tensor& h : hidden_layers(op, x, {net}, L, f32, stream, 0, trunk)[0]) activations.push_back(std::move(h));
+  if (L.iqn())
+    for (Tensor& t : iqn_embedding(op, activations.back(), *fractions, net, L, f32, stream))
+      activations.push_back(std::move(t));
+  for (Tensor& h : hidden_layers(op, activations.back(), {net}, L, f32, stream, trunk, L.hidden.size())[0])
+    activations.push_back(std::move(h));
+  Tensor logits = output_logits(op, activations.back(), net.w, L, f32);
   return {logits, std::move(activations)};
 }
 
@@ -291,17 +353,19 @@ namespace {
 std::tuple<Tensor, Tensor, std::vector<Tensor>> dueling_forward_cuda(const Tensor& states, const Tensor& params,
                                                                      const Tensor& params_bf16,
                                                                      c10::IntArrayRef layout,
-                                                                     c10::string_view backward_precision) {
+                                                                     c10::string_view backward_precision,
+                                                                     const c10::optional<Tensor>& fractions) {
   const NetLayout L = parse_layout(layout, kForwardOp);
   check_forward_args(states, params, params_bf16, L, std::string(backward_precision));
+  const int64_t N = check_fractions(fractions, params, L, kForwardOp, {states.size(0), -1});
   const BranchTable branches = make_branch_table(L, kForwardOp);
-  Logits f = forward_to_logits(kForwardOp, states, params, params_bf16, L);
+  Logits f = forward_to_logits(kForwardOp, states, params, params_bf16, L, fractions);
   const c10::cuda::CUDAGuard guard(states.device());
   const int64_t B = states.size(0);
-  Tensor head = at::empty({B, L.head_out}, params.options());
-  Tensor q = at::empty({B, L.q_rows(), L.atoms}, params.options());
+  Tensor head = at::empty({B * N, L.head_out}, params.options());
+  Tensor q = at::empty({B, L.q_rows(), L.iqn() ? N : L.atoms}, params.options());
   launch_head_bias_dueling(f.logits.data_ptr<float>(), params.data_ptr<float>() + L.b_out, head.data_ptr<float>(),
-                           q.data_ptr<float>(), B, L, branches, at::cuda::getCurrentCUDAStream());
+                           q.data_ptr<float>(), B * N, L, branches, at::cuda::getCurrentCUDAStream(), N);
   return {q, head, std::move(f.activations)};
 }
 
@@ -325,12 +389,12 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> online_and_target_logits_cuda(
   const NetParams online = net_params(params, params_bf16), target = net_params(target_params, target_params_bf16);
   std::vector<Tensor> on, tgt;
   if (batch_networks) {  // both on all 2B rows: the target's first B (s) go unused
-    std::vector<std::vector<Tensor>> both = hidden_layers(op, x, {online, target}, L, f32, stream);
+    std::vector<std::vector<Tensor>> both = hidden_layers(op, x, {online, target}, L, f32, stream, 0, L.hidden.size());
     on = std::move(both[0]);
     tgt = std::move(both[1]);
   } else {
-    on = std::move(hidden_layers(op, x, {online}, L, f32, stream)[0]);
-    tgt = std::move(hidden_layers(op, x.narrow(0, B, B), {target}, L, f32, stream)[0]);
+    on = std::move(hidden_layers(op, x, {online}, L, f32, stream, 0, L.hidden.size())[0]);
+    tgt = std::move(hidden_layers(op, x.narrow(0, B, B), {target}, L, f32, stream, 0, L.hidden.size())[0]);
   }
   Tensor logits = output_logits(op, on.back(), online.w, L, f32);
   Tensor logits_next_target = output_logits(op, tgt.back().narrow(0, tgt.back().size(0) - B, B), target.w, L, f32);
@@ -342,10 +406,10 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> online_and_target_logits_cuda(
 }  // namespace
 
 void launch_head_bias_dueling(const float* logits, const float* b_out, float* head, float* q, int64_t rows,
-                              const NetLayout& L, const BranchTable& branches, cudaStream_t stream) {
+                              const NetLayout& L, const BranchTable& branches, cudaStream_t stream, int64_t slots) {
   head_bias_dueling_kernel<<<row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream>>>(
       logits, L.head_ld, b_out, head, q, rows, static_cast<int>(L.atoms), L.head_out,
-      static_cast<int>(L.q_rows()), branches);
+      static_cast<int>(L.q_rows()), branches, slots);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

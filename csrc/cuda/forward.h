@@ -5,6 +5,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include "layout.h"
 
@@ -21,9 +22,12 @@ struct Logits {
 
 // states [rows, SD] F32 (checked by the caller: check_forward_args or the like) on the current
 // stream of the states' device: the states cast to BF16, every hidden layer, the output
-// GEMMs. The same launches and bits as bf16_dueling_forward up to its last kernel.
+// GEMMs. The same launches and bits as bf16_dueling_forward up to its last kernel. An IQN
+// network takes fractions [rows, N] F32 (checked: check_fractions): the logits and the
+// activations from the cosines on lie on rows * N rows (csrc/layout.h, num_activations).
 Logits forward_to_logits(const char* op, const at::Tensor& states, const at::Tensor& params,
-                         const at::Tensor& params_bf16, const NetLayout& L);
+                         const at::Tensor& params_bf16, const NetLayout& L,
+                         const c10::optional<at::Tensor>& fractions = c10::nullopt);
 
 }  // namespace cuda
 }  // namespace dqn_ops

@@ -45,13 +45,16 @@ constexpr int kLoadsInFlight = 4;  // per thread, in the dueling backward kernel
 __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const float* __restrict__ grad_head,
                                         float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
                                         int64_t head_ld, int64_t rows, int atoms, int64_t head_out,
-                                        int total_actions, BranchTable branches) {
+                                        int total_actions, BranchTable branches, int64_t slots) {
   const RowGroup grp = row_group(atoms);
   if (grp.idle) return;
   const int value_heads = value_heads_of(branches);  // the members' value heads' column blocks come first
   const int64_t value_ld = round_up_to_align(atoms);  // a value head's padded columns
+  const int64_t q_step = int64_t(atoms) * slots;      // between two actions' entries in grad_q
   for (int64_t b = grp.first_row; b < rows; b += grp.row_stride) {
     const float* gh = grad_head ? grad_head + b * head_out : nullptr;
+    // Row b is fraction b % slots of sample b / slots (slots = 1: sample b).
+    const float* dq_row = grad_q ? grad_q + (b / slots) * total_actions * q_step + b % slots : nullptr;
     float* dh = d_head + b * head_out;
     __nv_bfloat16* low = d_head_bf16 ? d_head_bf16 + b * head_ld : nullptr;
     for (int z = grp.col; z < atoms; z += grp.width) {
@@ -60,7 +63,7 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
         const int64_t e = member_of(branches, d);
         if (value_heads && d % branches.per_member == 0) dv = gh ? gh[e * atoms + z] : 0.f;  // a member's first branch
         const int size = branches.size[d], first = branches.action_offset[d];
-        const float* dq = grad_q ? grad_q + (b * total_actions + first) * int64_t(atoms) + z : nullptr;
+        const float* dq = dq_row ? dq_row + (int64_t(first) * atoms + z) * slots : nullptr;
         // The branch's sum of dq (its mean's gradient and the value's); only dueling has them.
         const bool mean_term = dq && value_heads;
         float sum = 0.f;
@@ -69,7 +72,7 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
             float x[kLoadsInFlight];
 #pragma unroll
             for (int j = 0; j < kLoadsInFlight; ++j)
-              if (k0 + j < size) x[j] = dq[int64_t(k0 + j) * atoms];
+              if (k0 + j < size) x[j] = dq[int64_t(k0 + j) * q_step];
 #pragma unroll
             for (int j = 0; j < kLoadsInFlight; ++j)
               if (k0 + j < size) sum += x[j];
@@ -82,7 +85,7 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
           // Without grad_q: dq = 0 and mean = 0, so g = (0 - 0) + direct; without dueling
           // g = (dq - 0) + direct.
           const float g =
-              dueling_advantage_grad(dq ? dq[int64_t(k) * atoms] : 0.f, mean_term ? mean : 0.f, gh ? gh[col] : 0.f);
+              dueling_advantage_grad(dq ? dq[int64_t(k) * q_step] : 0.f, mean_term ? mean : 0.f, gh ? gh[col] : 0.f);
           dh[col] = g;
           if (low) low[branches.pad_col[d] + int64_t(k) * atoms + z] = __float2bfloat16_rn(g);
         }
@@ -123,6 +126,31 @@ __global__ void relu_backward_x4_kernel(float4* __restrict__ d, const uint2* __r
                                  m.w > 0.f ? v.w : 0.f);
     d[i] = g;
     if (d_bf16) d_bf16[i] = pack_bf16x4(g.x, g.y, g.z, g.w);
+  }
+}
+
+// IQN's layer backward (docs/iqn-design.md), a thread per (sample b, column t) of h_L [B, T]:
+// from dz = d(z) [B * N, T] (z = h_L * phi, no ReLU of its own),
+//   dh[b, t] = sum_i dz[b * N + i, t] phi[b * N + i, t]   (F32, i in order: deterministic)
+//   dP[b * N + i, t] = phi > 0 ? dz h_L[b, t] : 0          (phi's pre-activation gradient)
+// and dP's BF16 copy for the `bf16` GEMMs when dP_bf16 is not null.
+__global__ void iqn_backward_kernel(const float* __restrict__ dz, const __nv_bfloat16* __restrict__ h,
+                                    const __nv_bfloat16* __restrict__ phi, float* __restrict__ dh,
+                                    float* __restrict__ dP, __nv_bfloat16* __restrict__ dP_bf16, int64_t B,
+                                    int64_t T, int64_t N) {
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < B * T; j += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = j / T, t = j % T;
+    const float hv = __bfloat162float(h[j]);
+    float acc = 0.f;
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t k = (b * N + i) * T + t;
+      const float g = dz[k], p = __bfloat162float(phi[k]);
+      acc += g * p;
+      const float d = p > 0.f ? g * hv : 0.f;
+      dP[k] = d;
+      if (dP_bf16) dP_bf16[k] = __float2bfloat16_rn(d);
+    }
+    dh[j] = acc;
   }
 }
 
@@ -253,7 +281,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   const c10::cuda::CUDAGuard guard(params.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t B = activations[0].size(0);
-  const int64_t M = static_cast<int64_t>(L.hidden.size());  // activations[i + 1] = hidden layer i's output
+  const int64_t M = static_cast<int64_t>(L.hidden.size());  // hidden layer i's output: L.hidden_activation(i)
   const auto f32 = params.options();
   const auto bf16opt = params_bf16.options();
   const bool bf16 = precision == BackwardPrecision::kBF16;
@@ -287,8 +315,8 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     }
   }
   auto act = [&](int64_t i) { return bf16 ? activations[i].data_ptr() : acts_f32[i].data_ptr(); };
-  auto make_grad = [&](int64_t cols) {
-    return Grad{at::empty({B, cols}, f32), bf16 ? at::empty({B, cols}, bf16opt) : Tensor()};
+  auto make_grad = [&](int64_t rows, int64_t cols) {
+    return Grad{at::empty({rows, cols}, f32), bf16 ? at::empty({rows, cols}, bf16opt) : Tensor()};
   };
 
   // The few elements no GEMM or column sum writes are zeroed by the column-sum kernel (a fill
@@ -317,15 +345,16 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   // therefore run one GEMM each: one batch cannot add into one matrix.
   auto layer_backward = [&](const std::vector<HeadSlice>& blocks, const void* dy, int64_t dy_ld, int64_t in,
                             float* dx, const std::string& what) {
-    const int64_t x_ld = L.activation_width(in);
+    const int64_t x_ld = L.activation_width(in), rows = activations[in].size(0);
     const std::string what_dw = what + " dW", what_dx = what + " dX";
     int64_t written = 0;  // dx's columns [0, written) hold a product
     for (const HeadGroup& grp : block_groups(blocks)) {
       const HeadSlice& s = grp.first;
       const int64_t col = bf16 ? s.pad_col : s.out_col, width = bf16 ? s.pad_width : s.out_width;
       const int64_t dy_stride = bf16 ? grp.pad_col_stride : grp.out_col_stride;
-      gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, B, Operand{at_elem(dy, col), op_type, dy_ld, true},
-                           dy_stride, Operand{at_elem(act(in), s.in_col), op_type, x_ld, false}, grp.in_col_stride,
+      gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, rows,
+                           Operand{at_elem(dy, col), op_type, dy_ld, true}, dy_stride,
+                           Operand{at_elem(act(in), s.in_col), op_type, x_ld, false}, grp.in_col_stride,
                            g + s.w_off, CUDA_R_32F, s.in_width, grp.w_stride, grp.count, compute);
       if (dx == nullptr) continue;
       const int64_t batch = grp.in_col_stride == 0 ? 1 : grp.count;
@@ -338,7 +367,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         DQN_CHECK((adds || in_col == written) && (batch == 1 || grp.in_col_stride == s.in_width), op, ": ", what,
                   ": block input columns [", in_col, ", ", end, ") neither follow nor repeat the ", written,
                   " columns before them (the layout should have been rejected)");
-        gemm_strided_batched(op, what_dx.c_str(), B, s.in_width, width,
+        gemm_strided_batched(op, what_dx.c_str(), rows, s.in_width, width,
                              Operand{at_elem(dy, col + i * dy_stride), op_type, dy_ld, false}, dy_stride,
                              Operand{at_elem(weights, s.w_off + i * grp.w_stride), op_type, s.in_width, false},
                              grp.w_stride, dx + in_col, CUDA_R_32F, x_ld, grp.in_col_stride, batch, compute,
@@ -350,20 +379,36 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
               " input columns (the layout should have been rejected)");
   };
 
-  // Output heads: dY = d_head, into d(h_M).
-  Grad d_out = make_grad(L.head_in_width);
-  layer_backward(L.heads, bf16 ? d_head.low.data_ptr() : d_head.f32.data_ptr(), bf16 ? L.head_ld : L.head_out, M,
+  // Output heads: dY = d_head, into d(last hidden activation).
+  const int64_t last = static_cast<int64_t>(L.num_activations()) - 1;
+  Grad d_out = make_grad(activations[last].size(0), L.head_in_width);
+  layer_backward(L.heads, bf16 ? d_head.low.data_ptr() : d_head.f32.data_ptr(), bf16 ? L.head_ld : L.head_out, last,
                  d_out.f32.data_ptr<float>(), "output heads");
 
   // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W. The BF16
   // copy of a dX is written by the next relu_backward, not by the GEMM. d_z keeps each layer's
-  // dZ for its bias gradient, last layer first.
-  std::vector<Grad> d_z;
+  // dZ for its bias gradient (and IQN's dP for b_phi's), with its bias offset, last layer first.
+  std::vector<std::pair<Grad, int64_t>> d_z;
   for (int64_t i = M - 1; i >= 0; --i) {
+    if (L.iqn() && i == L.trunk_layers - 1) {
+      // d_out is d(z) on the B * N fraction rows: into d(h_L) [B, T] and phi's dP, dW_phi = dP^T c.
+      const int64_t T = L.phi.out_width, rows = activations[L.z_activation()].size(0);
+      Grad dP = make_grad(rows, T), dh = make_grad(B, T);
+      const auto* h_L = static_cast<const __nv_bfloat16*>(activations[L.hidden_activation(i)].data_ptr());
+      const auto* phi = static_cast<const __nv_bfloat16*>(activations[L.phi_activation()].data_ptr());
+      iqn_backward_kernel<<<blocks_for(B * T, kThreads), kThreads, 0, stream>>>(
+          d_out.f32.data_ptr<float>(), h_L, phi, dh.f32.data_ptr<float>(), dP.f32.data_ptr<float>(), dP.low_ptr(), B, T,
+          rows / B);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      layer_backward(L.phi.blocks, dP.operand(bf16), T, static_cast<int64_t>(L.cos_activation()), nullptr, "phi");
+      d_z.emplace_back(std::move(dP), L.phi.b_off);
+      d_out = std::move(dh);
+    }
     const HiddenLayer& layer = L.hidden[i];
-    const int64_t n = B * layer.out_width;
+    const int64_t out = static_cast<int64_t>(L.hidden_activation(static_cast<size_t>(i)));
+    const int64_t rows = activations[out].size(0), n = rows * layer.out_width;
     float* d = d_out.f32.data_ptr<float>();
-    const auto* h = static_cast<const __nv_bfloat16*>(activations[i + 1].data_ptr());
+    const auto* h = static_cast<const __nv_bfloat16*>(activations[out].data_ptr());
     __nv_bfloat16* d_low = d_out.low_ptr();
     if (n % 4 == 0 && aligned16(d, h, d_low))
       relu_backward_x4_kernel<<<blocks_for(n / 4, kThreads), kThreads, 0, stream>>>(
@@ -372,25 +417,30 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       relu_backward_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(d, h, d_low, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const bool need_dx = i > 0 || need_grad_states;
-    Grad d_in = need_dx ? make_grad(layer.in_width) : Grad{};
-    layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, i,
+    Grad d_in = need_dx ? make_grad(rows, layer.in_width) : Grad{};
+    layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, out - 1,
                    need_dx ? d_in.f32.data_ptr<float>() : nullptr, hidden_layer_name(L, static_cast<size_t>(i)));
-    d_z.push_back(std::move(d_out));
+    d_z.emplace_back(std::move(d_out), layer.b_off);
     d_out = std::move(d_in);
   }
 
   // Bias gradients, column sums of b_out's dY and each hidden layer's dZ (last layer first):
-  // kMaxColumnSumJobs per launch, plus one more past kChunkRows rows; the first also zeroes
-  // the gaps.
+  // kMaxColumnSumJobs of equal row counts per launch (IQN's fraction rows, then the trunk's), plus
+  // one more past kChunkRows rows; the first also zeroes the gaps.
   std::vector<std::pair<const Tensor*, int64_t>> bias_groups = {{&d_head.f32, L.b_out}};
-  for (int64_t j = 0; j < M; ++j) bias_groups.emplace_back(&d_z[j].f32, L.hidden[M - 1 - j].b_off);
-  const int64_t chunks = std::max<int64_t>(1, (B + kChunkRows - 1) / kChunkRows);
-  DQN_CHECK(chunks <= 65535, op, ": batch too large for the bias-gradient kernel (", B, " rows)");
+  for (const auto& dz : d_z) bias_groups.emplace_back(&dz.first.f32, dz.second);
   Tensor partial;  // reused by every launch: they run in stream order
-  for (size_t first = 0; first < bias_groups.size(); first += kMaxColumnSumJobs) {
+  for (size_t first = 0, count = 0; first < bias_groups.size(); first += count) {
+    const int64_t rows = bias_groups[first].first->size(0);
+    count = 1;
+    while (count < static_cast<size_t>(kMaxColumnSumJobs) && first + count < bias_groups.size() &&
+           bias_groups[first + count].first->size(0) == rows)
+      ++count;
+    const int64_t chunks = std::max<int64_t>(1, (rows + kChunkRows - 1) / kChunkRows);
+    DQN_CHECK(chunks <= 65535, op, ": batch too large for the bias-gradient kernel (", rows, " rows)");
     ColumnSumJobs jobs{};
-    jobs.count = static_cast<int>(std::min<size_t>(kMaxColumnSumJobs, bias_groups.size() - first));
-    jobs.rows = B;
+    jobs.count = static_cast<int>(count);
+    jobs.rows = rows;
     jobs.zero_base = g;
     jobs.zero_count = first == 0 && zero_in_column_sums ? static_cast<int>(gaps.size()) : 0;
     for (int r = 0; r < jobs.zero_count; ++r) {
@@ -433,17 +483,17 @@ std::tuple<Tensor, Tensor> mixed_backward_cuda(const c10::optional<Tensor>& grad
   const char* op = kBackwardOp;
   const NetLayout L = parse_layout(layout, op);
   const std::string precision_s(precision_str);
-  check_backward_args(grad_q, grad_head, activations, params, params_bf16, L, precision_s);
+  const SavedBatch batch = check_backward_args(grad_q, grad_head, activations, params, params_bf16, L, precision_s);
   const BackwardPrecision precision = parse_precision(precision_s, op);
   const BranchTable branches = make_branch_table(L, op);
   const c10::cuda::CUDAGuard guard(params.device());
-  const int64_t B = activations[0].size(0);
+  const int64_t rows = batch.B * batch.N;  // the head logits' rows: one per (sample, fraction) with IQN
   const bool bf16 = precision == BackwardPrecision::kBF16;
-  Grad d_head{at::empty({B, L.head_out}, params.options()),
-              bf16 ? at::empty({B, L.head_ld}, params_bf16.options()) : Tensor()};
+  Grad d_head{at::empty({rows, L.head_out}, params.options()),
+              bf16 ? at::empty({rows, L.head_ld}, params_bf16.options()) : Tensor()};
   launch_dueling_backward(grad_q.has_value() ? grad_q->data_ptr<float>() : nullptr,
                           grad_head.has_value() ? grad_head->data_ptr<float>() : nullptr, d_head.f32.data_ptr<float>(),
-                          d_head.low_ptr(), B, L, branches, at::cuda::getCurrentCUDAStream());
+                          d_head.low_ptr(), rows, L, branches, at::cuda::getCurrentCUDAStream(), batch.N);
   return backward_from_head(d_head, activations, params, params_bf16, L, precision, need_grad_states, op);
 }
 
@@ -464,10 +514,11 @@ Tensor mixed_backward_from_head_cuda(const Tensor& grad_head, const Tensor& grad
 }  // namespace
 
 void launch_dueling_backward(const float* grad_q, const float* grad_head, float* d_head, __nv_bfloat16* d_head_bf16,
-                             int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream) {
+                             int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream,
+                             int64_t slots) {
   dueling_backward_kernel<<<row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream>>>(
       grad_q, grad_head, d_head, d_head_bf16, L.head_ld, rows, static_cast<int>(L.atoms), L.head_out,
-      static_cast<int>(L.q_rows()), branches);
+      static_cast<int>(L.q_rows()), branches, slots);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -13,6 +13,7 @@ from ..layout import DQNConfig, ParamLayout
 from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
+from ..step import quantile_midpoints
 from ..trainer import (STAT_FIELDS, TrainerConfig, ensemble_score, expected_q, greedy_from_logits, load_batch,
                        resolve_loss_type)
 
@@ -220,7 +221,7 @@ class TorchTrainer:
         self.device = torch.device(device)
         self.amp = amp
         self.seed = seed
-        self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "TorchTrainer")
+        self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "TorchTrainer", c.iqn)
         # The same initial weights and spectral-norm vectors as dqn_ops.Trainer(seed=seed): the
         # two paths start from one point, so a comparison sees only their numerics.
         gen = torch.Generator().manual_seed(seed)
@@ -251,6 +252,9 @@ class TorchTrainer:
         # act_explore's constant, made before any capture (a host-to-device copy cannot be captured)
         self._branch_sizes = torch.tensor(c.branches, device=dev)
         self._branch_offsets = torch.tensor([sum(c.branches[:d]) for d in range(D)], device=dev)
+        # IQN: the K = N midpoints every row acts and picks the next action at (as Trainer's)
+        self._midpoints = (quantile_midpoints(cfg.iqn_fractions, torch.empty(0, device=dev))[None]
+                           if c.iqn else None)
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
         self.steps = 0
         self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
@@ -283,7 +287,8 @@ class TorchTrainer:
         An ensemble's greedy action maximises mean + ``act_ucb`` * std over the members, its
         greedy Q the mean."""
         c = self.net_config
-        q = expected_q(self.online(states)[0].float(), self.config.v_min, self.config.v_max, self.loss_type)
+        q = expected_q(self.online(states, *self._at_midpoints(states))[0].float(), self.config.v_min,
+                       self.config.v_max, self.loss_type)
         score, mean = ensemble_score(q, c.members, self.config.act_ucb)
         greedy = torch.stack([b.argmax(1) for b in torch.split(score, list(c.branches), dim=1)], 1)
         greedy_q = mean.gather(1, greedy + self._branch_offsets)
@@ -292,20 +297,31 @@ class TorchTrainer:
         explore = torch.rand(states.shape[0], 1, device=q.device) < epsilon
         return torch.where(explore, random, greedy), greedy_q
 
+    def _at_midpoints(self, states):
+        """An IQN network's extra forward argument at the midpoints, for `states`' rows: (tau,) or ()."""
+        return () if self._midpoints is None else (self._midpoints.expand(states.shape[0], -1),)
+
     def _loss_part(self):
         """Forwards (online on s and s', target on s') and the loss (with an ensemble's bootstrap
-        masks when bootstrap_p < 1: ``dqn_ops.Trainer``'s, the same op on the same key)."""
+        masks when bootstrap_p < 1: ``dqn_ops.Trainer``'s, the same op on the same key). IQN: s
+        at tau, s' at the midpoints (the next action), the target at tau', both drawn here by
+        torch.rand (not Trainer's Philox stream: a comparison sees distributions, not bits)."""
         cfg, x = self.config, self.inputs
         masks = (ops.bootstrap_masks(x["indices"], self.seed, self.net_config.members, cfg.bootstrap_p)
                  if cfg.uses_masks else None)
+        tau = tau_target = None
+        if self.net_config.iqn:
+            B, N = cfg.batch_size, cfg.iqn_fractions
+            tau, tau_target = torch.rand(B, N, device=self.device), torch.rand(B, N, device=self.device)
+        online_at, target_at = ((), ()) if tau is None else ((tau,), (tau_target,))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             with torch.no_grad():
-                q_next_online = self.online(x["next_states"])[0].float()
-                q_next_target = self.target(x["next_states"])[0].float()
-            q = self.online(x["states"])[0].float()
+                q_next_online = self.online(x["next_states"], *self._at_midpoints(x["next_states"]))[0].float()
+                q_next_target = self.target(x["next_states"], *target_at)[0].float()
+            q = self.online(x["states"], *online_at)[0].float()
         return torch_dqn_loss(q, q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"],
                               self.net_config.branches, cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type, x["weights"],
-                              masks)
+                              masks, tau)
 
     @torch.no_grad()
     def _post_part(self):
@@ -351,5 +367,5 @@ class TorchTrainer:
 
     @torch.no_grad()
     def act(self, states):
-        return greedy_from_logits(self.online(states)[0], self.net_config.branches, self.config.v_min,
-                                  self.config.v_max, self.loss_type)
+        return greedy_from_logits(self.online(states, *self._at_midpoints(states))[0], self.net_config.branches,
+                                  self.config.v_min, self.config.v_max, self.loss_type)
