@@ -101,6 +101,34 @@ def main():
         masks = dqn_ops.bootstrap_masks(torch.randint(0, 1 << 40, (B,), device=dev), 7, E, 0.5)
         dqn_ops.dqn_loss(*q, a, torch.randn(B, device=dev), (torch.rand(B, device=dev) < 0.3).float(), branches,
                          loss_type=loss_type, masks=masks)
+    # IQN: the network ops at fractions (the cosines, phi and z; the heads on B * N rows; the
+    # backward through phi), the loss at per-sample fractions on both kernel versions (direct,
+    # sorted; N, K, N' apart; a poisoned fraction), the fractions op, the trainer's step and act
+    for c in (DQNConfig(state_dim=8, trunk_hidden=(16, 12), value_hidden=(8,), adv_hidden=(6,), atoms=1,
+                        branches=(3, 2), ensemble=2, iqn_embedding=7),
+              DQNConfig(state_dim=8, trunk_hidden=(20,), adv_hidden=(), atoms=1, branches=(2, 4), dueling=False,
+                        iqn_embedding=16)):
+        net = dqn_ops.DuelingBranchQNet(c).to(dev)
+        s = torch.randn(9, c.state_dim, device=dev)
+        out = net.forward_full(s, torch.rand(9, 5, device=dev))
+        for precision in dqn_ops.ops.BACKWARD_PRECISIONS:
+            dqn_ops.mixed_backward(torch.randn_like(out.q_logits), torch.randn_like(out.head_logits), out,
+                                   net.flat_params.detach(), net.params_bf16, net._layout_ints, precision, True)
+        t = Trainer(c, TrainerConfig(batch_size=9, use_cuda_graph=False, iqn_fractions=6), device=dev)
+        a = torch.stack([torch.randint(0, n, (9,), device=dev) for n in c.branches], 1)
+        t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=torch.randn(9, device=dev),
+                    dones=torch.zeros(9, device=dev)))
+        t.act_explore(s, torch.full((1,), 0.5, device=dev))
+    for N, K, N2 in ((8, 5, 11), (40, 32, 33), (256, 7, 256)):
+        B, E, branches = 9, 2, (3, 2)
+        q = torch.randn(B, E * sum(branches), N, device=dev)
+        qo, qt = torch.randn(B, E * sum(branches), K, device=dev), torch.randn(B, E * sum(branches), N2, device=dev)
+        a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in branches], 1)
+        tau = torch.rand(B, N, device=dev)
+        tau[2, 1] = float("nan")
+        dqn_ops.dqn_loss(q, qo, qt, a, torch.randn(B, device=dev), torch.zeros(B, device=dev), branches,
+                         loss_type="iqn", fractions=tau)
+    dqn_ops.iqn_fractions(torch.zeros(2, dtype=torch.long, device=dev), 300, 32, 17, 5)
     # FusedAdamBF16 over several tensors: one global norm (per-tensor norms combined), one skip
     ps = [torch.randn(n, device=dev, requires_grad=True) for n in (5, 300, 33)]
     opt = dqn_ops.FusedAdamBF16(ps, lr=1e-3, max_grad_norm=1.0)

@@ -320,3 +320,19 @@ def test_cuda_forward_and_backward_match_the_cpu_kernel(name):
             assert rel_err(g[pname], w[pname]) <= bar, f"{precision} {pname}: {rel_err(g[pname], w[pname]):.2e}"
         assert rel_err(gs, want_gs) <= bar
         assert torch.isfinite(grad).all()
+
+
+# ----------------------------------------------------------------------------------------
+# From and to plain PyTorch
+
+@pytest.mark.parametrize("name", ["cleanrl", "ensemble3_dueling_h1"])
+def test_to_torch_and_back_keep_the_iqn_network(name):
+    """to_torch gives TorchQNet with phi (the same outputs at the same fractions, float64);
+    from_torch reads it back by the order of its nn.Linear layers, phi after the trunk."""
+    c = NETS[name]
+    net = make_net(c).double()
+    plain = dqn_ops.to_torch(net)
+    s, tau = torch.randn(5, c.state_dim, dtype=torch.float64), random_fractions(5, 6, 9, torch.float64)
+    torch.testing.assert_close(plain(s, tau)[0], net(s, tau), rtol=1e-12, atol=1e-12)
+    back = dqn_ops.from_torch(plain, c).double()
+    assert torch.equal(back.flat_params, net.flat_params)
