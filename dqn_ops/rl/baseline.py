@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import ops
 from ..graphed import CapturedStep, on_device
-from ..layout import DQNConfig, ParamLayout
+from ..layout import DQNConfig, ParamLayout, group_prefix
 from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
@@ -31,7 +31,10 @@ class TorchQNet(nn.Module):
     trunk and one submodule ``e<m>`` per member holding that member's heads under the same
     names (``e0.v1``, ``e1.a2.0``). An IQN network (``iqn_embedding`` = n > 0) has the layer
     ``phi`` (``nn.Linear(n, T_L)``) after the trunk and takes quantile fractions:
-    ``forward(s, tau)`` (docs/iqn-design.md).
+    ``forward(s, tau)`` (docs/iqn-design.md). Head groups (``DQNConfig.aux``;
+    docs/combination-design.md): one submodule ``g<g>`` per aux group holding that group's
+    layers under the same names (``g1.phi``, ``g1.v1``, ``g2.e3.a2.1``); the trunk runs once and
+    ``forward`` returns every group's outputs.
     """
 
     def __init__(self, c: DQNConfig):
@@ -53,37 +56,63 @@ class TorchQNet(nn.Module):
             else:
                 parent.add_module(last, layer)
         # Plain lists (not submodules: the layers are registered above under their names)
-        # of the trunk's layers and of each head's layers, in head order.
+        # of the trunk's layers and, per head group, its phi (IQN) and each head's layers, in
+        # head order.
         self._trunk = [self.get_submodule(f"s{i + 1}") for i in range(len(c.trunk_hidden))]
-        self._heads = [[self.get_submodule(layout.head_layer_name(head, j + 1)) for j in range(c.head_depth + 1)]
-                       for head in layout.head_names()]
+        self._groups = [(gc, self.get_submodule(group_prefix(g) + "phi") if gc.iqn else None,
+                         [[self.get_submodule(layout.head_layer_name(head, j + 1)) for j in range(gc.head_depth + 1)]
+                          for head in layout.head_names(g)])
+                        for g, gc in enumerate(layout.group_configs)]
 
-    def forward(self, s, tau=None):
+    def forward(self, s, tau=None, group_fractions=None):
         """Returns (q [B, E * sum n_d, NA]: dueling-aggregated, or the branches' logits without
         dueling, member after member; head [B, NA * E * (dueling + sum n_d)]: every output head's
         logits in head order: the value heads first, then member 0's branches, member 1's, ...).
 
         An IQN network takes ``tau`` [B, N], each sample's quantile fractions, and returns (q
         [B, E * sum n_d, N]: action a's value at fraction tau[b, i] in slot i; head [B * N,
-        E * (dueling + sum n_d)]: the head logits of row (b, i) at b * N + i)."""
+        E * (dueling + sum n_d)]: the head logits of row (b, i) at b * N + i).
+
+        A network with head groups (``DQNConfig.aux``) returns a list of G such (q, head) pairs,
+        group 0's first, each of its own group's shapes: ``tau`` is group 0's fractions (an IQN
+        group 0), ``group_fractions`` one entry per aux group, [B, N_g] for an IQN group and None
+        for any other (None: no aux group is IQN's). The trunk runs once."""
         c = self.config
-        if c.iqn != (tau is not None):
-            raise ValueError(f"TorchQNet: an IQN network (iqn_embedding > 0) takes the fractions tau [B, N], any "
-                             f"other none; this one has iqn_embedding={c.iqn_embedding} and was "
-                             f"{'not ' if tau is None else ''}given tau")
+        if not c.aux and group_fractions is not None:
+            raise ValueError("TorchQNet: group_fractions are the fractions of DQNConfig.aux's head groups; this "
+                             "network has none")
+        fractions = [tau] + (list(group_fractions) if group_fractions is not None else [None] * len(c.aux))
+        if len(fractions) != c.num_groups:
+            raise ValueError(f"TorchQNet: group_fractions must have one entry per aux head group ({len(c.aux)}), got "
+                             f"{len(fractions) - 1}")
         h = s
         for layer in self._trunk:
             h = F.relu(layer(h))
+        outputs = [self._group_forward(g, h, fractions[g]) for g in range(c.num_groups)]
+        return outputs if c.aux else outputs[0]
+
+    def _group_forward(self, g, h, tau):
+        """Head group g on the trunk's output h [B, T_L] (at its fractions tau [B, N] if IQN's): (q, head)."""
+        c, phi_layer, head_layers = self._groups[g]
+        if c.iqn != (tau is not None):
+            if g == 0:
+                raise ValueError(f"TorchQNet: an IQN network (iqn_embedding > 0) takes the fractions tau [B, N], any "
+                                 f"other none; this one has iqn_embedding={c.iqn_embedding} and was "
+                                 f"{'not ' if tau is None else ''}given tau")
+            raise ValueError(f"TorchQNet: an IQN head group takes its fractions [B, N] (group_fractions[{g - 1}] for "
+                             f"group {g}), any other None; group {g} has iqn_embedding={c.iqn_embedding} and was "
+                             f"{'not ' if tau is None else ''}given fractions")
         N = 1
         if c.iqn:
-            if tau.dim() != 2 or tau.shape[0] != s.shape[0]:
-                raise ValueError(f"TorchQNet: tau must be [B, N] with B = {s.shape[0]} (the states' rows), got "
+            if tau.dim() != 2 or tau.shape[0] != h.shape[0]:
+                what = "tau" if g == 0 else f"group {g}'s fractions (group_fractions[{g - 1}])"
+                raise ValueError(f"TorchQNet: {what} must be [B, N] with B = {h.shape[0]} (the states' rows), got "
                                  f"{list(tau.shape)}")
             N = tau.shape[1]
-            phi = F.relu(self.phi(iqn_cosines(tau.to(h.dtype), c.iqn_embedding)))     # [B, N, T]
+            phi = F.relu(phi_layer(iqn_cosines(tau.to(h.dtype), c.iqn_embedding)))    # [B, N, T]
             h = (h[:, None, :] * phi).reshape(-1, h.shape[1])                          # z: [B * N, T], (b, i) rows
         heads = []
-        for layers in self._heads:
+        for layers in head_layers:
             x = h
             for layer in layers[:-1]:
                 x = F.relu(layer(x))
@@ -204,6 +233,38 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
     # per_sample, td: [B * E] (b-major): the mean over members, masked for the loss only
     per_sample, td = per_sample.view(B, E), td.view(B, E).mean(1)
     return (w * (mask * per_sample).sum(1) / E).mean(), td, torch.stack(q_taken, 1).mean()
+
+
+def torch_groups_loss(config: DQNConfig, qs, qs_next_online, qs_next_target, actions, rewards, dones, v_min, v_max,
+                      gamma, loss_types, weights=None, masks=None, fractions=None):
+    """The loss of a network with head groups (docs/combination-design.md): sum_g w_g L_g, L_g
+    ``torch_dqn_loss`` of group g's outputs with its own loss type, w_g ``config.loss_weights``
+    (group 0's 1), on one batch (actions, rewards, dones, weights). Per group, one entry each:
+    qs / qs_next_online / qs_next_target (its q at s, and its outputs at s' as torch_dqn_loss
+    takes them), ``loss_types`` (each among ``HeadGroup.loss_types`` of an aux group's kind),
+    ``masks`` (an ensemble group's bootstrap masks [B, E_g], or None; None: none anywhere),
+    ``fractions`` (an IQN group's fractions of q [B, N_g], else None; None: no IQN group).
+    Returns (loss, td_error [B], mean_q): the TD error and mean Q are group 0's."""
+    G = config.num_groups
+    masks = [None] * G if masks is None else list(masks)
+    fractions = [None] * G if fractions is None else list(fractions)
+    for what, given in (("qs", qs), ("qs_next_online", qs_next_online), ("qs_next_target", qs_next_target),
+                        ("loss_types", loss_types), ("masks", masks), ("fractions", fractions)):
+        if len(given) != G:
+            raise ValueError(f"torch_groups_loss: {what} must have one entry per head group ({G}), got {len(given)}")
+    for g, group in enumerate(config.aux, 1):
+        if loss_types[g] not in group.loss_types:
+            raise ValueError(f"torch_groups_loss: loss_types[{g}] must be " + " or ".join(map(repr, group.loss_types))
+                             + f" (group {g} is a {group.kind!r} group), got {loss_types[g]!r}")
+    total = td = mean_q = None
+    for g, w in enumerate(config.loss_weights):
+        loss, td_g, mean_q_g = torch_dqn_loss(qs[g], qs_next_online[g], qs_next_target[g], actions, rewards, dones,
+                                              config.branches, v_min, v_max, gamma, loss_types[g], weights, masks[g],
+                                              fractions[g])
+        total = w * loss if total is None else total + w * loss
+        if g == 0:
+            td, mean_q = td_g, mean_q_g
+    return total, td, mean_q
 
 
 class TorchTrainer:
