@@ -270,7 +270,8 @@ def test_fraction_errors_name_op_and_argument(device):
         plain(s, torch.rand(4, 2, device=device))
     # activations of another fraction count than grad_q's
     out = net.forward_full(s, torch.rand(4, 3, device=device))
-    with pytest.raises(RuntimeError, match=r"dqn_ops.mixed_backward: grad_q: expected shape \[4, 5, 3\], got \[4, 5, 2\]"):
+    with pytest.raises(RuntimeError,
+                       match=r"dqn_ops.mixed_backward: grad_q: expected shape \[4, 5, 3\], got \[4, 5, 2\]"):
         ops.mixed_backward(torch.randn(4, c.q_rows, 2, device=device), None, out, p, p_lp, layout)
     with pytest.raises(RuntimeError, match=r"dqn_ops.mixed_backward: activations\[2\]: expected the IQN cosines"):
         acts = list(out.activations)

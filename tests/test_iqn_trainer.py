@@ -14,7 +14,7 @@ from conftest import requires_cuda
 from dqn_ops import DQNConfig, Trainer, TrainerConfig, ops
 from dqn_ops.rl.baseline import TorchTrainer
 from dqn_ops.step import quantile_midpoints
-from dqn_ops.trainer import expected_q, greedy_from_logits, resolve_loss_type
+from dqn_ops.trainer import expected_q, greedy_actions, greedy_from_logits, resolve_loss_type
 from step_check import check_graphed_trainer_equals_eager, check_trainer_step_is_the_public_ops_step, same_bits
 
 V_MIN, V_MAX, GAMMA = -10.0, 10.0, 0.97
@@ -93,6 +93,7 @@ def test_acting_is_the_mean_over_the_midpoints():
     same_bits(t.act(s), want, "greedy")
     actions, greedy_q = t.act_explore(s, torch.zeros(1))
     same_bits(actions, want, "act_explore at epsilon 0")
+    same_bits(greedy_actions(t.online, s, loss_type="iqn", fractions=quantile_midpoints(K, s)), want, "greedy_actions")
     mean = expected_q(q.double(), V_MIN, V_MAX, "iqn").view(40, 2, -1).mean(1)
     torch.testing.assert_close(greedy_q.double(), mean.gather(1, want), rtol=1e-6, atol=1e-6)
 
