@@ -167,8 +167,7 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
         td = per_sample.detach()
     elif loss_type in ("qr", "iqn"):
         # [B, N] (iqn: each sample's own) or [1, N] (qr: the fixed midpoints) fractions of q's slots
-        tau = (fractions.to(q.dtype) if loss_type == "iqn"
-               else ((2 * torch.arange(NA, device=q.device, dtype=q.dtype) + 1) / (2 * NA))[None])
+        tau = fractions.to(q.dtype) if loss_type == "iqn" else quantile_midpoints(NA, q)[None]
         for i, n in enumerate(branches):
             with torch.no_grad():
                 a_star = q_next_online[:, off:off + n].mean(-1).argmax(1)
