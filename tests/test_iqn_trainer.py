@@ -140,6 +140,17 @@ def test_torch_trainer_runs_iqn():
     assert actions.shape == greedy_q.shape == (5, 2)
 
 
+def test_torch_trainer_iqn_loss_compiles_with_dynamic_shapes():
+    """With dynamic shapes dynamo traces the config's ints as symbols (bench_networks.py's
+    compiles of earlier networks made them dynamic): TorchQNet's fractions check must not compare
+    a symbolic bool with a bool, which dynamo cannot evaluate."""
+    t = TorchTrainer(TINY_IQN, TrainerConfig(batch_size=8, iqn_fractions=3, gamma=GAMMA, readback_interval=1),
+                     device="cpu", seed=3)
+    t._loss_part = torch.compile(t._loss_part, dynamic=True, fullgraph=True)
+    t.step(step_batch(batch(TINY_IQN, 8)))
+    assert torch.isfinite(t.td_error).all()
+
+
 @requires_cuda
 @pytest.mark.parametrize("c", [TINY_IQN, TINY_IQN_ENS], ids=["dueling", "ensemble"])
 def test_cuda_graphed_trainer_step_is_the_public_ops_step(c):

@@ -67,7 +67,7 @@ class TorchQNet(nn.Module):
         [B, E * sum n_d, N]: action a's value at fraction tau[b, i] in slot i; head [B * N,
         E * (dueling + sum n_d)]: the head logits of row (b, i) at b * N + i)."""
         c = self.config
-        if c.iqn != (tau is not None):
+        if (tau is None) if c.iqn else (tau is not None):
             raise ValueError(f"TorchQNet: an IQN network (iqn_embedding > 0) takes the fractions tau [B, N], any "
                              f"other none; this one has iqn_embedding={c.iqn_embedding} and was "
                              f"{'not ' if tau is None else ''}given tau")
