@@ -585,14 +585,14 @@ def resolve_loss_type(loss_type: Optional[str], atoms: int, owner: str, iqn: boo
 
 @torch.no_grad()
 def greedy_actions(net: DuelingBranchQNet, states: Tensor, v_min: float = -10.0, v_max: float = 10.0,
-                   loss_type: str = "c51", ucb: float = 0.0) -> Tensor:
+                   loss_type: str = "c51", ucb: float = 0.0, fractions: Optional[Tensor] = None) -> Tensor:
     """argmax per branch of the expected Q (C51: softmax over atoms times the support; QR: the
-    quantiles' mean; an ensemble's mean + ucb * std over the members; the first of equal
-    maxima), by ``dqn_ops.ops.act`` with epsilon 0; an empty batch [0, state_dim] gives an
-    empty [0, D] int64 tensor."""
+    quantiles' mean; IQN: the mean at the K ``fractions`` [K]; an ensemble's mean + ucb * std
+    over the members; the first of equal maxima), by ``dqn_ops.ops.act`` with epsilon 0; an
+    empty batch [0, state_dim] gives an empty [0, D] int64 tensor."""
     epsilon = torch.zeros(1, device=states.device)
     rng = torch.zeros(2, dtype=torch.long, device=states.device)  # no draw is used at epsilon 0
-    return net.act(states, epsilon, rng, v_min, v_max, loss_type, ucb).actions
+    return net.act(states, epsilon, rng, v_min, v_max, loss_type, ucb, fractions).actions
 
 
 def expected_q(q: Tensor, v_min: float, v_max: float, loss_type: str = "c51") -> Tensor:

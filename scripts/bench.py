@@ -67,6 +67,11 @@ def make_step(mode: str, c: DQNConfig, B: int, device, **trainer_kw):
         trainer = Trainer(c, cfg, device=device, seed=0)
     else:
         trainer = TorchTrainer(c, cfg, device=device, seed=0, amp=mode.endswith("bf16"))
+        if "compile" in mode:
+            # Each network and batch compiles afresh, as in a process that trains one network:
+            # compiles of the same code for earlier networks would otherwise make the config's
+            # ints dynamic and count toward the recompile limit (past it dynamo runs eager).
+            torch.compiler.reset()
         if "compile" in mode and mode != "torch_compile_reduce_overhead":
             trainer.compile_parts()
     trainer.step(random_batch(c, B, device))

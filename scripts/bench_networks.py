@@ -4,6 +4,7 @@ recipe, in one run.
     python3 scripts/bench_networks.py                          # every network, B = 256 and 4096
     python3 scripts/bench_networks.py --networks cleanrl_c51 --batches 256
     python3 scripts/bench_networks.py --device cpu --batches 32 --modes dqn_ops_eager torch_eager_f32 --iters 3
+    python3 scripts/bench_networks.py --networks iqn_32 --merge bench/results/networks.json   # one network again
 
 The networks (NETWORKS below) are the reference config of docs/design.md, CleanRL's c51.py network
 (4 -> 120 -> 84 -> 2 x 101 atoms, no dueling, no head layer), a 3 x 512 trunk with the reference
@@ -13,11 +14,14 @@ cosines, N = N' = K = 32 fractions; loss 'iqn'). The step is dqn_ops.Trainer's (
 torch.compile of the forward + loss and of the updates, the whole step in one CUDA graph, under
 autocast BF16 (scripts/bench.py's torch_compile_graph_bf16, the fastest PyTorch recipe there).
 Target (issue 20): dqn_ops >= 4x faster for each network at B = 256 and 4096. torch.compile
-recompiles for every network and batch (tens of seconds each). Writes <out>/networks.{json,md}.
+recompiles for every network and batch (tens of seconds each). Writes <out>/networks.{json,md};
+with --merge, the rows of the networks not run come from an earlier file of the same device,
+torch and modes (each row keeps its run's date; a network's modes are always from one run).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -59,6 +63,9 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--iters", type=int, default=300, help="steps per timing")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "bench", "results"))
+    ap.add_argument("--merge", metavar="JSON",
+                    help="an earlier networks.json (same device, torch, modes): its rows of the networks not run now "
+                         "are kept, so one network is measured again without running them all")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not (torch.cuda.is_available() and dqn_ops.cuda_kernels_built()):
@@ -90,22 +97,34 @@ def main():
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
 
+    meta = run_meta(device, modes=args.modes, tf32=False, target_speedup=TARGET_SPEEDUP)
+    for r in rows:
+        r["date"] = meta["date"]
+    if args.merge:
+        rows = merged_rows(args.merge, meta, args.networks) + rows
+    names = [n for n in NETWORKS if any(r["network"] == n for r in rows)]
+    dates = sorted({r["date"] for r in rows})
+
+    def row_of(name, B, mode):
+        return next((r for r in rows if r["network"] == name and r["batch"] == B and r["mode"] == mode), None)
+
     def us(name, B, mode):
-        r = next((r for r in rows if r["network"] == name and r["batch"] == B and r["mode"] == mode), None)
+        r = row_of(name, B, mode)
         return r["step_us"] if r is not None and r["status"] == "ok" else None
 
     ours, theirs = args.modes[0], args.modes[-1]
-    meta = run_meta(device, modes=args.modes, tf32=False, target_speedup=TARGET_SPEEDUP)
-    lines = [f"# Training step by network shape — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
+    lines = [f"# Training step by network shape — {meta['device']}, torch {meta['torch']}, {', '.join(dates)}", "",
              f"µs per step (median of 3 timings of {args.iters} back-to-back steps); kernels per step from the "
-             f"torch profiler; speedup = {theirs} / {ours} (target >= {TARGET_SPEEDUP:g}x).", "",
+             f"torch profiler; speedup = {theirs} / {ours} (target >= {TARGET_SPEEDUP:g}x)." +
+             (" Rows of several runs (--merge; each row's date in networks.json); a network's modes are from one run."
+              if args.merge else ""), "",
              "| network | parameters | B | " + " | ".join(args.modes) + " | speedup |",
              "|---|---|---|" + "---|" * len(args.modes) + "---|"]
-    for name in args.networks:
-        for B in args.batches:
+    for name in names:
+        for B in sorted({r["batch"] for r in rows if r["network"] == name}):
             cells = []
             for m in args.modes:
-                r = next((r for r in rows if r["network"] == name and r["batch"] == B and r["mode"] == m), None)
+                r = row_of(name, B, m)
                 cells.append("not run" if r is None else f"{r['step_us']:.1f} ({r['kernels']} k)"
                              if r["status"] == "ok" else r["status"][:60])
             a, b = us(name, B, ours), us(name, B, theirs)
@@ -115,11 +134,22 @@ def main():
                     r["speedup"] = round(b / a, 2)
             lines.append(f"| {name} | {NETWORKS[name][0].num_parameters:,} | {B} | " + " | ".join(cells) +
                          f" | {speedup} |")
-    lines += ["", "Networks: " + "; ".join(describe(n) for n in args.networks)]
+    lines += ["", "Networks: " + "; ".join(describe(n) for n in names)]
     if device.type == "cuda":
         write_results(args.out, "networks", meta, rows, lines)
     else:
         print("\n".join(lines))
+
+
+def merged_rows(path, meta, networks):
+    """The rows of `path` (an earlier networks.json) of the networks not in `networks`, each with
+    its run's date; the file must come from the same device, torch and modes as `meta`."""
+    with open(path) as f:
+        earlier = json.load(f)
+    for key in ("device", "torch", "modes"):
+        if earlier["meta"].get(key) != meta.get(key):
+            raise SystemExit(f"--merge {path}: its {key} is {earlier['meta'].get(key)!r}, this run's {meta.get(key)!r}")
+    return [dict(r, date=r.get("date", earlier["meta"]["date"])) for r in earlier["rows"] if r["network"] not in networks]
 
 
 if __name__ == "__main__":

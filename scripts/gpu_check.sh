@@ -12,6 +12,8 @@
 #   BENCHES=step STEP_BENCH_ARGS="--batches 256 4096" bash scripts/gpu_check.sh   # the whole-step benchmark
 #   BENCHES=batch_networks bash scripts/gpu_check.sh   # the trainer's batched online + target layers vs two passes
 #   BENCHES=loop LOOP_BENCH_ARGS="--prioritized --n-step 3" bash scripts/gpu_check.sh   # the training loop (bench_loop.py)
+#   BENCHES=networks NETWORKS_BENCH_ARGS="--networks iqn_32 --merge bench/results/networks.json" bash scripts/gpu_check.sh
+#       # one network of bench_networks.py again, the others' rows kept from the committed file
 #   SANITIZE=1 bash scripts/gpu_check.sh         # also scripts/verify_gpu.sh (compute-sanitizer, 4 tools)
 #   DIST=1 bash scripts/gpu_check.sh             # on a multi-GPU machine: data-parallel scaling, 1 vs all GPUs
 #   NCU=1 NCU_BATCH=256 bash scripts/gpu_check.sh  # also scripts/ncu_step.sh (Nsight Compute counters per kernel)
@@ -64,6 +66,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     script="scripts/bench_$b.py" extra=""
     if [ "$b" = step ]; then script=scripts/bench.py extra="${STEP_BENCH_ARGS:-}"; fi
     if [ "$b" = loop ]; then extra="${LOOP_BENCH_ARGS:-}"; fi
+    if [ "$b" = networks ]; then extra="${NETWORKS_BENCH_ARGS:-}"; fi
     $PY "$script" --out "$OUT" $extra || echo "BENCHMARK $b FAILED"
   done 2>&1 | tee "$OUT/bench.log" | tail -60
 fi

@@ -307,22 +307,36 @@ def iqn_batch(B, width, N, K, N2, branches, seed=0):
     dones = (torch.rand(B, generator=g) < 0.2).float()
     weights = torch.rand(B, generator=g) + 0.5
     tau = torch.rand(B, N, generator=g)
-    return q, qo, qt, actions, rewards, dones, weights, tau
+    return q, separate_near_ties(qo, branches), qt, actions, rewards, dones, weights, tau
+
+
+def branch_columns(width, branches):
+    """The (first, size) row ranges of every (member, branch) of a [B, width, ...] q tensor."""
+    A = sum(branches)
+    return [(e * A + sum(branches[:d]), n) for e in range(width // A) for d, n in enumerate(branches)]
+
+
+def separate_near_ties(qo, branches, gap=1e-3):
+    """qo with each (sample, member, branch)'s best mean raised by `gap` (every value of that
+    action): with many samples two actions' means of randn values come within 1e-6 of each other,
+    and F32 and float64 would then pick different next actions."""
+    qo = qo.clone()
+    rows = torch.arange(qo.shape[0])
+    for first, n in branch_columns(qo.shape[1], branches):
+        if n > 1:
+            best = qo[:, first:first + n].double().mean(-1).argmax(1)
+            qo[rows, first + best] += gap
+    return qo
 
 
 def assert_no_near_ties(qo, branches, bar=1e-4):
     """Every (sample, member, branch)'s best mean of the next-state values is more than `bar`
     ahead of the second: F32 and float64 means then pick the same next action."""
-    B, width, _ = qo.shape
     means = qo.double().mean(-1)
-    A = sum(branches)
-    for e in range(width // A):
-        off = e * A
-        for n in branches:
-            if n > 1:
-                top = means[:, off:off + n].topk(2, dim=1).values
-                assert (top[:, 0] - top[:, 1]).min() > bar, "test data with a near tie: change the seed"
-            off += n
+    for first, n in branch_columns(qo.shape[1], branches):
+        if n > 1:
+            top = means[:, first:first + n].topk(2, dim=1).values
+            assert (top[:, 0] - top[:, 1]).min() > bar, "test data with a near tie (separate_near_ties makes none)"
 
 
 @pytest.mark.parametrize("branches", [(3, 3, 3), (2,), (4, 1, 6)], ids=lambda b: "x".join(map(str, b)))

@@ -14,7 +14,7 @@ from conftest import requires_cuda
 from dqn_ops import DQNConfig, Trainer, TrainerConfig, ops
 from dqn_ops.rl.baseline import TorchTrainer
 from dqn_ops.step import quantile_midpoints
-from dqn_ops.trainer import expected_q, greedy_from_logits, resolve_loss_type
+from dqn_ops.trainer import expected_q, greedy_actions, greedy_from_logits, resolve_loss_type
 from step_check import check_graphed_trainer_equals_eager, check_trainer_step_is_the_public_ops_step, same_bits
 
 V_MIN, V_MAX, GAMMA = -10.0, 10.0, 0.97
@@ -93,6 +93,7 @@ def test_acting_is_the_mean_over_the_midpoints():
     same_bits(t.act(s), want, "greedy")
     actions, greedy_q = t.act_explore(s, torch.zeros(1))
     same_bits(actions, want, "act_explore at epsilon 0")
+    same_bits(greedy_actions(t.online, s, loss_type="iqn", fractions=quantile_midpoints(K, s)), want, "greedy_actions")
     mean = expected_q(q.double(), V_MIN, V_MAX, "iqn").view(40, 2, -1).mean(1)
     torch.testing.assert_close(greedy_q.double(), mean.gather(1, want), rtol=1e-6, atol=1e-6)
 
@@ -137,6 +138,17 @@ def test_torch_trainer_runs_iqn():
     assert t.loss_type == "iqn" and t.act(torch.randn(5, TINY_IQN.state_dim)).shape == (5, 2)
     actions, greedy_q = t.act_explore(torch.randn(5, TINY_IQN.state_dim), torch.zeros(1))
     assert actions.shape == greedy_q.shape == (5, 2)
+
+
+def test_torch_trainer_iqn_loss_compiles_with_dynamic_shapes():
+    """With dynamic shapes dynamo traces the config's ints as symbols (bench_networks.py's
+    compiles of earlier networks made them dynamic): TorchQNet's fractions check must not compare
+    a symbolic bool with a bool, which dynamo cannot evaluate."""
+    t = TorchTrainer(TINY_IQN, TrainerConfig(batch_size=8, iqn_fractions=3, gamma=GAMMA, readback_interval=1),
+                     device="cpu", seed=3)
+    t._loss_part = torch.compile(t._loss_part, dynamic=True, fullgraph=True)
+    t.step(step_batch(batch(TINY_IQN, 8)))
+    assert torch.isfinite(t.td_error).all()
 
 
 @requires_cuda

@@ -338,12 +338,17 @@ Logits forward_to_logits(const char* op, const Tensor& states, const Tensor& par
   const auto f32 = params.options();
   const size_t trunk = static_cast<size_t>(L.trunk_layers);
   std::vector<Tensor> activations = {x};
-  for (Tensor& h : hidden_layers(op, x, {net}, L, f32, stream, 0, trunk)[0]) activations.push_back(std::move(h));
+  // Appends the outputs of hidden layers [begin, end) on the last activation. The layers' result
+  // is held in a local: a range-for over hidden_layers(...)[0] would walk a destroyed temporary.
+  auto append_hidden = [&](size_t begin, size_t end) {
+    std::vector<std::vector<Tensor>> layers = hidden_layers(op, activations.back(), {net}, L, f32, stream, begin, end);
+    for (Tensor& h : layers[0]) activations.push_back(std::move(h));
+  };
+  append_hidden(0, trunk);
   if (L.iqn())
     for (Tensor& t : iqn_embedding(op, activations.back(), *fractions, net, L, f32, stream))
       activations.push_back(std::move(t));
-  for (Tensor& h : hidden_layers(op, activations.back(), {net}, L, f32, stream, trunk, L.hidden.size())[0])
-    activations.push_back(std::move(h));
+  append_hidden(trunk, L.hidden.size());
   Tensor logits = output_logits(op, activations.back(), net.w, L, f32);
   return {logits, std::move(activations)};
 }

@@ -94,7 +94,7 @@ class TorchQNet(nn.Module):
     def _group_forward(self, g, h, tau):
         """Head group g on the trunk's output h [B, T_L] (at its fractions tau [B, N] if IQN's): (q, head)."""
         c, phi_layer, head_layers = self._groups[g]
-        if c.iqn != (tau is not None):
+        if (tau is None) if c.iqn else (tau is not None):
             if g == 0:
                 raise ValueError(f"TorchQNet: an IQN network (iqn_embedding > 0) takes the fractions tau [B, N], any "
                                  f"other none; this one has iqn_embedding={c.iqn_embedding} and was "
@@ -196,8 +196,7 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
         td = per_sample.detach()
     elif loss_type in ("qr", "iqn"):
         # [B, N] (iqn: each sample's own) or [1, N] (qr: the fixed midpoints) fractions of q's slots
-        tau = (fractions.to(q.dtype) if loss_type == "iqn"
-               else ((2 * torch.arange(NA, device=q.device, dtype=q.dtype) + 1) / (2 * NA))[None])
+        tau = fractions.to(q.dtype) if loss_type == "iqn" else quantile_midpoints(NA, q)[None]
         for i, n in enumerate(branches):
             with torch.no_grad():
                 a_star = q_next_online[:, off:off + n].mean(-1).argmax(1)
