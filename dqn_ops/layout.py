@@ -422,6 +422,9 @@ def shape_numel(shape) -> int:
 # The first entry of ParamLayout.encode(): a layout of another format (a stale one, or one
 # written by hand) fails csrc/layout.h's check with a clear error instead of being misread.
 LAYOUT_FORMAT = 4
+# The first entry of ParamLayout.encode(group=g) for a network with head groups: the same entries
+# as LAYOUT_FORMAT's for the trunk and group g's heads, at their offsets in the whole buffer.
+GROUP_VIEW_FORMAT = 5
 
 
 class ParamLayout:
@@ -452,8 +455,9 @@ class ParamLayout:
          per head layer j = 2..H: W_h<j>.<k> for each head k, b_h<j>;
          W_out<k> for each head k, b_out;  numel]
 
-    A network with head groups has no encoding yet: ``encode()`` refuses it (docs/combination-design.md
-    gives the format 5 that the kernels of head groups will parse).
+    A network with head groups has one such list per group, ``encode(group=g)``: the same entries
+    for the trunk and group g's heads (the network ``config.group_config(g)``) under the first entry
+    ``GROUP_VIEW_FORMAT``, with their offsets in the whole buffer and its length.
 
     The C++ side validates it (csrc/layout.h) rather than recomputing it, so this class is the
     one source of truth.
@@ -553,31 +557,38 @@ class ParamLayout:
         """The per-layer weight matrices (10 for the reference config): (name, shape, offset)."""
         return [(n, s, o) for n, s, o in self.tensors if n.endswith(".weight")]
 
-    def encode(self) -> List[int]:
-        c, seg = self.config, self.segments
-        if c.aux:
-            # Format 4 (what csrc/layout.h parses) has one head group: a layout of group 0 alone
-            # would train the trunk without the other groups' gradients. Format 5 comes with the
-            # kernels (docs/combination-design.md).
-            raise NotImplementedError(
-                f"ParamLayout.encode: networks with head groups (DQNConfig.aux: {len(c.aux)} beside group 0) need "
-                f"the kernels of a later version of dqn_ops: the ops' layout format {LAYOUT_FORMAT} has one head "
-                f"group (docs/combination-design.md). The plain-PyTorch dqn_ops.rl.baseline.TorchQNet and "
-                f"torch_groups_loss run them.")
-        H = c.head_depth
-        sizes = [LAYOUT_FORMAT, c.state_dim, c.atoms, int(c.dueling), c.members, c.iqn_embedding, c.num_branches,
-                 *c.branches,
-                 len(c.trunk_hidden), *c.trunk_hidden, H, *(c.value_hidden if c.dueling else ()), *c.adv_hidden]
+    def encode(self, group: Optional[int] = None) -> List[int]:
+        """The ops' ``int[] layout``. A network with head groups (``DQNConfig.aux``) has one per
+        group: ``encode(group=g)`` (format ``GROUP_VIEW_FORMAT``) describes the trunk and group g's
+        heads at their offsets in the whole buffer, the network ``config.group_config(g)`` is; the
+        ops run that group alone, and their gradient is zero on the other groups' parameters (the
+        training step adds the groups' weighted gradients: ``dqn_ops.step.GroupsStep``)."""
+        c = self.config
+        if group is None:
+            if c.aux:
+                raise ValueError(
+                    f"ParamLayout.encode: a network with head groups (DQNConfig.aux: {len(c.aux)} beside group 0) has "
+                    f"one layout per group: encode(group=g) for g in range({c.num_groups}) (each the trunk and that "
+                    f"group's heads)")
+            group = 0
+        group = check_int("ParamLayout.encode", "group", group, minimum=0)
+        if group >= c.num_groups:
+            raise ValueError(f"ParamLayout.encode: group must be < {c.num_groups} (the head groups), got {group}")
+        g, p, seg = self.group_configs[group], group_prefix(group), self.segments
+        H = g.head_depth
+        sizes = [GROUP_VIEW_FORMAT if c.aux else LAYOUT_FORMAT, g.state_dim, g.atoms, int(g.dueling), g.members,
+                 g.iqn_embedding, g.num_branches, *g.branches,
+                 len(g.trunk_hidden), *g.trunk_hidden, H, *(g.value_hidden if g.dueling else ()), *g.adv_hidden]
         offsets: List[int] = []
-        for i in range(len(c.trunk_hidden)):
+        for i in range(len(g.trunk_hidden)):
             offsets += [seg[f"W_s{i + 1}"][0], seg[f"b_s{i + 1}"][0]]
-        if c.iqn:
-            offsets += [seg["W_phi"][0], seg["b_phi"][0]]
+        if g.iqn:
+            offsets += [seg[p + "W_phi"][0], seg[p + "b_phi"][0]]
         if H >= 1:
-            offsets += [seg["W_h1"][0], seg["b_h1"][0]]
+            offsets += [seg[p + "W_h1"][0], seg[p + "b_h1"][0]]
         for j in range(1, H):
-            offsets += [seg[f"W_h{j + 1}.{k}"][0] for k in range(c.num_heads)] + [seg[f"b_h{j + 1}"][0]]
-        offsets += [seg[f"W_out{k}"][0] for k in range(c.num_heads)] + [seg["b_out"][0]]
+            offsets += [seg[f"{p}W_h{j + 1}.{k}"][0] for k in range(g.num_heads)] + [seg[f"{p}b_h{j + 1}"][0]]
+        offsets += [seg[f"{p}W_out{k}"][0] for k in range(g.num_heads)] + [seg[p + "b_out"][0]]
         return sizes + offsets + [self.numel]
 
 
@@ -617,7 +628,7 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
         raise ValueError(f"layout: expected the int[] from dqn_ops.ParamLayout.encode() (format {LAYOUT_FORMAT}), "
                          f"{why}")
 
-    if len(v) < 7 or v[0] != LAYOUT_FORMAT:
+    if len(v) < 7 or v[0] not in (LAYOUT_FORMAT, GROUP_VIEW_FORMAT):
         fail(f"got {v[:5]}{'...' if len(v) > 5 else ''}")
     p = 1
     state_dim, atoms, dueling, E, iqn, D = v[p:p + 6]
@@ -642,11 +653,41 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
                        branches=branches, dueling=bool(dueling), ensemble=E, iqn_embedding=iqn)
     # The offsets csrc/layout.h reads after the sizes: ParamLayout, the one place that computes
     # them, gives the only ones the ops are documented to take.
-    expected = ParamLayout(config).encode()
+    one_group = ParamLayout(config)
+    expected = one_group.encode()
     if len(v) != len(expected):
         fail(f"{len(expected)} entries for these sizes, got {len(v)}")
+    if v[0] == GROUP_VIEW_FORMAT:
+        # A head group of a larger buffer: its offsets are the whole network's, which this list
+        # does not describe; checked as csrc/layout.h checks them (aligned, inside, disjoint).
+        _check_group_view_offsets(one_group, v[p + H:-1], v[-1], fail)
+        return config
     if v != expected:
         i = next(i for i, (a, b) in enumerate(zip(v, expected)) if a != b)
         what = "the buffer length" if i == len(v) - 1 else "an offset" if i >= p + H else "a size"
         fail(f"entry {i} ({what}) {expected[i]} for these sizes, got {v[i]}")
     return config
+
+
+def _check_group_view_offsets(one_group: "ParamLayout", offsets: Sequence[int], numel: int, fail) -> None:
+    """A group view's offsets (in the order encode() writes them, which is the order of
+    ``one_group``'s offsets: the one-group network of the same sizes) against its buffer length:
+    each segment aligned, inside the buffer and disjoint from the others, an output head's weight
+    with its rows padded to a multiple of 8, as csrc/layout.h checks every layout."""
+    placed = one_group.encode()
+    order = sorted(one_group.segments.items(), key=lambda item: item[1][0])  # segments by their one-group offset
+    by_offset = {off: (name, shape) for name, (off, shape) in order}
+    extents = []
+    for got, at in zip(offsets, placed[len(placed) - 1 - len(offsets):-1]):
+        name, shape = by_offset[at]
+        rows = _align(shape[0]) if name.startswith("W_out") else shape[0]
+        length = rows * shape_numel(shape[1:])
+        if got < 0 or got % ALIGN != 0:
+            fail(f"segment {name}'s offset {got} is not a non-negative multiple of {ALIGN}")
+        if got + length > numel:
+            fail(f"segment {name} [{got}, {got + length}) lies outside the buffer of {numel} elements")
+        extents.append((got, got + length, name))
+    extents.sort()
+    for (a0, a1, a), (b0, _, b) in zip(extents, extents[1:]):
+        if a1 > b0:
+            fail(f"segments {a} at {a0} and {b} at {b0} overlap")

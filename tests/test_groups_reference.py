@@ -1,8 +1,8 @@
-"""Head groups' configuration and references (docs/combination-design.md; the ops do not run
-head groups yet): HeadGroup and DQNConfig(aux=...) with their errors; ParamLayout's group
+"""Head groups' configuration and references (docs/combination-design.md; the ops' side:
+tests/test_groups_ops.py): HeadGroup and DQNConfig(aux=...) with their errors; ParamLayout's group
 segments (a config without aux keeps every offset; each aux group's segments after all of group
-0's, as its one-group network has them, named g<g>.); the refusals of the ops' side (encode,
-DuelingBranchQNet, from_torch, Trainer, TorchTrainer); the float64 references of
+0's, as its one-group network has them, named g<g>.); from_torch carrying them and TorchTrainer
+refusing them; the float64 references of
 tests/reference.py (reference_groups_forward, reference_groups_loss) on hand-computed cases and
 against the one-group references; the plain-PyTorch baseline (TorchQNet's groups,
 torch_groups_loss) against those references, forward, loss and every parameter's gradient by
@@ -374,30 +374,21 @@ def test_the_group_names_of_the_design():
 
 
 # ----------------------------------------------------------------------------------------
-# What the ops cannot run yet refuses it
+# The ops' side: DuelingBranchQNet and from_torch carry the groups; TorchTrainer refuses them
 
-REFUSAL = (r"^ParamLayout\.encode: networks with head groups \(DQNConfig\.aux: 2 beside group 0\) need the kernels "
-           r"of a later version of dqn_ops: the ops' layout format 4 has one head group "
-           r"\(docs/combination-design\.md\)\. The plain-PyTorch dqn_ops\.rl\.baseline\.TorchQNet and "
-           r"torch_groups_loss run them\.$")
-
-
-def test_encode_and_what_builds_on_it_refuse_head_groups():
+def test_from_torch_carries_the_groups_and_the_torch_trainer_refuses_them():
     c = NETS["seed"]
-    with pytest.raises(NotImplementedError, match=REFUSAL):
-        ParamLayout(c).encode()
-    with pytest.raises(NotImplementedError, match=REFUSAL):
-        DuelingBranchQNet(c)
-    with pytest.raises(NotImplementedError, match=REFUSAL):
-        from_torch(TorchQNet(c), c)
-    cfg = TrainerConfig(batch_size=4)
-    with pytest.raises(NotImplementedError, match=REFUSAL):
-        Trainer(c, cfg, device="cpu")
-    with pytest.raises(NotImplementedError, match=REFUSAL):
-        TorchTrainer(c, cfg, device="cpu")
-    # group 0 alone is today's network: encoded and run by the ops
+    torch.manual_seed(0)
+    module = TorchQNet(c)
+    net = from_torch(module, c)
+    views = net.layer_views()
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(views[name], tensor), name
+    with pytest.raises(NotImplementedError, match=r"^TorchTrainer: networks with head groups \(DQNConfig\.aux: 2 "
+                                                  r"beside group 0\) are not in the plain-PyTorch trainer yet"):
+        TorchTrainer(c, TrainerConfig(batch_size=4), device="cpu")
+    # group 0 alone is today's network: encoded in format 4
     assert ParamLayout(c.group_config(0)).encode()[0] == dqn_ops.layout.LAYOUT_FORMAT
-    DuelingBranchQNet(c.group_config(0))
 
 
 # ----------------------------------------------------------------------------------------

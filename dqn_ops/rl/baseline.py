@@ -282,6 +282,10 @@ class TorchTrainer:
         self.amp = amp
         self.seed = seed
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "TorchTrainer", c.iqn)
+        if c.aux:
+            raise NotImplementedError(
+                f"TorchTrainer: networks with head groups (DQNConfig.aux: {len(c.aux)} beside group 0) are not in the "
+                f"plain-PyTorch trainer yet; TorchQNet and torch_groups_loss run them, dqn_ops.Trainer trains them")
         # The same initial weights and spectral-norm vectors as dqn_ops.Trainer(seed=seed): the
         # two paths start from one point, so a comparison sees only their numerics.
         gen = torch.Generator().manual_seed(seed)
