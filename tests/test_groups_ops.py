@@ -21,6 +21,7 @@ from dqn_ops.layout import GROUP_VIEW_FORMAT, LAYOUT_FORMAT, decode_config, grou
 from dqn_ops.step import GroupsStep, InternalOpsStep, PublicOpsStep
 from dqn_ops.trainer import greedy_actions
 from reference import layer_shapes, quantile_fractions, reference_groups_forward, rel_err
+from conftest import DEVICES
 from test_groups_reference import (GAMMA, LOSS_TYPES, NETS, V_MAX, V_MIN, assert_no_near_ties, group_fractions,
                                    group_masks, layers_of, leaf_layers, reference_step, seeded_net, step_inputs)
 from step_check import same_bits, snapshot
@@ -34,7 +35,7 @@ def net_layers(net: DuelingBranchQNet) -> dict:
 
 def group_network(net: DuelingBranchQNet, g: int) -> DuelingBranchQNet:
     """The one-group network config.group_config(g) with net's trunk and group g's head weights."""
-    one = DuelingBranchQNet(net.config.group_config(g)).to(net.flat_params.dtype)
+    one = DuelingBranchQNet(net.config.group_config(g)).to(net.flat_params.device, net.flat_params.dtype)
     prefix, theirs = group_prefix(g), net.layer_views()
     with torch.no_grad():
         for name, view in one.layer_views().items():
@@ -107,26 +108,27 @@ def test_broken_views_are_refused_by_python_and_the_kernels(case):
 # ----------------------------------------------------------------------------------------
 # Each group is its one-group network
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(NETS))
-def test_each_groups_forward_and_gradient_are_its_one_group_networks_bits(name):
+def test_each_groups_forward_and_gradient_are_its_one_group_networks_bits(name, device):
     """BF16 path (F32 params, BF16 mirror): group g's op on the whole buffer against the one-group
     network holding the same weights, the same bits; the gradient the same on the trunk and
     group g's parameters and zero on every other parameter."""
     c = NETS[name]
     torch.manual_seed(1)
-    net = DuelingBranchQNet(c, backward_precision="bf16")
-    s = torch.randn(5, c.state_dim)
-    fractions = [None if f is None else f.float() for f in group_fractions(c, 5, 3, seed=2)]
+    net = DuelingBranchQNet(c, backward_precision="bf16").to(device)
+    s = torch.randn(5, c.state_dim, device=device)
+    fractions = [None if f is None else f.float().to(device) for f in group_fractions(c, 5, 3, seed=2)]
     for g in range(c.num_groups):
         one = group_network(net, g)
         one.backward_precision = "bf16"
         q = net.forward(s, fractions[g], group=g)
         q_one = one(s, fractions[g])
         assert torch.equal(q, q_one)
-        r = torch.randn(q.shape)
+        r = torch.randn(q.shape, device=device)
         (grad,) = torch.autograd.grad((q * r).sum(), net.flat_params)
         (grad_one,) = torch.autograd.grad((q_one * r).sum(), one.flat_params)
-        mine = group_segments(net.layout, g)
+        mine = group_segments(net.layout, g).to(device)
         assert not grad[~mine].any(), "a gradient on another group's parameters"
         views, views_one, prefix = net.layer_views(grad), one.layer_views(grad_one), group_prefix(g)
         for k, v in views_one.items():
@@ -259,7 +261,7 @@ def test_groups_step_argument_errors():
 # ----------------------------------------------------------------------------------------
 # The Trainer
 
-def trainer_batch(c: DQNConfig, B: int, seed: int) -> dict:
+def trainer_batch(c: DQNConfig, B: int, seed: int, device="cpu") -> dict:
     g_ = torch.Generator().manual_seed(seed)
     s, s2 = torch.randn(B, c.state_dim, generator=g_), torch.randn(B, c.state_dim, generator=g_)
     return dict(states=s, next_states=s2, actions=torch.stack([torch.randint(0, n, (B,), generator=g_)
@@ -268,29 +270,37 @@ def trainer_batch(c: DQNConfig, B: int, seed: int) -> dict:
                 weights=torch.rand(B, generator=g_) + 0.5, indices=torch.randint(0, 1000, (B,), generator=g_))
 
 
+def on(device, batch: dict) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,bootstrap_p", [("seed", 0.5), ("iqn_main", 1.0), ("qr_main", 1.0)])
-def test_trainer_step_is_the_groups_step(name, bootstrap_p):
+def test_trainer_step_is_the_groups_step(name, bootstrap_p, device):
     """Trainer's step on a network of head groups is GroupsStep's on copies of its networks, bit
-    for bit: each IQN group draws its own (tau, tau') from fraction_rng in group order, each
-    ensemble group its own masks (Trainer.bootstrap_masks(indices, g)); group 0's loss type is the
-    trainer's, an aux group's its kind's first."""
+    for bit (on CUDA the trainer's step graphed, GroupsStep eager): each IQN group draws its own
+    (tau, tau') from fraction_rng in group order, each ensemble group its own masks
+    (Trainer.bootstrap_masks(indices, g)); group 0's loss type is the trainer's, an aux group's
+    its kind's first."""
     c = NETS[name]
     B = 6
     t = Trainer(c, TrainerConfig(batch_size=B, gamma=GAMMA, v_min=V_MIN, v_max=V_MAX, readback_interval=1,
-                                 iqn_fractions=3, bootstrap_p=bootstrap_p), device="cpu", seed=2)
+                                 iqn_fractions=3, bootstrap_p=bootstrap_p), device=device, seed=2)
     assert t.group_loss_types == (t.loss_type,) + tuple(group.loss_types[0] for group in c.aux)
     assert not t.uses_fused_path and not t.batch_networks
     with pytest.raises(ValueError, match=r"^Trainer\.batch_networks: a network of head groups runs each group's "
                                          r"public-ops step, the two networks apart$"):
         t.batch_networks = True
-    t.step(trainer_batch(c, B, 0))
-    b = trainer_batch(c, B, 1)
+    for i in range(5 if device == "cuda" else 1):  # on CUDA: the warm-up steps and the capture
+        t.step(on(device, trainer_batch(c, B, 10 + i)))
+    b = on(device, trainer_batch(c, B, 1))
     online, target = snapshot(t.online), snapshot(t.target)
     rng = t.fraction_rng.clone()
     fractions = [ops.iqn_fractions(rng, B, 3, 3) if c.group_config(g).iqn else None for g in range(c.num_groups)]
     masks = ([t.bootstrap_masks(b["indices"], g) if c.group_config(g).members > 1 else None
               for g in range(c.num_groups)] if bootstrap_p < 1 else None)
     t.step(b)
+    assert t.graphed == (device == "cuda")
     want = GroupsStep(online, target, loss_types=t.group_loss_types, v_min=V_MIN, v_max=V_MAX, gamma=GAMMA,
                       precision=t.config.backward_precision)(
         torch.cat([b["states"], b["next_states"]]), b["actions"], b["rewards"], b["dones"], b["weights"], masks,
