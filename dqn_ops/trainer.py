@@ -232,10 +232,9 @@ class Trainer:
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
         step_kw = dict(v_min=cfg.v_min, v_max=cfg.v_max, gamma=cfg.gamma, precision=cfg.backward_precision)
-        # Head groups: each group's loss type is its kind's first (HeadGroup.loss_types); group 0's
-        # is this trainer's. IQN's forward takes fractions, which the internal ops do not: its step
+        # IQN's forward takes fractions, which the internal ops do not: its step
         # is the public ops', as is every group's of a network with head groups.
-        self.group_loss_types = (self.loss_type,) + tuple(group.loss_types[0] for group in c.aux)
+        self.group_loss_types = group_loss_types(c, self.loss_type)
         if c.aux:
             self.gradient_step = GroupsStep(self.online, self.target, loss_types=self.group_loss_types, **step_kw)
         elif c.iqn:
@@ -367,8 +366,8 @@ class Trainer:
         ``indices`` (``ops.bootstrap_masks`` keyed by the trainer's seed, or the loaded checkpoint's,
         with p = ``TrainerConfig.bootstrap_p``; all ones for p = 1). ``group``: head group g's
         ([B, E_g], keyed by the seed plus g * 2^32: the groups' members draw apart)."""
-        return ops.bootstrap_masks(indices, self.mask_seed + (group << 32), self.net_config.group_config(group).members,
-                                   self.config.bootstrap_p)
+        return ops.bootstrap_masks(indices, group_mask_seed(self.mask_seed, group),
+                                   self.net_config.group_config(group).members, self.config.bootstrap_p)
 
     @torch.no_grad()
     def _broadcast_state(self):
@@ -582,6 +581,18 @@ def _data_parallel_group(process_group):
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return None, 1
     return process_group, dist.get_world_size(process_group)
+
+
+def group_loss_types(config: DQNConfig, loss_type: str) -> Tuple[str, ...]:
+    """Each head group's loss type (both trainers'): group 0's the resolved ``loss_type``, an aux
+    group's its kind's first (``HeadGroup.loss_types``: a 'q' group trains with MSE)."""
+    return (loss_type,) + tuple(group.loss_types[0] for group in config.aux)
+
+
+def group_mask_seed(seed: int, group: int) -> int:
+    """The bootstrap masks' key of head group ``group`` (both trainers'): the seed plus g * 2^32,
+    so the ensemble groups' members draw apart."""
+    return seed + (group << 32)
 
 
 def resolve_loss_type(loss_type: Optional[str], atoms: int, owner: str, iqn: bool = False) -> str:

@@ -16,10 +16,11 @@ import copy
 import pytest
 import torch
 
-from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout, Trainer, TrainerConfig, from_torch, ops
+from dqn_ops import DQNConfig, DuelingBranchQNet, HeadGroup, ParamLayout, Trainer, TrainerConfig, from_torch, ops
+from dqn_ops.rl.baseline import TorchTrainer, torch_groups_loss
 from dqn_ops.layout import GROUP_VIEW_FORMAT, LAYOUT_FORMAT, decode_config, group_prefix
 from dqn_ops.step import GroupsStep, InternalOpsStep, PublicOpsStep
-from dqn_ops.trainer import greedy_actions
+from dqn_ops.trainer import greedy_actions, greedy_from_logits
 from reference import layer_shapes, quantile_fractions, reference_groups_forward, rel_err
 from conftest import DEVICES
 from test_groups_reference import (GAMMA, LOSS_TYPES, NETS, V_MAX, V_MIN, assert_no_near_ties, group_fractions,
@@ -343,3 +344,35 @@ def test_opcheck_on_group_views(g):
     if g == 0:
         torch.library.opcheck(torch.ops.dqn_ops.act.default,
                               (s, p, p_lp, layout, -10.0, 10.0, torch.zeros(1), torch.tensor([1, 0])))
+
+
+def test_torch_trainer_trains_head_groups():
+    """TorchTrainer (the plain-PyTorch baseline) on a network of head groups: its loss is
+    torch_groups_loss of the groups' forwards (a network without IQN groups or masks, so nothing
+    is drawn), a step moves every group's parameters, acting is group 0's."""
+    c = DQNConfig(state_dim=5, trunk_hidden=(12,), adv_hidden=6, atoms=7, branches=(2, 3),
+                  aux=(HeadGroup("c51", members=3, atoms=5, adv_hidden=()), HeadGroup("q", loss_weight=0.5)))
+    B = 6
+    t = TorchTrainer(c, TrainerConfig(batch_size=B, gamma=GAMMA, v_min=V_MIN, v_max=V_MAX, readback_interval=1),
+                     device="cpu", seed=4)
+    assert t.group_loss_types == ("c51", "c51", "mse")
+    b = trainer_batch(c, B, 0)
+    del b["indices"]
+    t.step(b)
+    x, cfg = t.inputs, t.config
+    with torch.no_grad():
+        outs_next, outs_target, outs = t.online(x["next_states"]), t.target(x["next_states"]), t.online(x["states"])
+        want = torch_groups_loss(c, [q for q, _ in outs], [q for q, _ in outs_next], [q for q, _ in outs_target],
+                                 x["actions"], x["rewards"], x["dones"], V_MIN, V_MAX, GAMMA, t.group_loss_types,
+                                 x["weights"])
+        got = t._loss_part()
+    for a, w in zip(got, want):
+        assert torch.equal(a, w)
+    before = {k: v.clone() for k, v in t.online.state_dict().items()}
+    b = trainer_batch(c, B, 1)
+    del b["indices"]
+    t.step(b)
+    moved = {k.split(".", 1)[0] for k, v in t.online.state_dict().items() if not torch.equal(v, before[k])}
+    assert {"s1", "v1", "g1", "g2"} <= moved, moved
+    s = torch.randn(4, c.state_dim)
+    assert torch.equal(t.act(s), greedy_from_logits(t.online(s)[0][0], c.branches, V_MIN, V_MAX, "c51"))

@@ -1,8 +1,7 @@
 """Head groups' configuration and references (docs/combination-design.md; the ops' side:
 tests/test_groups_ops.py): HeadGroup and DQNConfig(aux=...) with their errors; ParamLayout's group
 segments (a config without aux keeps every offset; each aux group's segments after all of group
-0's, as its one-group network has them, named g<g>.); from_torch carrying them and TorchTrainer
-refusing them; the float64 references of
+0's, as its one-group network has them, named g<g>.); from_torch carrying them; the float64 references of
 tests/reference.py (reference_groups_forward, reference_groups_loss) on hand-computed cases and
 against the one-group references; the plain-PyTorch baseline (TorchQNet's groups,
 torch_groups_loss) against those references, forward, loss and every parameter's gradient by
@@ -374,9 +373,9 @@ def test_the_group_names_of_the_design():
 
 
 # ----------------------------------------------------------------------------------------
-# The ops' side: DuelingBranchQNet and from_torch carry the groups; TorchTrainer refuses them
+# The ops' side (more in tests/test_groups_ops.py): from_torch carries the groups
 
-def test_from_torch_carries_the_groups_and_the_torch_trainer_refuses_them():
+def test_from_torch_carries_the_groups():
     c = NETS["seed"]
     torch.manual_seed(0)
     module = TorchQNet(c)
@@ -384,9 +383,6 @@ def test_from_torch_carries_the_groups_and_the_torch_trainer_refuses_them():
     views = net.layer_views()
     for name, tensor in module.state_dict().items():
         assert torch.equal(views[name], tensor), name
-    with pytest.raises(NotImplementedError, match=r"^TorchTrainer: networks with head groups \(DQNConfig\.aux: 2 "
-                                                  r"beside group 0\) are not in the plain-PyTorch trainer yet"):
-        TorchTrainer(c, TrainerConfig(batch_size=4), device="cpu")
     # group 0 alone is today's network: encoded in format 4
     assert ParamLayout(c.group_config(0)).encode()[0] == dqn_ops.layout.LAYOUT_FORMAT
 

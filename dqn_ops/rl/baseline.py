@@ -14,8 +14,8 @@ from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
 from ..step import quantile_midpoints
-from ..trainer import (STAT_FIELDS, TrainerConfig, ensemble_score, expected_q, greedy_from_logits, load_batch,
-                       resolve_loss_type)
+from ..trainer import (STAT_FIELDS, TrainerConfig, ensemble_score, expected_q, greedy_from_logits, group_loss_types,
+                       group_mask_seed, load_batch, resolve_loss_type)
 
 
 class TorchQNet(nn.Module):
@@ -282,10 +282,8 @@ class TorchTrainer:
         self.amp = amp
         self.seed = seed
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "TorchTrainer", c.iqn)
-        if c.aux:
-            raise NotImplementedError(
-                f"TorchTrainer: networks with head groups (DQNConfig.aux: {len(c.aux)} beside group 0) are not in the "
-                f"plain-PyTorch trainer yet; TorchQNet and torch_groups_loss run them, dqn_ops.Trainer trains them")
+        self.group_loss_types = group_loss_types(c, self.loss_type)
+        self._groups = [c.group_config(g) for g in range(c.num_groups)]
         # The same initial weights and spectral-norm vectors as dqn_ops.Trainer(seed=seed): the
         # two paths start from one point, so a comparison sees only their numerics.
         gen = torch.Generator().manual_seed(seed)
@@ -317,8 +315,7 @@ class TorchTrainer:
         self._branch_sizes = torch.tensor(c.branches, device=dev)
         self._branch_offsets = torch.tensor([sum(c.branches[:d]) for d in range(D)], device=dev)
         # IQN: the K = N midpoints every row acts and picks the next action at (as Trainer's)
-        self._midpoints = (quantile_midpoints(cfg.iqn_fractions, torch.empty(0, device=dev))[None]
-                           if c.iqn else None)
+        self._midpoints = quantile_midpoints(cfg.iqn_fractions, torch.empty(0, device=dev))[None]
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
         self.steps = 0
         self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
@@ -351,7 +348,7 @@ class TorchTrainer:
         An ensemble's greedy action maximises mean + ``act_ucb`` * std over the members, its
         greedy Q the mean."""
         c = self.net_config
-        q = expected_q(self.online(states, *self._at_midpoints(states))[0].float(), self.config.v_min,
+        q = expected_q(self._forward_q(self.online, states, self._at_midpoints(states))[0].float(), self.config.v_min,
                        self.config.v_max, self.loss_type)
         score, mean = ensemble_score(q, c.members, self.config.act_ucb)
         greedy = torch.stack([b.argmax(1) for b in torch.split(score, list(c.branches), dim=1)], 1)
@@ -362,30 +359,42 @@ class TorchTrainer:
         return torch.where(explore, random, greedy), greedy_q
 
     def _at_midpoints(self, states):
-        """An IQN network's extra forward argument at the midpoints, for `states`' rows: (tau,) or ()."""
-        return () if self._midpoints is None else (self._midpoints.expand(states.shape[0], -1),)
+        """Each head group's fractions at the midpoints for `states`' rows: [B, K] for an IQN group,
+        None for any other."""
+        return [self._midpoints.expand(states.shape[0], -1) if gc.iqn else None for gc in self._groups]
+
+    def _draw_fractions(self):
+        """Each head group's fractions for the batch: torch.rand [B, N] for an IQN group, else None."""
+        B, N = self.config.batch_size, self.config.iqn_fractions
+        return [torch.rand(B, N, device=self.device) if gc.iqn else None for gc in self._groups]
+
+    def _forward_q(self, net, states, fractions):
+        """Each head group's q on `states` at its `fractions` (one entry per group), group 0's first."""
+        if not self.net_config.aux:
+            return [net(states, *(() if fractions[0] is None else (fractions[0],)))[0]]
+        return [q for q, _ in net(states, fractions[0], fractions[1:])]
 
     def _loss_part(self):
         """Forwards (online on s and s', target on s') and the loss (with an ensemble's bootstrap
         masks when bootstrap_p < 1: ``dqn_ops.Trainer``'s, the same op on the same key). IQN: s
         at tau, s' at the midpoints (the next action), the target at tau', both drawn here by
         torch.rand (not Trainer's Philox stream: a comparison sees distributions, not bits)."""
-        cfg, x = self.config, self.inputs
-        masks = (ops.bootstrap_masks(x["indices"], self.seed, self.net_config.members, cfg.bootstrap_p)
-                 if cfg.uses_masks else None)
-        tau = tau_target = None
-        if self.net_config.iqn:
-            B, N = cfg.batch_size, cfg.iqn_fractions
-            tau, tau_target = torch.rand(B, N, device=self.device), torch.rand(B, N, device=self.device)
-        online_at, target_at = ((), ()) if tau is None else ((tau,), (tau_target,))
+        cfg, x, c = self.config, self.inputs, self.net_config
+        masks = ([ops.bootstrap_masks(x["indices"], group_mask_seed(self.seed, g), gc.members, cfg.bootstrap_p)
+                  if gc.members > 1 or not c.aux else None for g, gc in enumerate(self._groups)]
+                 if cfg.uses_masks else [None] * c.num_groups)
+        tau, tau_target = self._draw_fractions(), self._draw_fractions()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             with torch.no_grad():
-                q_next_online = self.online(x["next_states"], *self._at_midpoints(x["next_states"]))[0].float()
-                q_next_target = self.target(x["next_states"], *target_at)[0].float()
-            q = self.online(x["states"], *online_at)[0].float()
-        return torch_dqn_loss(q, q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"],
-                              self.net_config.branches, cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type, x["weights"],
-                              masks, tau)
+                qo = [q.float() for q in self._forward_q(self.online, x["next_states"],
+                                                          self._at_midpoints(x["next_states"]))]
+                qt = [q.float() for q in self._forward_q(self.target, x["next_states"], tau_target)]
+            qs = [q.float() for q in self._forward_q(self.online, x["states"], tau)]
+        if c.aux:
+            return torch_groups_loss(c, qs, qo, qt, x["actions"], x["rewards"], x["dones"], cfg.v_min, cfg.v_max,
+                                     cfg.gamma, self.group_loss_types, x["weights"], masks, tau)
+        return torch_dqn_loss(qs[0], qo[0], qt[0], x["actions"], x["rewards"], x["dones"], c.branches, cfg.v_min,
+                              cfg.v_max, cfg.gamma, self.loss_type, x["weights"], masks[0], tau[0])
 
     @torch.no_grad()
     def _post_part(self):
@@ -431,5 +440,6 @@ class TorchTrainer:
 
     @torch.no_grad()
     def act(self, states):
-        return greedy_from_logits(self.online(states, *self._at_midpoints(states))[0], self.net_config.branches,
+        return greedy_from_logits(self._forward_q(self.online, states, self._at_midpoints(states))[0],
+                                  self.net_config.branches,
                                   self.config.v_min, self.config.v_max, self.loss_type)
