@@ -186,7 +186,11 @@ inline std::vector<HeadGroup> block_groups(const std::vector<HeadSlice>& blocks)
 inline std::vector<HeadGroup> head_groups(const NetLayout& L) { return block_groups(L.heads); }
 
 // The `int[] layout` format (dqn_ops/layout.py, ParamLayout.encode: LAYOUT_FORMAT and the order).
+// kGroupViewFormat: the same entries for one head group of a network with several
+// (GROUP_VIEW_FORMAT): the trunk and that group's heads at their offsets in the whole buffer,
+// whose length the last entry gives; the other groups' segments are gaps to the kernels.
 constexpr int64_t kLayoutFormat = 4;
+constexpr int64_t kGroupViewFormat = 5;
 
 inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
   const size_t n = v.size();
@@ -197,9 +201,10 @@ inline NetLayout parse_layout(c10::IntArrayRef v, const char* op) {
               " (expected the int[] from dqn_ops.ParamLayout.encode())");
     return v[p++];
   };
-  DQN_CHECK(n >= 1 && v[0] == kLayoutFormat, op, ": layout: expected the int[] from dqn_ops.ParamLayout.encode() ",
-            "(format ", kLayoutFormat, ", its first entry), got ", n == 0 ? std::string("an empty list")
-                                                                          : "first entry " + std::to_string(v[0]));
+  DQN_CHECK(n >= 1 && (v[0] == kLayoutFormat || v[0] == kGroupViewFormat), op,
+            ": layout: expected the int[] from dqn_ops.ParamLayout.encode() (format ", kLayoutFormat, ", or ",
+            kGroupViewFormat, " for a head group, its first entry), got ",
+            n == 0 ? std::string("an empty list") : "first entry " + std::to_string(v[0]));
   ++p;
   NetLayout L;
   L.state_dim = next("state_dim");

@@ -11,7 +11,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers the ops with the dispatcher)
 from . import ops, step
 from .convert import from_torch, to_torch
-from .layout import DQNConfig, ParamLayout
+from .layout import DQNConfig, HeadGroup, ParamLayout
 from .network import DuelingBranchQNet
 from .ops import (LossOutput, batched_spectral_norm, bf16_dueling_forward, bootstrap_masks, dqn_loss, ema_update,
                   fused_adam_bf16, iqn_fractions, mixed_backward)
@@ -42,8 +42,8 @@ def cuda_kernels_built() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("dqn_ops::bf16_dueling_forward", "CUDA")
 
 
-__all__ = ["DQNConfig", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward", "ops", "step",
-           "cuda_kernels_built", "build_info",
+__all__ = ["DQNConfig", "HeadGroup", "ParamLayout", "DuelingBranchQNet", "bf16_dueling_forward", "mixed_backward",
+           "ops", "step", "cuda_kernels_built", "build_info",
            "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_",
            "SpectralNorm", "batched_spectral_norm", "spectral_norm_", "dqn_loss", "LossOutput", "bootstrap_masks",
            "iqn_fractions", "Trainer", "TrainerConfig", "NonFiniteError", "greedy_actions"]

@@ -18,15 +18,22 @@ heads, the value heads of members 0..E-1 first, then member 0's branch heads, me
 member e's dueling uses its own value head, and q holds member e's branches at rows e*A + off_d
 (A = sum n_d). E = 1 is the network above, offsets and names included.
 
-An IQN network (``iqn_embedding`` = n > 0; Dabney et al. 2018; docs/iqn-design.md, not yet run by
-the ops) adds one layer ``phi`` (weight [T, n], bias [T], T = T_L) after the trunk and runs the
-heads on B * N rows, one per (sample, fraction tau):
+An IQN network (``iqn_embedding`` = n > 0; Dabney et al. 2018; docs/iqn-design.md) adds one layer
+``phi`` (weight [T, n], bias [T], T = T_L) after the trunk and runs the heads on B * N rows, one
+per (sample, fraction tau):
 
     c[b, i, k] = cos(pi k tau[b, i]), k = 0..n-1;   phi = relu(c W_phi^T + b_phi)   [B, N, T]
     z[b, i] = h_L[b] * phi[b, i] (elementwise)                                        [B * N, T]
 
 and the head formulas above with z in place of h_L, one atom: q [B, E * A, N] holds action a's
 value at fraction tau[b, i] in slot i.
+
+Head groups (``DQNConfig(aux=(HeadGroup(...), ...))``; docs/combination-design.md, not yet run by
+the ops): G >= 1 head sets on the one trunk, group 0 the config's own, each aux group g = 1..G-1 a
+full head set of its own kind (C51 / QR atoms, one-atom Q, or IQN with its own phi), members,
+dueling and head depth, on the same branches. Each group reads h_L and gives its own q and head
+logits, exactly as the one-group network of the trunk and that head set would
+(``DQNConfig.group_config(g)``); the training loss is sum_g w_g L_g.
 
 All parameters live in one flat buffer (F32 master, same offsets in the BF16 mirror, the
 gradient and the Adam moments). Each segment starts at a multiple of ``ALIGN`` elements, so
@@ -37,8 +44,9 @@ runs them as one GEMM / one pass.
 
 The per-layer names (``s1.weight``, ``v1.bias``, ``a1.0.weight``, ``a2.2.bias`` ...; ``q<j>.<d>``
 for a branch head without dueling; member m's head layers prefixed ``e<m>.`` when E > 1:
-``e0.v1.weight``, ``e2.a1.1.bias``) are those of a plain ``nn.Linear`` network
-(``dqn_ops.rl.baseline.TorchQNet``), so state dicts move between the two.
+``e0.v1.weight``, ``e2.a1.1.bias``; aux group g's layers prefixed ``g<g>.``: ``g1.phi.weight``,
+``g2.e3.a2.1.bias``) are those of a plain ``nn.Linear`` network (``dqn_ops.rl.baseline.TorchQNet``),
+so state dicts move between the two.
 """
 from __future__ import annotations
 
@@ -125,6 +133,82 @@ def check_choice(config: str, field: str, value, choices: Sequence, allow_none: 
     return value
 
 
+# A head group's kind: the outputs its heads give and the loss types (dqn_loss's loss_type) that
+# read them. 'q' is one atom per action (BDQ's MSE or Huber loss); 'iqn' one value per action at
+# each quantile fraction the forward is given (its own phi layer).
+HEAD_GROUP_KINDS = {"c51": ("c51",), "qr": ("qr",), "q": ("mse", "huber"), "iqn": ("iqn",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadGroup:
+    """An extra head set on a network's trunk (``DQNConfig.aux``; docs/combination-design.md).
+
+    Every head group reads the trunk's last layer h_L and is a full head set as ``DQNConfig``
+    describes one (its members' value heads with dueling, one head per branch of the config's
+    ``branches``, each with the hidden layers ``value_hidden`` / ``adv_hidden``); its outputs and
+    its loss are its own, and the trunk's gradient is the sum of the groups' weighted ones.
+
+    Args:
+        kind: 'c51' (C51 atoms), 'qr' (QR-DQN quantiles), 'q' (one value per action: the MSE or
+            Huber loss) or 'iqn' (an IQN head set: its own layer ``phi`` on the fractions it is
+            given; Dabney et al. 2018).
+        members: E >= 1 members (an ensemble of head sets within the group, as ``DQNConfig.ensemble``).
+        atoms: the outputs per action: >= 2 for 'c51', >= 1 for 'qr', 1 for 'q' and 'iqn'.
+            None: 51 for 'c51' and 'qr' (DQNConfig's default), 1 for 'q' and 'iqn'.
+        dueling, value_hidden, adv_hidden: as ``DQNConfig``'s (value_hidden None: adv_hidden's
+            widths with dueling, none without).
+        iqn_embedding: the cosines phi embeds, >= 1 with kind 'iqn' (the paper's: 64), 0 with
+            any other kind.
+        loss_weight: w_g >= 0 (finite) of the group's loss in sum_g w_g L_g (group 0's weight
+            is 1). 0 leaves the trunk to the other groups and the group's own heads without a
+            gradient.
+
+    After construction ``atoms`` and ``value_hidden`` hold the resolved values and
+    ``loss_weight`` a float, so groups compare equal however they were written.
+    """
+
+    kind: str
+    members: int = 1
+    atoms: Optional[int] = None
+    dueling: bool = True
+    value_hidden: Optional[Tuple[int, ...]] = None
+    adv_hidden: Tuple[int, ...] = (128,)
+    iqn_embedding: int = 0
+    loss_weight: float = 1.0
+
+    def __post_init__(self):
+        name = "HeadGroup"
+        kind = check_choice(name, "kind", self.kind, tuple(HEAD_GROUP_KINDS))
+        members = check_int(name, "members", self.members, minimum=1)
+        one_atom = kind in ("q", "iqn")
+        atoms = (1 if one_atom else 51) if self.atoms is None else check_int(name, "atoms", self.atoms, minimum=1)
+        if one_atom and atoms != 1:
+            raise ValueError(f"{name}: atoms must be 1 (or None) with kind {kind!r} (one value per action"
+                             f"{' at each quantile fraction' if kind == 'iqn' else ''}), got {atoms}")
+        if kind == "c51" and atoms < 2:
+            raise ValueError(f"{name}: atoms must be >= 2 with kind 'c51' (the support's two ends at least), "
+                             f"got {atoms}")
+        iqn = check_int(name, "iqn_embedding", self.iqn_embedding, minimum=0)
+        if kind == "iqn" and iqn < 1:
+            raise ValueError(f"{name}: iqn_embedding must be >= 1 with kind 'iqn' (the cosines its phi layer embeds; "
+                             f"the paper's: 64), got {iqn}")
+        if kind != "iqn" and iqn != 0:
+            raise ValueError(f"{name}: iqn_embedding must be 0 with kind {kind!r} (only an 'iqn' group has a phi "
+                             f"layer), got {iqn}")
+        dueling = check_bool(name, "dueling", self.dueling)
+        value, adv = _head_stack(name, dueling, self.value_hidden, self.adv_hidden)
+        weight = check_float(name, "loss_weight", self.loss_weight, low=0.0)
+        for field, value_ in (("kind", kind), ("members", members), ("atoms", atoms), ("iqn_embedding", iqn),
+                              ("dueling", dueling), ("value_hidden", value), ("adv_hidden", adv),
+                              ("loss_weight", weight)):
+            object.__setattr__(self, field, value_)
+
+    @property
+    def loss_types(self) -> Tuple[str, ...]:
+        """The loss types (dqn_loss's loss_type) that fit this group's outputs."""
+        return HEAD_GROUP_KINDS[self.kind]
+
+
 @dataclasses.dataclass(frozen=True)
 class DQNConfig:
     """Sizes of a branching, distributional Q-network, dueling or not.
@@ -150,8 +234,17 @@ class DQNConfig:
             ``phi`` [T_L, n] embeds the cosines cos(pi k tau), k = 0..n-1, of each quantile
             fraction tau, and the heads run on h_L * phi(tau) (the module docstring). Each
             (sample, fraction) gives one value per action, so atoms must be 1. The paper's n: 64.
-            0: no IQN. The ops do not run IQN networks yet (``ParamLayout.encode`` refuses them);
-            ``dqn_ops.rl.baseline.TorchQNet`` / ``torch_dqn_loss`` do.
+            0: no IQN.
+        aux: extra head groups on the same trunk (``HeadGroup``s; docs/combination-design.md):
+            group 0 is this config's own head set (the fields above; acting, the TD error and
+            mean Q are its), groups 1..G-1 the entries of ``aux``, each reading h_L with heads,
+            outputs and a loss of its own. The ops do not run them yet (``ParamLayout.encode``
+            refuses them); ``dqn_ops.rl.baseline.TorchQNet`` / ``torch_groups_loss`` do.
+            (): the one-group network, unchanged.
+
+    The sizes below (``num_heads``, ``q_rows``, ``head_out``, ``hidden_widths`` ...) are group 0's,
+    what the ops' one-group layout describes; ``group_config(g)`` is group g's network alone, and
+    ``num_parameters`` counts every group's.
 
     After construction ``value_hidden`` holds the resolved widths (a tuple), so configs compare
     equal however they were written. ``dataclasses.replace`` keeps them: pass
@@ -167,6 +260,7 @@ class DQNConfig:
     dueling: bool = True
     ensemble: int = 1
     iqn_embedding: int = 0
+    aux: Tuple[HeadGroup, ...] = ()
 
     def __post_init__(self):
         name = "DQNConfig"
@@ -181,21 +275,18 @@ class DQNConfig:
         dueling = check_bool(name, "dueling", self.dueling)
         trunk = check_int_tuple(name, "trunk_hidden", self.trunk_hidden, minimum=1,
                                 expected="one or more widths >= 1 (a tuple of ints)")
-        adv = _head_widths(name, "adv_hidden", self.adv_hidden)
-        if self.value_hidden is None:
-            value = adv if dueling else ()
-        else:
-            value = _head_widths(name, "value_hidden", self.value_hidden)
-            if not dueling and value:
-                raise ValueError(f"{name}: value_hidden must be None or () with dueling=False (no value head), "
-                                 f"got {value}")
-            if dueling and len(value) != len(adv):
-                raise ValueError(f"{name}: value_hidden and adv_hidden must have the same number of layers "
-                                 f"(the kernels run the heads' layers side by side), got {value} and {adv}")
+        value, adv = _head_stack(name, dueling, self.value_hidden, self.adv_hidden)
         branches = check_int_tuple(name, "branches", self.branches, minimum=1,
                                    expected="a non-empty tuple of action counts >= 1 (ints)")
+        expected = "a tuple of dqn_ops.HeadGroup (possibly empty)"
+        if isinstance(self.aux, (str, bytes, HeadGroup)) or not hasattr(self.aux, "__iter__"):
+            raise TypeError(f"{name}: aux must be {expected}, got {_got(self.aux)}")
+        aux = tuple(self.aux)
+        for k, group in enumerate(aux):
+            if not isinstance(group, HeadGroup):
+                raise TypeError(f"{name}: aux must be {expected}, got an entry {k} {_got(group)}")
         for field, value_ in (("trunk_hidden", trunk), ("value_hidden", value), ("adv_hidden", adv),
-                              ("branches", branches), ("dueling", dueling)):
+                              ("branches", branches), ("dueling", dueling), ("aux", aux)):
             object.__setattr__(self, field, value_)
 
     @property
@@ -220,6 +311,30 @@ class DQNConfig:
     def iqn(self) -> bool:
         """Whether this is an IQN network (iqn_embedding > 0: the phi layer after the trunk)."""
         return self.iqn_embedding > 0
+
+    @property
+    def num_groups(self) -> int:
+        """Head groups (G): group 0 (this config's own head set) and the ``aux`` groups."""
+        return 1 + len(self.aux)
+
+    @property
+    def loss_weights(self) -> Tuple[float, ...]:
+        """Each group's weight w_g in the loss sum_g w_g L_g: 1 for group 0, then the aux groups'."""
+        return (1.0,) + tuple(group.loss_weight for group in self.aux)
+
+    def group_config(self, g: int) -> "DQNConfig":
+        """Group g's network alone: the trunk with that group's head set and nothing else (g = 0:
+        this config without ``aux``). Group g of the network computes exactly what this one-group
+        network computes on the same trunk and head weights."""
+        check_int("DQNConfig.group_config", "g", g, minimum=0)
+        if g >= self.num_groups:
+            raise ValueError(f"DQNConfig.group_config: g must be < {self.num_groups} (the head groups), got {g}")
+        if g == 0:
+            return dataclasses.replace(self, aux=())
+        group = self.aux[g - 1]
+        return DQNConfig(state_dim=self.state_dim, trunk_hidden=self.trunk_hidden, value_hidden=group.value_hidden,
+                         adv_hidden=group.adv_hidden, atoms=group.atoms, branches=self.branches,
+                         dueling=group.dueling, ensemble=group.members, iqn_embedding=group.iqn_embedding)
 
     @property
     def num_heads(self) -> int:
@@ -263,7 +378,24 @@ class DQNConfig:
 
     @property
     def num_parameters(self) -> int:
+        """Every parameter of the network, every head group's included."""
         return sum(shape_numel(s) for _, s, _ in ParamLayout(self).tensors)
+
+
+def _head_stack(config: str, dueling: bool, value_hidden, adv_hidden) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """A head set's (value_hidden, adv_hidden), checked: value_hidden None is adv_hidden's widths
+    with dueling and () without; with dueling both have the same depth."""
+    adv = _head_widths(config, "adv_hidden", adv_hidden)
+    if value_hidden is None:
+        return (adv if dueling else ()), adv
+    value = _head_widths(config, "value_hidden", value_hidden)
+    if not dueling and value:
+        raise ValueError(f"{config}: value_hidden must be None or () with dueling=False (no value head), "
+                         f"got {value}")
+    if dueling and len(value) != len(adv):
+        raise ValueError(f"{config}: value_hidden and adv_hidden must have the same number of layers "
+                         f"(the kernels run the heads' layers side by side), got {value} and {adv}")
+    return value, adv
 
 
 def _head_widths(config: str, field: str, value) -> Tuple[int, ...]:
@@ -290,6 +422,9 @@ def shape_numel(shape) -> int:
 # The first entry of ParamLayout.encode(): a layout of another format (a stale one, or one
 # written by hand) fails csrc/layout.h's check with a clear error instead of being misread.
 LAYOUT_FORMAT = 4
+# The first entry of ParamLayout.encode(group=g) for a network with head groups: the same entries
+# as LAYOUT_FORMAT's for the trunk and group g's heads, at their offsets in the whole buffer.
+GROUP_VIEW_FORMAT = 5
 
 
 class ParamLayout:
@@ -305,6 +440,13 @@ class ParamLayout:
     [T_L, n] right after the trunk's weights and b_phi right after the trunk's biases (view
     ``phi``, after ``s<L>`` in every list of layers).
 
+    Head groups (``DQNConfig.aux``): everything above is group 0's, at the offsets the config
+    without ``aux`` has; then each aux group g = 1..G-1 in turn: its W_phi (IQN), head-layer and
+    output weights, then its b_phi, b_h<j> and b_out, each segment as the one-group network
+    ``config.group_config(g)`` has it, named with the prefix ``g<g>.`` (``g1.W_h1``,
+    ``g2.W_out3``), as are its views (``g1.phi.weight``, ``g2.e3.a2.1.bias``; listed after group
+    0's in ``tensors``, ``layers()`` and ``weight_matrices()``).
+
     ``encode()`` gives the ``int[] layout`` argument of the ops:
 
         [LAYOUT_FORMAT, state_dim, atoms, dueling, E, n (iqn_embedding, 0: none), D, n_1..n_D,
@@ -313,29 +455,28 @@ class ParamLayout:
          per head layer j = 2..H: W_h<j>.<k> for each head k, b_h<j>;
          W_out<k> for each head k, b_out;  numel]
 
+    A network with head groups has one such list per group, ``encode(group=g)``: the same entries
+    for the trunk and group g's heads (the network ``config.group_config(g)``) under the first entry
+    ``GROUP_VIEW_FORMAT``, with their offsets in the whole buffer and its length.
+
     The C++ side validates it (csrc/layout.h) rather than recomputing it, so this class is the
     one source of truth.
     """
 
     def __init__(self, config: DQNConfig):
         self.config = c = config
-        heads, H = c.num_heads, c.head_depth
+        # Each group's one-group network (group_configs[0]: the config without aux): a group's
+        # segments and views are that network's head part.
+        self.group_configs: List[DQNConfig] = [c.group_config(g) for g in range(c.num_groups)]
         trunk_in = (c.state_dim,) + c.trunk_hidden
-        head_in = c.trunk_hidden[-1]
+        weights, biases = _head_segments(self.group_configs[0], "")
         segments = [(f"W_s{i + 1}", (c.trunk_hidden[i], trunk_in[i])) for i in range(len(c.trunk_hidden))]
-        if c.iqn:  # phi's output z = h_L * phi has h_L's width: the heads read it as they read h_L
-            segments.append(("W_phi", (head_in, c.iqn_embedding)))
-        if H >= 1:
-            segments.append(("W_h1", (sum(c.head_widths(0)), head_in)))
-        for j in range(1, H):
-            segments += [(f"W_h{j + 1}.{k}", (c.head_widths(j)[k], c.head_widths(j - 1)[k])) for k in range(heads)]
-        last = c.head_widths(H - 1) if H >= 1 else (head_in,) * heads
-        segments += [(f"W_out{k}", (w, last[k])) for k, w in enumerate(c.head_out_widths())]
+        segments += weights
         segments += [(f"b_s{i + 1}", (w,)) for i, w in enumerate(c.trunk_hidden)]
-        if c.iqn:
-            segments.append(("b_phi", (head_in,)))
-        segments += [(f"b_h{j + 1}", (sum(c.head_widths(j)),)) for j in range(H)]
-        segments.append(("b_out", (c.head_out,)))
+        segments += biases
+        for g in range(1, c.num_groups):  # after all of group 0: its offsets are the one-group network's
+            weights, biases = _head_segments(self.group_configs[g], group_prefix(g))
+            segments += weights + biases
         self.segments: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
         off = 0
         for name, shape in segments:
@@ -344,27 +485,32 @@ class ParamLayout:
             # view): the CUDA kernels run its GEMMs on the padded sizes, which keeps cuBLAS on
             # aligned tensor-core kernels (51 or 153 rows sent it to align-1 kernels, 2-10x
             # slower; bench/NOTES.md). csrc/layout.h checks the reservation.
-            rows = _align(shape[0]) if name.startswith("W_out") else shape[0]
+            bare = name.split(".", 1)[1] if name.startswith("g") else name  # without an aux group's 'g<g>.'
+            rows = _align(shape[0]) if bare.startswith("W_out") else shape[0]
             off = _align(off + rows * shape_numel(shape[1:]))
         self.numel = off
         self.tensors = self._views()
 
-    def head_names(self) -> List[str]:
-        """Each head's name prefix, in head order: 'v', then 'a.<d>' (dueling) or 'q.<d>'; with
-        E > 1 each prefixed by its member: 'e0.v', 'e1.v', ..., 'e0.a.0', 'e0.a.1', 'e1.a.0', ..."""
-        c = self.config
+    def head_names(self, group: int = 0) -> List[str]:
+        """Each head's name prefix in a group, in head order: 'v', then 'a.<d>' (dueling) or
+        'q.<d>'; with E > 1 each prefixed by its member: 'e0.v', 'e1.v', ..., 'e0.a.0', 'e0.a.1',
+        'e1.a.0', ...; an aux group's prefixed 'g<group>.': 'g1.v', 'g2.e0.q.1'."""
+        c, prefix = self.group_configs[group], group_prefix(group)
         stream = "a" if c.dueling else "q"
         member = (lambda m: f"e{m}.") if c.members > 1 else (lambda m: "")
         values = [f"{member(m)}v" for m in range(c.members)] if c.dueling else []
-        return values + [f"{member(m)}{stream}.{d}" for m in range(c.members) for d in range(c.num_branches)]
+        return [prefix + head for head in
+                values + [f"{member(m)}{stream}.{d}" for m in range(c.members) for d in range(c.num_branches)]]
 
     @staticmethod
     def head_layer_name(head: str, layer: int) -> str:
         """The nn.Linear name of a head's layer (1-based; the output layer is H + 1): 'v2', 'a1.0',
-        'e1.a2.0'."""
-        member, stream = ("", head) if not head.startswith("e") else head.split(".", 1)
-        stream, _, index = stream.partition(".")
-        return (f"{member}." if member else "") + f"{stream}{layer}" + (f".{index}" if index else "")
+        'e1.a2.0', 'g1.e1.a2.0'."""
+        parts = head.split(".")
+        i = 0  # the group and member prefixes ('g1', 'e0') come before the stream
+        while parts[i][:1] in ("e", "g") and parts[i][1:].isdigit():
+            i += 1
+        return ".".join(parts[:i] + [f"{parts[i]}{layer}"] + parts[i + 1:])
 
     def _views(self) -> List[Tuple[str, Tuple[int, ...], int]]:
         """Per-layer views, named as in a plain nn.Linear network: (name, shape, offset)."""
@@ -373,25 +519,33 @@ class ParamLayout:
         for i in range(len(c.trunk_hidden)):
             (w, shape), (b, _) = seg[f"W_s{i + 1}"], seg[f"b_s{i + 1}"]
             t += [(f"s{i + 1}.weight", shape, w), (f"s{i + 1}.bias", shape[:1], b)]
+        for g in range(c.num_groups):
+            t += self._group_views(g)
+        return t
+
+    def _group_views(self, group: int) -> List[Tuple[str, Tuple[int, ...], int]]:
+        """A group's views: its phi (IQN), then head by head its layers."""
+        c, p, seg = self.group_configs[group], group_prefix(group), self.segments
+        t: List[Tuple[str, Tuple[int, ...], int]] = []
         if c.iqn:
-            (w, shape), (b, _) = seg["W_phi"], seg["b_phi"]
-            t += [("phi.weight", shape, w), ("phi.bias", shape[:1], b)]
-        names, H = self.head_names(), c.head_depth
+            (w, shape), (b, _) = seg[p + "W_phi"], seg[p + "b_phi"]
+            t += [(p + "phi.weight", shape, w), (p + "phi.bias", shape[:1], b)]
+        H = c.head_depth
         # Head k's layer j: its rows of the layer's weight (W_h1's rows after the heads before
         # it; a segment of its own deeper down) and its columns of the layer's bias.
-        for k, head in enumerate(names):
+        for k, head in enumerate(self.head_names(group)):
             for j in range(H):
                 widths = c.head_widths(j)
                 inputs = c.head_widths(j - 1) if j else (c.trunk_hidden[-1],) * c.num_heads
                 row = sum(widths[:k])
-                w = seg["W_h1"][0] + row * inputs[k] if j == 0 else seg[f"W_h{j + 1}.{k}"][0]
+                w = seg[p + "W_h1"][0] + row * inputs[k] if j == 0 else seg[f"{p}W_h{j + 1}.{k}"][0]
                 name = self.head_layer_name(head, j + 1)
                 t += [(f"{name}.weight", (widths[k], inputs[k]), w),
-                      (f"{name}.bias", (widths[k],), seg[f"b_h{j + 1}"][0] + row)]
-            w, shape = seg[f"W_out{k}"]
+                      (f"{name}.bias", (widths[k],), seg[f"{p}b_h{j + 1}"][0] + row)]
+            w, shape = seg[f"{p}W_out{k}"]
             name = self.head_layer_name(head, H + 1)
             col = sum(c.head_out_widths()[:k])
-            t += [(f"{name}.weight", shape, w), (f"{name}.bias", shape[:1], seg["b_out"][0] + col)]
+            t += [(f"{name}.weight", shape, w), (f"{name}.bias", shape[:1], seg[p + "b_out"][0] + col)]
         return t
 
     def layers(self) -> List[Tuple[str, Tuple[int, int]]]:
@@ -403,23 +557,65 @@ class ParamLayout:
         """The per-layer weight matrices (10 for the reference config): (name, shape, offset)."""
         return [(n, s, o) for n, s, o in self.tensors if n.endswith(".weight")]
 
-    def encode(self) -> List[int]:
-        c, seg = self.config, self.segments
-        H = c.head_depth
-        sizes = [LAYOUT_FORMAT, c.state_dim, c.atoms, int(c.dueling), c.members, c.iqn_embedding, c.num_branches,
-                 *c.branches,
-                 len(c.trunk_hidden), *c.trunk_hidden, H, *(c.value_hidden if c.dueling else ()), *c.adv_hidden]
+    def encode(self, group: Optional[int] = None) -> List[int]:
+        """The ops' ``int[] layout``. A network with head groups (``DQNConfig.aux``) has one per
+        group: ``encode(group=g)`` (format ``GROUP_VIEW_FORMAT``) describes the trunk and group g's
+        heads at their offsets in the whole buffer, the network ``config.group_config(g)`` is; the
+        ops run that group alone, and their gradient is zero on the other groups' parameters (the
+        training step adds the groups' weighted gradients: ``dqn_ops.step.GroupsStep``)."""
+        c = self.config
+        if group is None:
+            if c.aux:
+                raise ValueError(
+                    f"ParamLayout.encode: a network with head groups (DQNConfig.aux: {len(c.aux)} beside group 0) has "
+                    f"one layout per group: encode(group=g) for g in range({c.num_groups}) (each the trunk and that "
+                    f"group's heads)")
+            group = 0
+        group = check_int("ParamLayout.encode", "group", group, minimum=0)
+        if group >= c.num_groups:
+            raise ValueError(f"ParamLayout.encode: group must be < {c.num_groups} (the head groups), got {group}")
+        g, p, seg = self.group_configs[group], group_prefix(group), self.segments
+        H = g.head_depth
+        sizes = [GROUP_VIEW_FORMAT if c.aux else LAYOUT_FORMAT, g.state_dim, g.atoms, int(g.dueling), g.members,
+                 g.iqn_embedding, g.num_branches, *g.branches,
+                 len(g.trunk_hidden), *g.trunk_hidden, H, *(g.value_hidden if g.dueling else ()), *g.adv_hidden]
         offsets: List[int] = []
-        for i in range(len(c.trunk_hidden)):
+        for i in range(len(g.trunk_hidden)):
             offsets += [seg[f"W_s{i + 1}"][0], seg[f"b_s{i + 1}"][0]]
-        if c.iqn:
-            offsets += [seg["W_phi"][0], seg["b_phi"][0]]
+        if g.iqn:
+            offsets += [seg[p + "W_phi"][0], seg[p + "b_phi"][0]]
         if H >= 1:
-            offsets += [seg["W_h1"][0], seg["b_h1"][0]]
+            offsets += [seg[p + "W_h1"][0], seg[p + "b_h1"][0]]
         for j in range(1, H):
-            offsets += [seg[f"W_h{j + 1}.{k}"][0] for k in range(c.num_heads)] + [seg[f"b_h{j + 1}"][0]]
-        offsets += [seg[f"W_out{k}"][0] for k in range(c.num_heads)] + [seg["b_out"][0]]
+            offsets += [seg[f"{p}W_h{j + 1}.{k}"][0] for k in range(g.num_heads)] + [seg[f"{p}b_h{j + 1}"][0]]
+        offsets += [seg[f"{p}W_out{k}"][0] for k in range(g.num_heads)] + [seg[p + "b_out"][0]]
         return sizes + offsets + [self.numel]
+
+
+def group_prefix(g: int) -> str:
+    """The prefix of head group g's segment and layer names: '' for group 0, 'g<g>.' for an aux group."""
+    return f"g{g}." if g else ""
+
+
+def _head_segments(c: DQNConfig, prefix: str) -> Tuple[List[Tuple[str, Tuple[int, ...]]],
+                                                       List[Tuple[str, Tuple[int, ...]]]]:
+    """The head part of a one-group network's segments, (weights, biases) in buffer order, named
+    with `prefix`: W_phi (IQN), W_h1, W_h<j>.<k>, W_out<k>; b_phi, b_h<j>, b_out."""
+    heads, H = c.num_heads, c.head_depth
+    head_in = c.trunk_hidden[-1]
+    weights: List[Tuple[str, Tuple[int, ...]]] = []
+    if c.iqn:  # phi's output z = h_L * phi has h_L's width: the heads read it as they read h_L
+        weights.append(("W_phi", (head_in, c.iqn_embedding)))
+    if H >= 1:
+        weights.append(("W_h1", (sum(c.head_widths(0)), head_in)))
+    for j in range(1, H):
+        weights += [(f"W_h{j + 1}.{k}", (c.head_widths(j)[k], c.head_widths(j - 1)[k])) for k in range(heads)]
+    last = c.head_widths(H - 1) if H >= 1 else (head_in,) * heads
+    weights += [(f"W_out{k}", (w, last[k])) for k, w in enumerate(c.head_out_widths())]
+    biases = [("b_phi", (head_in,))] if c.iqn else []
+    biases += [(f"b_h{j + 1}", (sum(c.head_widths(j)),)) for j in range(H)]
+    biases.append(("b_out", (c.head_out,)))
+    return [(prefix + n, s) for n, s in weights], [(prefix + n, s) for n, s in biases]
 
 
 def decode_config(layout: Sequence[int]) -> DQNConfig:
@@ -432,7 +628,7 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
         raise ValueError(f"layout: expected the int[] from dqn_ops.ParamLayout.encode() (format {LAYOUT_FORMAT}), "
                          f"{why}")
 
-    if len(v) < 7 or v[0] != LAYOUT_FORMAT:
+    if len(v) < 7 or v[0] not in (LAYOUT_FORMAT, GROUP_VIEW_FORMAT):
         fail(f"got {v[:5]}{'...' if len(v) > 5 else ''}")
     p = 1
     state_dim, atoms, dueling, E, iqn, D = v[p:p + 6]
@@ -457,11 +653,41 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
                        branches=branches, dueling=bool(dueling), ensemble=E, iqn_embedding=iqn)
     # The offsets csrc/layout.h reads after the sizes: ParamLayout, the one place that computes
     # them, gives the only ones the ops are documented to take.
-    expected = ParamLayout(config).encode()
+    one_group = ParamLayout(config)
+    expected = one_group.encode()
     if len(v) != len(expected):
         fail(f"{len(expected)} entries for these sizes, got {len(v)}")
+    if v[0] == GROUP_VIEW_FORMAT:
+        # A head group of a larger buffer: its offsets are the whole network's, which this list
+        # does not describe; checked as csrc/layout.h checks them (aligned, inside, disjoint).
+        _check_group_view_offsets(one_group, v[p + H:-1], v[-1], fail)
+        return config
     if v != expected:
         i = next(i for i, (a, b) in enumerate(zip(v, expected)) if a != b)
         what = "the buffer length" if i == len(v) - 1 else "an offset" if i >= p + H else "a size"
         fail(f"entry {i} ({what}) {expected[i]} for these sizes, got {v[i]}")
     return config
+
+
+def _check_group_view_offsets(one_group: "ParamLayout", offsets: Sequence[int], numel: int, fail) -> None:
+    """A group view's offsets (in the order encode() writes them, which is the order of
+    ``one_group``'s offsets: the one-group network of the same sizes) against its buffer length:
+    each segment aligned, inside the buffer and disjoint from the others, an output head's weight
+    with its rows padded to a multiple of 8, as csrc/layout.h checks every layout."""
+    placed = one_group.encode()
+    order = sorted(one_group.segments.items(), key=lambda item: item[1][0])  # segments by their one-group offset
+    by_offset = {off: (name, shape) for name, (off, shape) in order}
+    extents = []
+    for got, at in zip(offsets, placed[len(placed) - 1 - len(offsets):-1]):
+        name, shape = by_offset[at]
+        rows = _align(shape[0]) if name.startswith("W_out") else shape[0]
+        length = rows * shape_numel(shape[1:])
+        if got < 0 or got % ALIGN != 0:
+            fail(f"segment {name}'s offset {got} is not a non-negative multiple of {ALIGN}")
+        if got + length > numel:
+            fail(f"segment {name} [{got}, {got + length}) lies outside the buffer of {numel} elements")
+        extents.append((got, got + length, name))
+    extents.sort()
+    for (a0, a1, a), (b0, _, b) in zip(extents, extents[1:]):
+        if a1 > b0:
+            fail(f"segments {a} at {a0} and {b} at {b0} overlap")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -55,7 +55,11 @@ class DuelingBranchQNet(nn.Module):
         super().__init__()
         self.config = config if config is not None else DQNConfig()
         self.layout = ParamLayout(self.config)
-        self._layout_ints = self.layout.encode()
+        # One ops layout per head group (DQNConfig.aux: each the trunk and that group's heads in the
+        # one buffer); group 0's is the network's own without aux groups, and acting's.
+        self._group_layouts = ([self.layout.encode(group=g) for g in range(self.config.num_groups)]
+                               if self.config.aux else [self.layout.encode()])
+        self._layout_ints = self._group_layouts[0]
         if backward_precision not in ops.BACKWARD_PRECISIONS:
             raise ValueError(f"DuelingBranchQNet: backward_precision must be one of {ops.BACKWARD_PRECISIONS}, "
                              f"got {backward_precision!r}")
@@ -132,16 +136,36 @@ class DuelingBranchQNet(nn.Module):
         return self
 
     # -- forward ------------------------------------------------------------------------
-    def forward_full(self, states: Tensor, fractions: Optional[Tensor] = None) -> ops.ForwardOutput:
+    def forward_full(self, states: Tensor, fractions: Optional[Tensor] = None, group: int = 0) -> ops.ForwardOutput:
         """``ops.bf16_dueling_forward`` on this network; an IQN network takes its quantile
-        fractions [B, N] (q_logits then [B, E * sum n_d, N])."""
+        fractions [B, N] (q_logits then [B, E * sum n_d, N]). With head groups
+        (``DQNConfig.aux``): head group ``group`` on the trunk, the network
+        ``config.group_config(group)`` is (its gradient reaches the trunk and that group's heads)."""
+        layout = self._group_layout(group)
         if self.sync_mirror:
             self._sync_mirror()
-        return ops.bf16_dueling_forward(states, self.flat_params, self.params_bf16, self._layout_ints,
-                                        self.backward_precision, fractions)
+        return ops.bf16_dueling_forward(states, self.flat_params, self.params_bf16, layout, self.backward_precision,
+                                        fractions)
 
-    def forward(self, states: Tensor, fractions: Optional[Tensor] = None) -> Tensor:
-        return self.forward_full(states, fractions).q_logits
+    def forward(self, states: Tensor, fractions: Optional[Tensor] = None, group: int = 0) -> Tensor:
+        return self.forward_full(states, fractions, group).q_logits
+
+    def forward_groups(self, states: Tensor, fractions: Optional[Sequence[Optional[Tensor]]] = None):
+        """Every head group's ``forward_full``, group 0's first: ``fractions`` one entry per group
+        ([B, N_g] for an IQN group, None for any other; None: no group is IQN's). Each group is
+        one op call and runs the trunk itself; autograd adds the groups' trunk gradients."""
+        G = self.config.num_groups
+        fractions = [None] * G if fractions is None else list(fractions)
+        if len(fractions) != G:
+            raise ValueError(f"DuelingBranchQNet.forward_groups: fractions must have one entry per head group ({G}), "
+                             f"got {len(fractions)}")
+        return [self.forward_full(states, f, g) for g, f in enumerate(fractions)]
+
+    def _group_layout(self, group: int):
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self._group_layouts):
+            raise ValueError(f"DuelingBranchQNet: group must be an int in [0, {len(self._group_layouts)}) (the head "
+                             f"groups), got {group!r}")
+        return self._group_layouts[group]
 
     @torch.no_grad()
     def act(self, states: Tensor, epsilon: Tensor, rng: Tensor, v_min: float = -10.0,

@@ -109,17 +109,24 @@ class _Step:
         return StepOutput(out.loss, grad, out.td_error, out.mean_q, self.saved(fwd), fwd, out)
 
     def _check_fractions(self, fractions):
-        iqn = self.online.config.iqn
-        if iqn != (fractions is not None):
+        c = self._network_config()
+        if (fractions is None) if c.iqn else (fractions is not None):
             raise ValueError(f"{type(self).__name__}: an IQN network's step takes fractions (tau, tau'), any "
-                             f"other's none; this network has iqn_embedding={self.online.config.iqn_embedding}")
+                             f"other's none; this network has iqn_embedding={c.iqn_embedding}")
+
+    def _network_config(self) -> DQNConfig:
+        """The one-group network the stages run (the online network's)."""
+        return self.online.config
+
+    def _layout(self) -> Sequence[int]:
+        return self.online._layout_ints
 
     def _params(self) -> _Params:
         # detached: the stages form the gradient themselves, so they run alike in any grad mode
         # (the internal ops have no autograd formula)
         net, tgt = self.online, self.target
         return _Params(net.flat_params.detach(), net.params_bf16, tgt.flat_params.detach(), tgt.params_bf16,
-                       net._layout_ints)
+                       self._layout())
 
     def saved(self, fwd) -> Tuple[Tensor, ...]:
         """The activations of s (the first half of each tensor's rows: of the samples, or of the
@@ -151,6 +158,8 @@ class InternalOpsStep(_Step):
         super().__init__(online, target, **kwargs)
         if online.config.iqn:
             raise ValueError("InternalOpsStep: IQN networks run the public ops' step (PublicOpsStep)")
+        if online.config.aux:
+            raise ValueError("InternalOpsStep: networks with head groups run GroupsStep")
         self.batch_networks = bool(batch_networks)
 
     def forward(self, state_pairs: Tensor, fractions=None) -> ops.Logits:
@@ -182,7 +191,23 @@ class PublicForward(NamedTuple):
 class PublicOpsStep(_Step):
     """The same step on the public ops: ``bf16_dueling_forward`` (online on [s; s'], target on
     s') -> ``dqn_loss`` -> ``mixed_backward``. Stage outputs: ``PublicForward``,
-    ``ops.LossOutput``, the flat gradient."""
+    ``ops.LossOutput``, the flat gradient. ``group``: with head groups (``DQNConfig.aux``), the
+    step of group g's one-group network (``config.group_config(g)``, its layout view): its
+    gradient is zero on the other groups' parameters (``GroupsStep`` adds the groups')."""
+
+    def __init__(self, online, target, *, group: int = 0, **kwargs):
+        super().__init__(online, target, **kwargs)
+        groups = online.config.num_groups
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
+            raise ValueError(f"PublicOpsStep: group must be an int in [0, {groups}) (the network's head groups), "
+                             f"got {group!r}")
+        self.group = group
+
+    def _network_config(self) -> DQNConfig:
+        return self.online.config.group_config(self.group)
+
+    def _layout(self) -> Sequence[int]:
+        return self.online._group_layouts[self.group]
 
     def forward(self, state_pairs: Tensor, fractions=None) -> PublicForward:
         p, B = self._params(), state_pairs.shape[0] // 2
@@ -212,3 +237,50 @@ class PublicOpsStep(_Step):
         p = self._params()
         return ops.mixed_backward(loss_out.grad_q, None, self.saved(fwd), p.online, p.online_bf16, p.layout,
                                   self.precision)[0]
+
+
+class GroupsStep:
+    """The step of a network with head groups (``DQNConfig.aux``; docs/combination-design.md):
+    per group g, the public ops' step of its one-group network (``PublicOpsStep(group=g)``) with
+    its own loss type, then the loss sum_g w_g L_g and the gradient sum_g w_g grad_g, added on
+    the device (w_g: ``config.loss_weights``). Each group's forward runs the trunk itself; the
+    trunk's gradient is the sum of the groups' (each group's is zero on the other groups' heads).
+    The TD error and mean Q are group 0's (the replay priorities and acting are its).
+
+    ``loss_types``: one per group, group 0's any the network's outputs take and an aux group's
+    among its kind's (``HeadGroup.loss_types``). Calling it takes the batch as the other steps
+    do, with per-group ``masks`` (an ensemble group's [B, E_g] or None; None: none anywhere) and
+    ``fractions`` (an IQN group's (tau [B, N], tau' [B, N']) or None; None: no IQN group)."""
+
+    def __init__(self, online, target, *, loss_types: Sequence[str], **kwargs):
+        c = online.config
+        loss_types = tuple(loss_types)
+        if len(loss_types) != c.num_groups:
+            raise ValueError(f"GroupsStep: loss_types must have one entry per head group ({c.num_groups}), got "
+                             f"{len(loss_types)}")
+        for g, group in enumerate(c.aux, 1):
+            if loss_types[g] not in group.loss_types:
+                raise ValueError(f"GroupsStep: loss_types[{g}] must be " + " or ".join(map(repr, group.loss_types))
+                                 + f" (group {g} is a {group.kind!r} group), got {loss_types[g]!r}")
+        self.online, self.target, self.loss_types = online, target, loss_types
+        self.weights = c.loss_weights
+        self.groups = [PublicOpsStep(online, target, group=g, loss_type=t, **kwargs) for g, t in enumerate(loss_types)]
+
+    def __call__(self, state_pairs: Tensor, actions: Tensor, rewards: Tensor, dones: Tensor,
+                 weights: Optional[Tensor] = None, masks: Optional[Sequence[Optional[Tensor]]] = None,
+                 fractions: Optional[Sequence[Optional[Tuple[Tensor, Tensor]]]] = None) -> StepOutput:
+        G = len(self.groups)
+        masks = [None] * G if masks is None else list(masks)
+        fractions = [None] * G if fractions is None else list(fractions)
+        for what, given in (("masks", masks), ("fractions", fractions)):
+            if len(given) != G:
+                raise ValueError(f"GroupsStep: {what} must have one entry per head group ({G}), got {len(given)}")
+        outs = [step(state_pairs, actions, rewards, dones, weights, m, f)
+                for step, m, f in zip(self.groups, masks, fractions)]
+        loss, grad = outs[0].loss, outs[0].grad
+        for w, out in zip(self.weights[1:], outs[1:]):
+            loss = loss + w * out.loss
+            grad = grad.add(out.grad, alpha=w)
+        first = outs[0]
+        return StepOutput(loss, grad, first.td_error, first.mean_q, first.saved, tuple(o.forward_out for o in outs),
+                          tuple(o.loss_out for o in outs))

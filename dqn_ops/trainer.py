@@ -36,7 +36,8 @@ from .network import DuelingBranchQNet
 from .optim import FusedAdamBF16
 from .readback import DeferredReadback
 from .spectral import SpectralNorm
-from .step import InternalOpsStep, PublicOpsStep, default_batch_networks, fused_loss_supported, quantile_midpoints
+from .step import (GroupsStep, InternalOpsStep, PublicOpsStep, default_batch_networks, fused_loss_supported,
+                   quantile_midpoints)
 
 BATCH_KEYS = ("states", "actions", "rewards", "next_states", "dones")
 OPTIONAL_BATCH_KEYS = ("weights", "indices")  # indices: the replay rows, read for bootstrap masks
@@ -230,12 +231,17 @@ class Trainer:
             self.inputs["indices"] = torch.zeros(B, dtype=torch.long, device=dev)
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
-        step_kw = dict(loss_type=self.loss_type, v_min=cfg.v_min, v_max=cfg.v_max, gamma=cfg.gamma,
-                       precision=cfg.backward_precision)
-        # IQN's forward takes fractions, which the internal ops do not: its step is the public ops'.
-        self.gradient_step = (PublicOpsStep(self.online, self.target, **step_kw) if c.iqn else
-                              InternalOpsStep(self.online, self.target, batch_networks=default_batch_networks(B),
-                                              **step_kw))
+        step_kw = dict(v_min=cfg.v_min, v_max=cfg.v_max, gamma=cfg.gamma, precision=cfg.backward_precision)
+        # IQN's forward takes fractions, which the internal ops do not: its step
+        # is the public ops', as is every group's of a network with head groups.
+        self.group_loss_types = group_loss_types(c, self.loss_type)
+        if c.aux:
+            self.gradient_step = GroupsStep(self.online, self.target, loss_types=self.group_loss_types, **step_kw)
+        elif c.iqn:
+            self.gradient_step = PublicOpsStep(self.online, self.target, loss_type=self.loss_type, **step_kw)
+        else:
+            self.gradient_step = InternalOpsStep(self.online, self.target, loss_type=self.loss_type,
+                                                 batch_networks=default_batch_networks(B), **step_kw)
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev, bad_field="skipped")
         if self.spectral is not None:
             self.stats.watch("sigma", self.spectral.sigma)
@@ -269,7 +275,8 @@ class Trainer:
     def uses_fused_path(self) -> bool:
         """Whether the step's loss runs the fused loss kernel (else the composition of
         the public kernels that the internal loss op runs elsewhere: the same results)."""
-        return fused_loss_supported(self.net_config, self.loss_type, self.device, self.config.uses_masks)
+        return (not self.net_config.aux and
+                fused_loss_supported(self.net_config, self.loss_type, self.device, self.config.uses_masks))
 
     @property
     def batch_networks(self) -> bool:
@@ -279,8 +286,10 @@ class Trainer:
 
     @batch_networks.setter
     def batch_networks(self, value: bool):
-        if self.net_config.iqn:
-            raise ValueError("Trainer.batch_networks: an IQN network's step runs the two networks apart")
+        if self.net_config.iqn or self.net_config.aux:
+            raise ValueError("Trainer.batch_networks: " + (
+                "a network of head groups runs each group's public-ops step, the two networks apart"
+                if self.net_config.aux else "an IQN network's step runs the two networks apart"))
         self.gradient_step.batch_networks = bool(value)
 
     def set_lr(self, lr: float):
@@ -326,13 +335,19 @@ class Trainer:
 
     @torch.no_grad()
     def _step_body(self):
-        cfg, p, x = self.config, self.online.flat_params, self.inputs
-        fractions = None
-        if self.net_config.iqn:
-            N = cfg.iqn_fractions
-            fractions = ops.iqn_fractions(self.fraction_rng, cfg.batch_size, N, N, self._fraction_row_offset)
-        out = self.gradient_step(self._state_pairs, x["actions"], x["rewards"], x["dones"], x["weights"],
-                                 self.bootstrap_masks(x["indices"]) if cfg.uses_masks else None, fractions)
+        cfg, p, x, c = self.config, self.online.flat_params, self.inputs, self.net_config
+        draw = lambda: ops.iqn_fractions(self.fraction_rng, cfg.batch_size, cfg.iqn_fractions,  # noqa: E731
+                                         cfg.iqn_fractions, self._fraction_row_offset)
+        if c.aux:  # per group: an IQN group's own draws (each call advances the stream), an ensemble's masks
+            groups = [c.group_config(g) for g in range(c.num_groups)]
+            fractions = [draw() if gc.iqn else None for gc in groups]
+            masks = ([self.bootstrap_masks(x["indices"], g) if gc.members > 1 else None for g, gc in enumerate(groups)]
+                     if cfg.uses_masks else None)
+        else:
+            fractions = draw() if c.iqn else None
+            masks = self.bootstrap_masks(x["indices"]) if cfg.uses_masks else None
+        out = self.gradient_step(self._state_pairs, x["actions"], x["rewards"], x["dones"], x["weights"], masks,
+                                 fractions)
         grad = out.grad
         if self.world_size > 1:  # data-parallel: the mean gradient over every rank's batch
             torch.distributed.all_reduce(grad, group=self.process_group)
@@ -346,11 +361,13 @@ class Trainer:
         found_inf = self.optimizer.found_inf
         self.stats.record([out.loss, self.optimizer.grad_norm, out.mean_q, found_inf], found_inf)
 
-    def bootstrap_masks(self, indices: Tensor) -> Tensor:
+    def bootstrap_masks(self, indices: Tensor, group: int = 0) -> Tensor:
         """The bootstrap masks [B, E] this trainer's loss takes for transitions at the replay rows
         ``indices`` (``ops.bootstrap_masks`` keyed by the trainer's seed, or the loaded checkpoint's,
-        with p = ``TrainerConfig.bootstrap_p``; all ones for p = 1)."""
-        return ops.bootstrap_masks(indices, self.mask_seed, self.net_config.members, self.config.bootstrap_p)
+        with p = ``TrainerConfig.bootstrap_p``; all ones for p = 1). ``group``: head group g's
+        ([B, E_g], keyed by the seed plus g * 2^32: the groups' members draw apart)."""
+        return ops.bootstrap_masks(indices, group_mask_seed(self.mask_seed, group),
+                                   self.net_config.group_config(group).members, self.config.bootstrap_p)
 
     @torch.no_grad()
     def _broadcast_state(self):
@@ -564,6 +581,18 @@ def _data_parallel_group(process_group):
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return None, 1
     return process_group, dist.get_world_size(process_group)
+
+
+def group_loss_types(config: DQNConfig, loss_type: str) -> Tuple[str, ...]:
+    """Each head group's loss type (both trainers'): group 0's the resolved ``loss_type``, an aux
+    group's its kind's first (``HeadGroup.loss_types``: a 'q' group trains with MSE)."""
+    return (loss_type,) + tuple(group.loss_types[0] for group in config.aux)
+
+
+def group_mask_seed(seed: int, group: int) -> int:
+    """The bootstrap masks' key of head group ``group`` (both trainers'): the seed plus g * 2^32,
+    so the ensemble groups' members draw apart."""
+    return seed + (group << 32)
 
 
 def resolve_loss_type(loss_type: Optional[str], atoms: int, owner: str, iqn: bool = False) -> str:

@@ -9,8 +9,9 @@ recipe, in one run.
 The networks (NETWORKS below) are the reference config of docs/design.md, CleanRL's c51.py network
 (4 -> 120 -> 84 -> 2 x 101 atoms, no dueling, no head layer), a 3 x 512 trunk with the reference
 heads, QR-DQN with 200 quantiles on the reference network (loss_type 'qr'), an ensemble of 5
-head sets on the reference trunk (bootstrap masks, p = 0.5) and IQN on the reference network (64
-cosines, N = N' = K = 32 fractions; loss 'iqn'). The step is dqn_ops.Trainer's (graphed) against dqn_ops.rl.baseline.TorchTrainer with
+head sets on the reference trunk (bootstrap masks, p = 0.5), IQN on the reference network (64
+cosines, N = N' = K = 32 fractions; loss 'iqn') and the seed's combination (the reference C51
+network with an IQN head group and an ensemble of 5 C51 head sets on its trunk). The step is dqn_ops.Trainer's (graphed) against dqn_ops.rl.baseline.TorchTrainer with
 torch.compile of the forward + loss and of the updates, the whole step in one CUDA graph, under
 autocast BF16 (scripts/bench.py's torch_compile_graph_bf16, the fastest PyTorch recipe there).
 Target (issue 20): dqn_ops >= 4x faster for each network at B = 256 and 4096. torch.compile
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import dqn_ops  # noqa: E402
-from dqn_ops import DQNConfig  # noqa: E402
+from dqn_ops import DQNConfig, HeadGroup  # noqa: E402
 
 from bench import MODES, make_step  # noqa: E402
 from bench_common import kernels_per_call, run_meta, time_us, write_results  # noqa: E402
@@ -45,6 +46,10 @@ NETWORKS = {
     "ensemble_5": (DQNConfig(ensemble=5), dict(bootstrap_p=0.5)),  # bootstrapped DQN's masks
     # IQN on the reference network: the paper's 64 cosines, N = N' = K = 32 fractions
     "iqn_32": (DQNConfig(atoms=1, iqn_embedding=64), dict(iqn_fractions=32)),
+    # the seed's combination (issue 20, item 5): the reference C51 network with an IQN head group
+    # (64 cosines, 32 fractions) and an ensemble of 5 C51 head sets on the same trunk
+    "seed_combination": (DQNConfig(aux=(HeadGroup("iqn", iqn_embedding=64), HeadGroup("c51", members=5))),
+                         dict(iqn_fractions=32)),
 }
 
 

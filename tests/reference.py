@@ -4,6 +4,7 @@ dqn_ops/layout.py's docstring and not from the package's code; a hand-written fl
 the same network; Philox."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -72,19 +73,46 @@ def head_widths(c: DQNConfig) -> List[Tuple[str, Tuple[int, ...], int]]:
 
 def layer_shapes(c: DQNConfig) -> Dict[str, Tuple[int, int]]:
     """Every nn.Linear layer's (out, in), by name, in forward order (trunk, IQN's phi, then head
-    by head)."""
+    by head; then each aux head group's phi and heads, named g<g>.<name>)."""
     shapes, width = {}, c.state_dim
     for i, w in enumerate(c.trunk_hidden):
         shapes[f"s{i + 1}"] = (w, width)
         width = w
-    if c.iqn_embedding > 0:  # IQN: phi embeds n cosines to the trunk's width
-        shapes["phi"] = (width, c.iqn_embedding)
-    for stem, hidden, out in head_widths(c):
-        w_in = width
-        for j, w in enumerate(hidden + (out,)):
-            shapes[stem.format(j + 1)] = (w, w_in)
-            w_in = w
+    for g in range(1 + len(c.aux)):
+        gc, prefix = group_config(c, g), f"g{g}." if g else ""
+        if gc.iqn_embedding > 0:  # IQN: phi embeds n cosines to the trunk's width
+            shapes[prefix + "phi"] = (width, gc.iqn_embedding)
+        for stem, hidden, out in head_widths(gc):
+            w_in = width
+            for j, w in enumerate(hidden + (out,)):
+                shapes[prefix + stem.format(j + 1)] = (w, w_in)
+                w_in = w
     return shapes
+
+
+# Head groups (docs/combination-design.md): a trunk and G head sets; group 0 the config's own
+# head set, group g >= 1 the HeadGroup c.aux[g - 1]: its kind's atoms, its members, dueling and
+# head widths, the config's branches, IQN's phi with its own embedding; its layers named as the
+# one-group network's with the prefix g<g>. Each group reads h_L and computes what the network
+# of the trunk and that head set alone computes.
+
+def group_config(c: DQNConfig, g: int) -> DQNConfig:
+    """Group g's one-group network, from the HeadGroup's fields (g = 0: c without its groups)."""
+    if g == 0:
+        return dataclasses.replace(c, aux=())
+    group = c.aux[g - 1]
+    return DQNConfig(state_dim=c.state_dim, trunk_hidden=c.trunk_hidden, value_hidden=group.value_hidden,
+                     adv_hidden=group.adv_hidden, atoms=group.atoms, branches=c.branches, dueling=group.dueling,
+                     ensemble=group.members, iqn_embedding=group.iqn_embedding)
+
+
+def group_layers(layers: Dict[str, Tuple[Tensor, Tensor]], g: int) -> Dict[str, Tuple[Tensor, Tensor]]:
+    """Group g's layers under the one-group network's names (the trunk's included)."""
+    if g == 0:
+        return {k: v for k, v in layers.items() if not (k[:1] == "g" and k.split(".")[0][1:].isdigit())}
+    prefix = f"g{g}."
+    return {**{k: v for k, v in layers.items() if k[:1] == "s" and k[1:].isdigit()},
+            **{k[len(prefix):]: v for k, v in layers.items() if k.startswith(prefix)}}
 
 
 def reference_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]], s: Tensor,
@@ -94,11 +122,13 @@ def reference_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]], s:
     activation (the states included) is rounded to after its ReLU, as the kernels store them."""
     if c.iqn_embedding > 0:
         raise ValueError("reference_forward: an IQN network takes fractions: reference_iqn_forward")
+    if c.aux:
+        raise ValueError("reference_forward: a network with head groups: reference_groups_forward")
     rounded = _rounding(round_to)
     x = rounded(s)
     acts = [x] + _trunk(c, layers, x, rounded)
-    outs, head_acts = _heads(c, layers, acts[-1], rounded)
-    return aggregate(c, outs), torch.cat(outs, 1), acts + head_acts
+    q, head, head_acts = _head_set(c, layers, acts[-1], None, rounded, round_to)
+    return q, head, acts + head_acts
 
 
 def _rounding(round_to: Optional[torch.dtype], straight_through: bool = False):
@@ -151,11 +181,22 @@ def reference_iqn_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]]
     cosines' argument k * tau is formed in F32, as the kernels form it; straight_through:
     autograd passes the gradient through those roundings (the kernels' backward)."""
     assert c.iqn_embedding > 0 and c.atoms == 1
+    if c.aux:
+        raise ValueError("reference_iqn_forward: a network with head groups: reference_groups_forward")
     rounded = _rounding(round_to, straight_through)
-    B, N = tau.shape
     x = rounded(s)
     acts = [x] + _trunk(c, layers, x, rounded)
-    h = acts[-1]
+    q, head, group_acts = _head_set(c, layers, acts[-1], tau, rounded, round_to)
+    return q, head, acts + group_acts
+
+
+def _head_set(c: DQNConfig, layers, h: Tensor, tau: Optional[Tensor], rounded, round_to):
+    """One head set (a one-group network's heads, IQN's with its phi at fractions tau [B, N]) on
+    the trunk's output h: (q, head, its activations: [c, phi, z] (IQN), head layer 1, ..., H)."""
+    if tau is None:
+        outs, head_acts = _heads(c, layers, h, rounded)
+        return aggregate(c, outs), torch.cat(outs, 1), head_acts
+    B, N = tau.shape
     argument_dtype = torch.float64 if round_to is None else torch.float32
     k = torch.arange(c.iqn_embedding, dtype=argument_dtype)
     angle = (tau.to(argument_dtype).reshape(B * N, 1) * k).to(torch.float64)
@@ -165,7 +206,31 @@ def reference_iqn_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]]
     outs, head_acts = _heads(c, layers, z, rounded)
     q_rows = aggregate(c, outs)                                                                 # [B*N, E*A, 1]
     q = q_rows[..., 0].reshape(B, N, -1).transpose(1, 2)
-    return q, torch.cat(outs, 1), acts + [cos, phi, z] + head_acts
+    return q, torch.cat(outs, 1), [cos, phi, z] + head_acts
+
+
+def reference_groups_forward(c: DQNConfig, layers: Dict[str, Tuple[Tensor, Tensor]], s: Tensor,
+                             fractions_per_group: Sequence[Optional[Tensor]], round_to: Optional[torch.dtype] = None,
+                             straight_through: bool = False):
+    """The network of head groups on s [B, SD]: the trunk once, then each group's head set on
+    h_L, an IQN group's at its fractions (fractions_per_group: one entry per group, [B, N_g] for
+    an IQN group, None for any other). Returns (outputs: per group (q, head) as reference_forward
+    / reference_iqn_forward give them for the group's one-group network, the trunk's activations
+    [s, h_1, ..., h_L], per group its activations ([c, phi, z] (IQN), head layer 1, ..., H)).
+    round_to / straight_through: as reference_iqn_forward's."""
+    G = 1 + len(c.aux)
+    assert len(fractions_per_group) == G, f"{G} groups, {len(fractions_per_group)} entries of fractions"
+    rounded = _rounding(round_to, straight_through)
+    x = rounded(s)
+    trunk = [x] + _trunk(c, layers, x, rounded)
+    outputs, group_acts = [], []
+    for g in range(G):
+        gc, tau = group_config(c, g), fractions_per_group[g]
+        assert (gc.iqn_embedding > 0) == (tau is not None), f"group {g}: fractions for IQN groups only"
+        q, head, acts = _head_set(gc, group_layers(layers, g), trunk[-1], tau, rounded, round_to)
+        outputs.append((q, head))
+        group_acts.append(acts)
+    return outputs, trunk, group_acts
 
 
 def aggregate(c: DQNConfig, outs: Sequence[Tensor]) -> Tensor:
@@ -203,7 +268,12 @@ class ReferenceNet(nn.Module):
     def layers(self) -> Dict[str, Tuple[Tensor, Tensor]]:
         return {name: (self.linear(name).weight, self.linear(name).bias) for name in layer_shapes(self.config)}
 
-    def forward(self, s, tau=None):
+    def forward(self, s, tau=None, group_fractions=None):
+        """(q, head); with head groups a list of G (q, head) pairs, group 0's at tau, the aux
+        groups' at group_fractions (one entry per aux group: [B, N_g] or None), as TorchQNet."""
+        if self.config.aux:
+            fractions = [tau] + list(group_fractions or [None] * len(self.config.aux))
+            return reference_groups_forward(self.config, self.layers(), s, fractions)[0]
         if self.config.iqn_embedding > 0:
             q, head, _ = reference_iqn_forward(self.config, self.layers(), s, tau)
         else:
@@ -477,3 +547,39 @@ def reference_iqn_loss(q, q_next_online, q_next_target, actions, rewards, dones,
     loss.backward()
     mean_q = torch.stack(thetas).mean()
     return loss.detach(), x.grad, L.detach().sum((1, 2)) / (E * D), mean_q
+
+
+# ---------------------------------------------------------------------------------------
+# The loss of head groups (docs/combination-design.md): L = sum_g w_g L_g on one batch, w_0 = 1
+# and w_g = c.aux[g - 1].loss_weight, each L_g the float64 reference of its group's loss type:
+# tests/test_ensemble_loss.py's (C51, QR, MSE, Huber; E >= 1 members, bootstrap masks) or
+# reference_iqn_loss above (IQN, members and masks too). The TD error and mean Q are group 0's.
+
+def reference_groups_loss(c: DQNConfig, loss_types, qs, qs_next_online, qs_next_target, actions, rewards, dones,
+                          gamma, v_min=-10.0, v_max=10.0, weights=None, masks=None, fractions=None):
+    """sum_g w_g L_g in float64. Per group, one entry each: loss_types, qs / qs_next_online /
+    qs_next_target (as the group's reference takes them), masks ([B, E_g] or None; None: none
+    anywhere), fractions (an IQN group's online fractions [B, N_g], else None). Returns (loss,
+    grad_qs: per group w_g d L_g / d q_g (autograd of L_g), td [B] and mean_q of group 0, the
+    groups' losses L_g [G]), float64 on the CPU."""
+    from test_ensemble_loss import reference as reference_ensemble_loss  # a test module: imported when used
+    G = 1 + len(c.aux)
+    masks = [None] * G if masks is None else list(masks)
+    fractions = [None] * G if fractions is None else list(fractions)
+    assert all(len(x) == G for x in (loss_types, qs, qs_next_online, qs_next_target, masks, fractions))
+    loss_weights = [1.0] + [group.loss_weight for group in c.aux]
+    total, grads, losses = torch.zeros((), dtype=torch.float64), [], []
+    for g in range(G):
+        args = (qs[g], qs_next_online[g], qs_next_target[g], actions, rewards, dones, c.branches)
+        if loss_types[g] == "iqn":
+            loss, grad, td, mean_q = reference_iqn_loss(*args, gamma, fractions[g], weights, masks[g])
+        else:
+            assert fractions[g] is None
+            loss, grad, td, mean_q = reference_ensemble_loss(*args, loss_types[g], weights, masks[g], gamma=gamma,
+                                                             v_min=v_min, v_max=v_max)
+        total = total + loss_weights[g] * loss
+        grads.append(loss_weights[g] * grad)
+        losses.append(loss)
+        if g == 0:
+            td0, mean_q0 = td, mean_q
+    return total, grads, td0, mean_q0, torch.stack(losses)

@@ -73,25 +73,26 @@ def masks_of(kind, B, E, seed=0):
 # ----------------------------------------------------------------------------------------
 # The float64 reference
 
-def expected_q(x, loss_type):
+def expected_q(x, loss_type, v_min=V_MIN, v_max=V_MAX):
     """Expected Q of atoms x [..., NA] (float64): C51 sum softmax(x) z; QR the quantiles' mean; one atom: x."""
     NA = x.shape[-1]
     if NA == 1:
         return x[..., 0]
     if loss_type == "qr":
         return x.mean(-1)
-    z = torch.linspace(V_MIN, V_MAX, NA, dtype=torch.float64)
+    z = torch.linspace(v_min, v_max, NA, dtype=torch.float64)
     return (x.softmax(-1) * z).sum(-1)
 
 
-def reference(q, qo, qt, actions, rewards, dones, branches, loss_type, weights=None, masks=None):
+def reference(q, qo, qt, actions, rewards, dones, branches, loss_type, weights=None, masks=None, *, gamma=GAMMA,
+              v_min=V_MIN, v_max=V_MAX):
     """(loss, grad_q by autograd, td [B], mean_q) in float64, from the formulas of the docstring."""
     B, width, NA = q.shape
     A, D = sum(branches), len(branches)
     E = width // A
     x = q.detach().double().requires_grad_()
     xv, ov, tv = x.view(B, E, A, NA), qo.double().view(B, E, A, NA), qt.double().view(B, E, A, NA)
-    r, disc = rewards.double()[:, None], GAMMA * (1 - dones.double())[:, None]      # [B, 1]: per sample
+    r, disc = rewards.double()[:, None], gamma * (1 - dones.double())[:, None]      # [B, 1]: per sample
     w = torch.ones(B, dtype=torch.float64) if weights is None else weights.double()
     m = torch.ones(B, E, dtype=torch.float64) if masks is None else masks.double()
 
@@ -101,13 +102,13 @@ def reference(q, qo, qt, actions, rewards, dones, branches, loss_type, weights=N
     offsets = [sum(branches[:d]) for d in range(D)]
     taken = [rows(xv, off, n, actions[:, d, None].expand(B, E)) for d, (off, n) in enumerate(zip(offsets, branches))]
     # each member's own next action (the first of equal maxima) and its target's atoms
-    nxt = [rows(tv, off, n, expected_q(ov[:, :, off:off + n], loss_type).argmax(-1))
+    nxt = [rows(tv, off, n, expected_q(ov[:, :, off:off + n], loss_type, v_min, v_max).argmax(-1))
            for off, n in zip(offsets, branches)]
     terms, td_terms = [], []
     if loss_type == "c51":
-        z = torch.linspace(V_MIN, V_MAX, NA, dtype=torch.float64)
-        dz = (V_MAX - V_MIN) / (NA - 1)
-        b_j = ((r + disc * z).clamp(V_MIN, V_MAX) - V_MIN) / dz                      # [B, NA (i)]
+        z = torch.linspace(v_min, v_max, NA, dtype=torch.float64)
+        dz = (v_max - v_min) / (NA - 1)
+        b_j = ((r + disc * z).clamp(v_min, v_max) - v_min) / dz                      # [B, NA (i)]
         # projection: atom i's mass to atom j in proportion max(0, 1 - |b_i - j|)
         share = (1 - (b_j[:, :, None] - torch.arange(NA, dtype=torch.float64)).abs()).clamp(min=0)  # [B, i, j]
         for t, n_atoms in zip(taken, nxt):
@@ -134,7 +135,7 @@ def reference(q, qo, qt, actions, rewards, dones, branches, loss_type, weights=N
     loss = (w * (m * L.sum(-1)).sum(-1) / (E * D)).sum() / B
     loss.backward()
     td = torch.stack(td_terms, -1).detach().sum((1, 2)) / (E * D)
-    mean_q = torch.stack([expected_q(t.detach(), loss_type) for t in taken], -1).mean()
+    mean_q = torch.stack([expected_q(t.detach(), loss_type, v_min, v_max) for t in taken], -1).mean()
     return loss.detach(), x.grad, td, mean_q
 
 

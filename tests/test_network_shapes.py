@@ -436,7 +436,8 @@ def test_a_stale_layout_is_a_clear_error(device):
     net = make_net(c, device)
     p, p_lp, _ = net_args(net)
     s = torch.randn(4, c.state_dim, device=device)
-    fmt = r"layout: expected the int\[\] from dqn_ops.ParamLayout.encode\(\) \(format 4, its first entry\), "
+    fmt = (r"layout: expected the int\[\] from dqn_ops.ParamLayout.encode\(\) \(format 4, or 5 for a head group, its "
+           r"first entry\), ")
     for layout, got in ((_old_format_layout(c), "got first entry 96"), ([1, *ParamLayout(c).encode()[1:]],
                                                                          "got first entry 1")):
         with pytest.raises(RuntimeError, match="dqn_ops.bf16_dueling_forward: " + fmt + got):

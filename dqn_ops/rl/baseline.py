@@ -9,13 +9,13 @@ from torch import nn
 
 from .. import ops
 from ..graphed import CapturedStep, on_device
-from ..layout import DQNConfig, ParamLayout
+from ..layout import DQNConfig, ParamLayout, group_prefix
 from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
 from ..step import quantile_midpoints
-from ..trainer import (STAT_FIELDS, TrainerConfig, ensemble_score, expected_q, greedy_from_logits, load_batch,
-                       resolve_loss_type)
+from ..trainer import (STAT_FIELDS, TrainerConfig, ensemble_score, expected_q, greedy_from_logits, group_loss_types,
+                       group_mask_seed, load_batch, resolve_loss_type)
 
 
 class TorchQNet(nn.Module):
@@ -31,7 +31,10 @@ class TorchQNet(nn.Module):
     trunk and one submodule ``e<m>`` per member holding that member's heads under the same
     names (``e0.v1``, ``e1.a2.0``). An IQN network (``iqn_embedding`` = n > 0) has the layer
     ``phi`` (``nn.Linear(n, T_L)``) after the trunk and takes quantile fractions:
-    ``forward(s, tau)`` (docs/iqn-design.md).
+    ``forward(s, tau)`` (docs/iqn-design.md). Head groups (``DQNConfig.aux``;
+    docs/combination-design.md): one submodule ``g<g>`` per aux group holding that group's
+    layers under the same names (``g1.phi``, ``g1.v1``, ``g2.e3.a2.1``); the trunk runs once and
+    ``forward`` returns every group's outputs.
     """
 
     def __init__(self, c: DQNConfig):
@@ -53,37 +56,63 @@ class TorchQNet(nn.Module):
             else:
                 parent.add_module(last, layer)
         # Plain lists (not submodules: the layers are registered above under their names)
-        # of the trunk's layers and of each head's layers, in head order.
+        # of the trunk's layers and, per head group, its phi (IQN) and each head's layers, in
+        # head order.
         self._trunk = [self.get_submodule(f"s{i + 1}") for i in range(len(c.trunk_hidden))]
-        self._heads = [[self.get_submodule(layout.head_layer_name(head, j + 1)) for j in range(c.head_depth + 1)]
-                       for head in layout.head_names()]
+        self._groups = [(gc, self.get_submodule(group_prefix(g) + "phi") if gc.iqn else None,
+                         [[self.get_submodule(layout.head_layer_name(head, j + 1)) for j in range(gc.head_depth + 1)]
+                          for head in layout.head_names(g)])
+                        for g, gc in enumerate(layout.group_configs)]
 
-    def forward(self, s, tau=None):
+    def forward(self, s, tau=None, group_fractions=None):
         """Returns (q [B, E * sum n_d, NA]: dueling-aggregated, or the branches' logits without
         dueling, member after member; head [B, NA * E * (dueling + sum n_d)]: every output head's
         logits in head order: the value heads first, then member 0's branches, member 1's, ...).
 
         An IQN network takes ``tau`` [B, N], each sample's quantile fractions, and returns (q
         [B, E * sum n_d, N]: action a's value at fraction tau[b, i] in slot i; head [B * N,
-        E * (dueling + sum n_d)]: the head logits of row (b, i) at b * N + i)."""
+        E * (dueling + sum n_d)]: the head logits of row (b, i) at b * N + i).
+
+        A network with head groups (``DQNConfig.aux``) returns a list of G such (q, head) pairs,
+        group 0's first, each of its own group's shapes: ``tau`` is group 0's fractions (an IQN
+        group 0), ``group_fractions`` one entry per aux group, [B, N_g] for an IQN group and None
+        for any other (None: no aux group is IQN's). The trunk runs once."""
         c = self.config
-        if (tau is None) if c.iqn else (tau is not None):
-            raise ValueError(f"TorchQNet: an IQN network (iqn_embedding > 0) takes the fractions tau [B, N], any "
-                             f"other none; this one has iqn_embedding={c.iqn_embedding} and was "
-                             f"{'not ' if tau is None else ''}given tau")
+        if not c.aux and group_fractions is not None:
+            raise ValueError("TorchQNet: group_fractions are the fractions of DQNConfig.aux's head groups; this "
+                             "network has none")
+        fractions = [tau] + (list(group_fractions) if group_fractions is not None else [None] * len(c.aux))
+        if len(fractions) != c.num_groups:
+            raise ValueError(f"TorchQNet: group_fractions must have one entry per aux head group ({len(c.aux)}), got "
+                             f"{len(fractions) - 1}")
         h = s
         for layer in self._trunk:
             h = F.relu(layer(h))
+        outputs = [self._group_forward(g, h, fractions[g]) for g in range(c.num_groups)]
+        return outputs if c.aux else outputs[0]
+
+    def _group_forward(self, g, h, tau):
+        """Head group g on the trunk's output h [B, T_L] (at its fractions tau [B, N] if IQN's): (q, head)."""
+        c, phi_layer, head_layers = self._groups[g]
+        if (tau is None) if c.iqn else (tau is not None):
+            if g == 0:
+                raise ValueError(f"TorchQNet: an IQN network (iqn_embedding > 0) takes the fractions tau [B, N], any "
+                                 f"other none; this one has iqn_embedding={c.iqn_embedding} and was "
+                                 f"{'not ' if tau is None else ''}given tau")
+            raise ValueError(f"TorchQNet: an IQN head group takes its fractions [B, N] (group_fractions[{g - 1}] for "
+                             f"group {g}), any other None; group {g} has iqn_embedding={c.iqn_embedding} and was "
+                             f"{'not ' if tau is None else ''}given fractions")
         N = 1
         if c.iqn:
-            if tau.dim() != 2 or tau.shape[0] != s.shape[0]:
-                raise ValueError(f"TorchQNet: tau must be [B, N] with B = {s.shape[0]} (the states' rows), got "
+            if tau.dim() != 2 or tau.shape[0] != h.shape[0]:
+                what = "tau" if g == 0 else f"group {g}'s fractions (group_fractions[{g - 1}])"
+                raise ValueError(f"TorchQNet: {what} must be [B, N] with B = {h.shape[0]} (the states' rows), got "
                                  f"{list(tau.shape)}")
             N = tau.shape[1]
-            phi = F.relu(self.phi(iqn_cosines(tau.to(h.dtype), c.iqn_embedding)))     # [B, N, T]
+            phi = F.relu(phi_layer(iqn_cosines(tau.to(h.dtype), c.iqn_embedding)))    # [B, N, T]
             h = (h[:, None, :] * phi).reshape(-1, h.shape[1])                          # z: [B * N, T], (b, i) rows
         heads = []
-        for layers in self._heads:
+        for layers in head_layers:
             x = h
             for layer in layers[:-1]:
                 x = F.relu(layer(x))
@@ -205,6 +234,38 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
     return (w * (mask * per_sample).sum(1) / E).mean(), td, torch.stack(q_taken, 1).mean()
 
 
+def torch_groups_loss(config: DQNConfig, qs, qs_next_online, qs_next_target, actions, rewards, dones, v_min, v_max,
+                      gamma, loss_types, weights=None, masks=None, fractions=None):
+    """The loss of a network with head groups (docs/combination-design.md): sum_g w_g L_g, L_g
+    ``torch_dqn_loss`` of group g's outputs with its own loss type, w_g ``config.loss_weights``
+    (group 0's 1), on one batch (actions, rewards, dones, weights). Per group, one entry each:
+    qs / qs_next_online / qs_next_target (its q at s, and its outputs at s' as torch_dqn_loss
+    takes them), ``loss_types`` (each among ``HeadGroup.loss_types`` of an aux group's kind),
+    ``masks`` (an ensemble group's bootstrap masks [B, E_g], or None; None: none anywhere),
+    ``fractions`` (an IQN group's fractions of q [B, N_g], else None; None: no IQN group).
+    Returns (loss, td_error [B], mean_q): the TD error and mean Q are group 0's."""
+    G = config.num_groups
+    masks = [None] * G if masks is None else list(masks)
+    fractions = [None] * G if fractions is None else list(fractions)
+    for what, given in (("qs", qs), ("qs_next_online", qs_next_online), ("qs_next_target", qs_next_target),
+                        ("loss_types", loss_types), ("masks", masks), ("fractions", fractions)):
+        if len(given) != G:
+            raise ValueError(f"torch_groups_loss: {what} must have one entry per head group ({G}), got {len(given)}")
+    for g, group in enumerate(config.aux, 1):
+        if loss_types[g] not in group.loss_types:
+            raise ValueError(f"torch_groups_loss: loss_types[{g}] must be " + " or ".join(map(repr, group.loss_types))
+                             + f" (group {g} is a {group.kind!r} group), got {loss_types[g]!r}")
+    total = td = mean_q = None
+    for g, w in enumerate(config.loss_weights):
+        loss, td_g, mean_q_g = torch_dqn_loss(qs[g], qs_next_online[g], qs_next_target[g], actions, rewards, dones,
+                                              config.branches, v_min, v_max, gamma, loss_types[g], weights, masks[g],
+                                              fractions[g])
+        total = w * loss if total is None else total + w * loss
+        if g == 0:
+            td, mean_q = td_g, mean_q_g
+    return total, td, mean_q
+
+
 class TorchTrainer:
     """The training step of ``dqn_ops.Trainer`` in plain PyTorch, F32 (TF32 off): the F32 path
     of the convergence-parity check and the baseline of the benchmarks. Same constructor,
@@ -221,6 +282,8 @@ class TorchTrainer:
         self.amp = amp
         self.seed = seed
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "TorchTrainer", c.iqn)
+        self.group_loss_types = group_loss_types(c, self.loss_type)
+        self._groups = [c.group_config(g) for g in range(c.num_groups)]
         # The same initial weights and spectral-norm vectors as dqn_ops.Trainer(seed=seed): the
         # two paths start from one point, so a comparison sees only their numerics.
         gen = torch.Generator().manual_seed(seed)
@@ -252,8 +315,7 @@ class TorchTrainer:
         self._branch_sizes = torch.tensor(c.branches, device=dev)
         self._branch_offsets = torch.tensor([sum(c.branches[:d]) for d in range(D)], device=dev)
         # IQN: the K = N midpoints every row acts and picks the next action at (as Trainer's)
-        self._midpoints = (quantile_midpoints(cfg.iqn_fractions, torch.empty(0, device=dev))[None]
-                           if c.iqn else None)
+        self._midpoints = quantile_midpoints(cfg.iqn_fractions, torch.empty(0, device=dev))[None]
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
         self.steps = 0
         self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
@@ -286,7 +348,7 @@ class TorchTrainer:
         An ensemble's greedy action maximises mean + ``act_ucb`` * std over the members, its
         greedy Q the mean."""
         c = self.net_config
-        q = expected_q(self.online(states, *self._at_midpoints(states))[0].float(), self.config.v_min,
+        q = expected_q(self._forward_q(self.online, states, self._at_midpoints(states))[0].float(), self.config.v_min,
                        self.config.v_max, self.loss_type)
         score, mean = ensemble_score(q, c.members, self.config.act_ucb)
         greedy = torch.stack([b.argmax(1) for b in torch.split(score, list(c.branches), dim=1)], 1)
@@ -297,30 +359,42 @@ class TorchTrainer:
         return torch.where(explore, random, greedy), greedy_q
 
     def _at_midpoints(self, states):
-        """An IQN network's extra forward argument at the midpoints, for `states`' rows: (tau,) or ()."""
-        return () if self._midpoints is None else (self._midpoints.expand(states.shape[0], -1),)
+        """Each head group's fractions at the midpoints for `states`' rows: [B, K] for an IQN group,
+        None for any other."""
+        return [self._midpoints.expand(states.shape[0], -1) if gc.iqn else None for gc in self._groups]
+
+    def _draw_fractions(self):
+        """Each head group's fractions for the batch: torch.rand [B, N] for an IQN group, else None."""
+        B, N = self.config.batch_size, self.config.iqn_fractions
+        return [torch.rand(B, N, device=self.device) if gc.iqn else None for gc in self._groups]
+
+    def _forward_q(self, net, states, fractions):
+        """Each head group's q on `states` at its `fractions` (one entry per group), group 0's first."""
+        if not self.net_config.aux:
+            return [net(states, *(() if fractions[0] is None else (fractions[0],)))[0]]
+        return [q for q, _ in net(states, fractions[0], fractions[1:])]
 
     def _loss_part(self):
         """Forwards (online on s and s', target on s') and the loss (with an ensemble's bootstrap
         masks when bootstrap_p < 1: ``dqn_ops.Trainer``'s, the same op on the same key). IQN: s
         at tau, s' at the midpoints (the next action), the target at tau', both drawn here by
         torch.rand (not Trainer's Philox stream: a comparison sees distributions, not bits)."""
-        cfg, x = self.config, self.inputs
-        masks = (ops.bootstrap_masks(x["indices"], self.seed, self.net_config.members, cfg.bootstrap_p)
-                 if cfg.uses_masks else None)
-        tau = tau_target = None
-        if self.net_config.iqn:
-            B, N = cfg.batch_size, cfg.iqn_fractions
-            tau, tau_target = torch.rand(B, N, device=self.device), torch.rand(B, N, device=self.device)
-        online_at, target_at = ((), ()) if tau is None else ((tau,), (tau_target,))
+        cfg, x, c = self.config, self.inputs, self.net_config
+        masks = ([ops.bootstrap_masks(x["indices"], group_mask_seed(self.seed, g), gc.members, cfg.bootstrap_p)
+                  if gc.members > 1 or not c.aux else None for g, gc in enumerate(self._groups)]
+                 if cfg.uses_masks else [None] * c.num_groups)
+        tau, tau_target = self._draw_fractions(), self._draw_fractions()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             with torch.no_grad():
-                q_next_online = self.online(x["next_states"], *self._at_midpoints(x["next_states"]))[0].float()
-                q_next_target = self.target(x["next_states"], *target_at)[0].float()
-            q = self.online(x["states"], *online_at)[0].float()
-        return torch_dqn_loss(q, q_next_online, q_next_target, x["actions"], x["rewards"], x["dones"],
-                              self.net_config.branches, cfg.v_min, cfg.v_max, cfg.gamma, self.loss_type, x["weights"],
-                              masks, tau)
+                qo = [q.float() for q in self._forward_q(self.online, x["next_states"],
+                                                          self._at_midpoints(x["next_states"]))]
+                qt = [q.float() for q in self._forward_q(self.target, x["next_states"], tau_target)]
+            qs = [q.float() for q in self._forward_q(self.online, x["states"], tau)]
+        if c.aux:
+            return torch_groups_loss(c, qs, qo, qt, x["actions"], x["rewards"], x["dones"], cfg.v_min, cfg.v_max,
+                                     cfg.gamma, self.group_loss_types, x["weights"], masks, tau)
+        return torch_dqn_loss(qs[0], qo[0], qt[0], x["actions"], x["rewards"], x["dones"], c.branches, cfg.v_min,
+                              cfg.v_max, cfg.gamma, self.loss_type, x["weights"], masks[0], tau[0])
 
     @torch.no_grad()
     def _post_part(self):
@@ -366,5 +440,6 @@ class TorchTrainer:
 
     @torch.no_grad()
     def act(self, states):
-        return greedy_from_logits(self.online(states, *self._at_midpoints(states))[0], self.net_config.branches,
+        return greedy_from_logits(self._forward_q(self.online, states, self._at_midpoints(states))[0],
+                                  self.net_config.branches,
                                   self.config.v_min, self.config.v_max, self.loss_type)
