@@ -78,6 +78,9 @@ class TrainerConfig:
     # at N fractions drawn per sample (tau), the target at N' others (tau'), the next action and
     # acting by the mean over the K midpoints (2k + 1) / 2K.
     iqn_fractions: int = 32
+    # A network with head groups (DQNConfig.aux): each aux group's loss type, one entry per group
+    # (None: its kind's first, HeadGroup.loss_types: 'q' groups MSE); (): every group's default.
+    aux_loss_types: Tuple[Optional[str], ...] = ()
 
     def __post_init__(self):
         """Checks every field at construction (types and ranges); the error names the field, what
@@ -125,6 +128,12 @@ class TrainerConfig:
         self.bootstrap_p = check_float(n, "bootstrap_p", self.bootstrap_p, low=0.0, high=1.0, low_open=True)
         self.act_ucb = check_float(n, "act_ucb", self.act_ucb)
         self.iqn_fractions = check_int(n, "iqn_fractions", self.iqn_fractions, minimum=1)
+        if isinstance(self.aux_loss_types, (str, bytes)) or not hasattr(self.aux_loss_types, "__iter__"):
+            raise TypeError(f"{n}: aux_loss_types must be a sequence of loss types (or None), one per aux head group, "
+                            f"got {self.aux_loss_types!r}")
+        self.aux_loss_types = tuple(self.aux_loss_types)
+        for i, t in enumerate(self.aux_loss_types):
+            check_choice(n, f"aux_loss_types[{i}]", t, ops.LOSS_TYPES, allow_none=True)
 
     @property
     def uses_masks(self) -> bool:
@@ -234,7 +243,7 @@ class Trainer:
         step_kw = dict(v_min=cfg.v_min, v_max=cfg.v_max, gamma=cfg.gamma, precision=cfg.backward_precision)
         # IQN's forward takes fractions, which the internal ops do not: its step
         # is the public ops', as is every group's of a network with head groups.
-        self.group_loss_types = group_loss_types(c, self.loss_type)
+        self.group_loss_types = group_loss_types(c, self.loss_type, cfg.aux_loss_types)
         if c.aux:
             self.gradient_step = GroupsStep(self.online, self.target, loss_types=self.group_loss_types, **step_kw)
         elif c.iqn:
@@ -583,10 +592,25 @@ def _data_parallel_group(process_group):
     return process_group, dist.get_world_size(process_group)
 
 
-def group_loss_types(config: DQNConfig, loss_type: str) -> Tuple[str, ...]:
+def group_loss_types(config: DQNConfig, loss_type: str, aux_loss_types: Sequence[Optional[str]] = (),
+                     owner: str = "Trainer") -> Tuple[str, ...]:
     """Each head group's loss type (both trainers'): group 0's the resolved ``loss_type``, an aux
-    group's its kind's first (``HeadGroup.loss_types``: a 'q' group trains with MSE)."""
-    return (loss_type,) + tuple(group.loss_types[0] for group in config.aux)
+    group's ``TrainerConfig.aux_loss_types``' entry (one per aux group, or none at all), None or
+    absent its kind's first (``HeadGroup.loss_types``: a 'q' group trains with MSE). A loss its
+    kind does not take is a ValueError naming `owner`."""
+    aux = config.aux
+    if aux_loss_types and len(aux_loss_types) != len(aux):
+        raise ValueError(f"{owner}: TrainerConfig.aux_loss_types must have one entry per aux head group ({len(aux)}) "
+                         f"or none, got {len(aux_loss_types)}")
+    types = [loss_type]
+    for g, group in enumerate(aux, 1):
+        chosen = aux_loss_types[g - 1] if aux_loss_types else None
+        if chosen is not None and chosen not in group.loss_types:
+            raise ValueError(f"{owner}: TrainerConfig.aux_loss_types[{g - 1}] must be "
+                             + " or ".join(map(repr, group.loss_types)) + f" (group {g} is a {group.kind!r} group), "
+                             f"got {chosen!r}")
+        types.append(chosen or group.loss_types[0])
+    return tuple(types)
 
 
 def group_mask_seed(seed: int, group: int) -> int:

@@ -376,3 +376,26 @@ def test_torch_trainer_trains_head_groups():
     assert {"s1", "v1", "g1", "g2"} <= moved, moved
     s = torch.randn(4, c.state_dim)
     assert torch.equal(t.act(s), greedy_from_logits(t.online(s)[0][0], c.branches, V_MIN, V_MAX, "c51"))
+
+
+def test_aux_loss_types_choose_each_groups_loss():
+    """TrainerConfig.aux_loss_types: one entry per aux group (None: its kind's first), checked
+    against the group's kind by both trainers; the step then runs that loss for the group."""
+    c = NETS["q_main"]  # aux: an IQN group, a 'q' ensemble
+    cfg = TrainerConfig(batch_size=4, aux_loss_types=(None, "huber"), iqn_fractions=2)
+    t = Trainer(c, cfg, device="cpu")
+    assert t.group_loss_types == ("huber", "iqn", "huber")
+    assert [s.loss_type for s in t.gradient_step.groups] == ["huber", "iqn", "huber"]
+    assert TorchTrainer(c, cfg, device="cpu").group_loss_types == ("huber", "iqn", "huber")
+    assert Trainer(c, TrainerConfig(batch_size=4), device="cpu").group_loss_types == ("huber", "iqn", "mse")
+    with pytest.raises(ValueError, match=r"^Trainer: TrainerConfig\.aux_loss_types\[1\] must be 'mse' or 'huber' "
+                                         r"\(group 2 is a 'q' group\), got 'c51'$"):
+        Trainer(c, TrainerConfig(batch_size=4, aux_loss_types=(None, "c51")), device="cpu")
+    with pytest.raises(ValueError, match=r"^TorchTrainer: TrainerConfig\.aux_loss_types must have one entry per aux "
+                                         r"head group \(2\) or none, got 1$"):
+        TorchTrainer(c, TrainerConfig(batch_size=4, aux_loss_types=("iqn",)), device="cpu")
+    with pytest.raises(ValueError, match=r"^TrainerConfig: aux_loss_types\[0\] must be 'c51' or 'qr' or 'mse' or "
+                                         r"'huber' or 'iqn' or None, got 'l1'$"):
+        TrainerConfig(aux_loss_types=("l1",))
+    with pytest.raises(TypeError, match=r"^TrainerConfig: aux_loss_types must be a sequence"):
+        TrainerConfig(aux_loss_types="huber")

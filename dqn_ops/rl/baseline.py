@@ -282,7 +282,7 @@ class TorchTrainer:
         self.amp = amp
         self.seed = seed
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "TorchTrainer", c.iqn)
-        self.group_loss_types = group_loss_types(c, self.loss_type)
+        self.group_loss_types = group_loss_types(c, self.loss_type, cfg.aux_loss_types, "TorchTrainer")
         self._groups = [c.group_config(g) for g in range(c.num_groups)]
         # The same initial weights and spectral-norm vectors as dqn_ops.Trainer(seed=seed): the
         # two paths start from one point, so a comparison sees only their numerics.
