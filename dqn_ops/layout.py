@@ -675,8 +675,7 @@ def _check_group_view_offsets(one_group: "ParamLayout", offsets: Sequence[int], 
     each segment aligned, inside the buffer and disjoint from the others, an output head's weight
     with its rows padded to a multiple of 8, as csrc/layout.h checks every layout."""
     placed = one_group.encode()
-    order = sorted(one_group.segments.items(), key=lambda item: item[1][0])  # segments by their one-group offset
-    by_offset = {off: (name, shape) for name, (off, shape) in order}
+    by_offset = {off: (name, shape) for name, (off, shape) in one_group.segments.items()}
     extents = []
     for got, at in zip(offsets, placed[len(placed) - 1 - len(offsets):-1]):
         name, shape = by_offset[at]
