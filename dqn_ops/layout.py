@@ -208,6 +208,13 @@ class HeadGroup:
         """The loss types (dqn_loss's loss_type) that fit this group's outputs."""
         return HEAD_GROUP_KINDS[self.kind]
 
+    def check_loss_type(self, loss_type: str, g: int, owner: str, field: str) -> None:
+        """A ValueError "<owner>: <field> must be ... (group g is a '<kind>' group), got ..." unless
+        ``loss_type`` is one of ``loss_types`` (this group is head group g)."""
+        if loss_type not in self.loss_types:
+            raise ValueError(f"{owner}: {field} must be " + " or ".join(map(repr, self.loss_types)) +
+                             f" (group {g} is a {self.kind!r} group), got {loss_type!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class DQNConfig:

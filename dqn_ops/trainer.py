@@ -605,10 +605,8 @@ def group_loss_types(config: DQNConfig, loss_type: str, aux_loss_types: Sequence
     types = [loss_type]
     for g, group in enumerate(aux, 1):
         chosen = aux_loss_types[g - 1] if aux_loss_types else None
-        if chosen is not None and chosen not in group.loss_types:
-            raise ValueError(f"{owner}: TrainerConfig.aux_loss_types[{g - 1}] must be "
-                             + " or ".join(map(repr, group.loss_types)) + f" (group {g} is a {group.kind!r} group), "
-                             f"got {chosen!r}")
+        if chosen is not None:
+            group.check_loss_type(chosen, g, owner, f"TrainerConfig.aux_loss_types[{g - 1}]")
         types.append(chosen or group.loss_types[0])
     return tuple(types)
 

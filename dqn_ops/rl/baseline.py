@@ -252,9 +252,7 @@ def torch_groups_loss(config: DQNConfig, qs, qs_next_online, qs_next_target, act
         if len(given) != G:
             raise ValueError(f"torch_groups_loss: {what} must have one entry per head group ({G}), got {len(given)}")
     for g, group in enumerate(config.aux, 1):
-        if loss_types[g] not in group.loss_types:
-            raise ValueError(f"torch_groups_loss: loss_types[{g}] must be " + " or ".join(map(repr, group.loss_types))
-                             + f" (group {g} is a {group.kind!r} group), got {loss_types[g]!r}")
+        group.check_loss_type(loss_types[g], g, "torch_groups_loss", f"loss_types[{g}]")
     total = td = mean_q = None
     for g, w in enumerate(config.loss_weights):
         loss, td_g, mean_q_g = torch_dqn_loss(qs[g], qs_next_online[g], qs_next_target[g], actions, rewards, dones,
