@@ -667,7 +667,7 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
     if v[0] == GROUP_VIEW_FORMAT:
         # A head group of a larger buffer: its offsets are the whole network's, which this list
         # does not describe; checked as csrc/layout.h checks them (aligned, inside, disjoint).
-        _check_group_view_offsets(one_group, v[p + H:-1], v[-1], fail)
+        _check_group_view_offsets(one_group, expected, v[p + H:-1], v[-1], fail)
         return config
     if v != expected:
         i = next(i for i, (a, b) in enumerate(zip(v, expected)) if a != b)
@@ -676,12 +676,13 @@ def decode_config(layout: Sequence[int]) -> DQNConfig:
     return config
 
 
-def _check_group_view_offsets(one_group: "ParamLayout", offsets: Sequence[int], numel: int, fail) -> None:
-    """A group view's offsets (in the order encode() writes them, which is the order of
-    ``one_group``'s offsets: the one-group network of the same sizes) against its buffer length:
-    each segment aligned, inside the buffer and disjoint from the others, an output head's weight
-    with its rows padded to a multiple of 8, as csrc/layout.h checks every layout."""
-    placed = one_group.encode()
+def _check_group_view_offsets(one_group: "ParamLayout", placed: Sequence[int], offsets: Sequence[int], numel: int,
+                              fail) -> None:
+    """A group view's offsets (in the order encode() writes them, which is the order of the
+    offsets in ``placed``, ``one_group.encode()``: the one-group network of the same sizes) against
+    its buffer length: each segment aligned, inside the buffer and disjoint from the others, an
+    output head's weight with its rows padded to a multiple of 8, as csrc/layout.h checks every
+    layout."""
     by_offset = {off: (name, shape) for name, (off, shape) in one_group.segments.items()}
     extents = []
     for got, at in zip(offsets, placed[len(placed) - 1 - len(offsets):-1]):

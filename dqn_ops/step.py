@@ -204,7 +204,7 @@ class PublicOpsStep(_Step):
         self.group = group
 
     def _network_config(self) -> DQNConfig:
-        return self.online.config.group_config(self.group)
+        return self.online.layout.group_configs[self.group]
 
     def _layout(self) -> Sequence[int]:
         return self.online._group_layouts[self.group]

@@ -348,7 +348,7 @@ class Trainer:
         draw = lambda: ops.iqn_fractions(self.fraction_rng, cfg.batch_size, cfg.iqn_fractions,  # noqa: E731
                                          cfg.iqn_fractions, self._fraction_row_offset)
         if c.aux:  # per group: an IQN group's own draws (each call advances the stream), an ensemble's masks
-            groups = [c.group_config(g) for g in range(c.num_groups)]
+            groups = self.online.layout.group_configs
             fractions = [draw() if gc.iqn else None for gc in groups]
             masks = ([self.bootstrap_masks(x["indices"], g) if gc.members > 1 else None for g, gc in enumerate(groups)]
                      if cfg.uses_masks else None)
