@@ -45,8 +45,9 @@ def fused_loss_supported(config: DQNConfig, loss_type: str, device: torch.device
     when the network has one, the C51 loss and its gradient in one launch) for this network,
     loss and device, with bootstrap masks or not (else it composes the public kernels, with the
     same results). The fused kernel is C51's for one member without masks: an ensemble, or
-    masks, run the composed path."""
+    masks, run the composed path; a network with head groups runs each group's public ops."""
     return (torch.device(device).type == "cuda" and loss_type == "c51" and config.members == 1 and not masked
+            and not config.aux
             and 2 <= config.atoms <= ops.FUSED_LOSS_MAX_ATOMS and config.num_branches <= ops.FUSED_LOSS_MAX_BRANCHES)
 
 

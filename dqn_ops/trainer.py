@@ -241,8 +241,8 @@ class Trainer:
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
         step_kw = dict(v_min=cfg.v_min, v_max=cfg.v_max, gamma=cfg.gamma, precision=cfg.backward_precision)
-        # IQN's forward takes fractions, which the internal ops do not: its step
-        # is the public ops', as is every group's of a network with head groups.
+        # IQN's forward takes fractions, which the internal ops do not: its step is the public ops',
+        # as is every group's of a network with head groups.
         self.group_loss_types = group_loss_types(c, self.loss_type, cfg.aux_loss_types)
         if c.aux:
             self.gradient_step = GroupsStep(self.online, self.target, loss_types=self.group_loss_types, **step_kw)
@@ -284,8 +284,7 @@ class Trainer:
     def uses_fused_path(self) -> bool:
         """Whether the step's loss runs the fused loss kernel (else the composition of
         the public kernels that the internal loss op runs elsewhere: the same results)."""
-        return (not self.net_config.aux and
-                fused_loss_supported(self.net_config, self.loss_type, self.device, self.config.uses_masks))
+        return fused_loss_supported(self.net_config, self.loss_type, self.device, self.config.uses_masks)
 
     @property
     def batch_networks(self) -> bool:

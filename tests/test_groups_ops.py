@@ -19,7 +19,7 @@ import torch
 from dqn_ops import DQNConfig, DuelingBranchQNet, HeadGroup, ParamLayout, Trainer, TrainerConfig, from_torch, ops
 from dqn_ops.rl.baseline import TorchTrainer, torch_groups_loss
 from dqn_ops.layout import GROUP_VIEW_FORMAT, LAYOUT_FORMAT, decode_config, group_prefix
-from dqn_ops.step import GroupsStep, InternalOpsStep, PublicOpsStep
+from dqn_ops.step import GroupsStep, InternalOpsStep, PublicOpsStep, fused_loss_supported
 from dqn_ops.trainer import greedy_actions, greedy_from_logits
 from reference import layer_shapes, quantile_fractions, reference_groups_forward, rel_err
 from conftest import DEVICES
@@ -289,6 +289,9 @@ def test_trainer_step_is_the_groups_step(name, bootstrap_p, device):
                                  iqn_fractions=3, bootstrap_p=bootstrap_p), device=device, seed=2)
     assert t.group_loss_types == (t.loss_type,) + tuple(group.loss_types[0] for group in c.aux)
     assert not t.uses_fused_path and not t.batch_networks
+    # the groups never take the fused loss on CUDA, even where group 0 alone would (C51, one member)
+    assert fused_loss_supported(c.group_config(0), t.loss_type, torch.device("cuda")) or name != "seed"
+    assert not fused_loss_supported(c, t.loss_type, torch.device("cuda"))
     with pytest.raises(ValueError, match=r"^Trainer\.batch_networks: a network of head groups runs each group's "
                                          r"public-ops step, the two networks apart$"):
         t.batch_networks = True
