@@ -312,7 +312,7 @@ def test_group_0_keeps_every_offset_and_each_group_is_its_networks_heads(name):
     assert {k: layout.segments[k] for k in plain.segments} == plain.segments
     assert layout.tensors[:len(plain.tensors)] == plain.tensors
     assert layout.layers()[:len(plain.layers())] == plain.layers()
-    assert plain.encode() == ParamLayout(c.group_config(0)).encode()  # no aux: today's encoding
+    assert plain.encode() == ParamLayout(c.group_config(0)).encode()  # no aux: the one-group encoding
     # placement: in order, each at the aligned end of the previous one (output weights' rows padded)
     end = 0
     for seg in order:
@@ -383,7 +383,7 @@ def test_from_torch_carries_the_groups():
     views = net.layer_views()
     for name, tensor in module.state_dict().items():
         assert torch.equal(views[name], tensor), name
-    # group 0 alone is today's network: encoded in format 4
+    # group 0 alone is a one-group network: encoded in format 4
     assert ParamLayout(c.group_config(0)).encode()[0] == dqn_ops.layout.LAYOUT_FORMAT
 
 
@@ -707,7 +707,7 @@ def test_torch_qnet_carries_the_layouts_names_and_state_dicts_move_both_ways(nam
 @pytest.mark.parametrize("name", list(NETS))
 def test_torch_qnet_matches_reference_groups_forward(name):
     """forward(s, tau, group_fractions) gives every group's (q, head): in float64 the reference's;
-    each group its one-group TorchQNet's on the same weights (a group alone is today's network);
+    each group its one-group TorchQNet's on the same weights (a group alone is a one-group network);
     in F32 the float64 reference on the F32 weights within 1e-6 (module docstring)."""
     c = NETS[name]
     net = seeded_net(c, 4, torch.float32)
