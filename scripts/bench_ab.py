@@ -11,6 +11,10 @@ names, so each timing runs in a process of its own, with that tree first on ``PY
 
 Writes ``<out>/step-ab.{json,md}``: per batch size, the median over the rounds of each tree's
 µs per step (``Trainer.step()`` replaying its CUDA graph on a fixed batch), and new / base.
+
+The base may be this tree itself under other environment variables (a switch read at run time):
+
+    python3 scripts/bench_ab.py --base . --base-env DQN_OPS_PDL=0 --name step-ab-pdl --out bench/results
 """
 import argparse
 import json
@@ -46,9 +50,9 @@ print(json.dumps(dict(us=us, dqn_ops=dqn_ops.__file__)))
 """
 
 
-def time_tree(tree, B, iters, repeats):
+def time_tree(tree, B, iters, repeats, extra_env=None):
     # the tree's dqn_ops first; this tree's scripts/ for the timing helper both trees share
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), HERE]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), HERE]), **(extra_env or {}))
     out = subprocess.run([sys.executable, "-c", TIMING, str(B), str(iters), str(repeats)], env=env, cwd=tree,
                          capture_output=True, text=True, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
@@ -64,8 +68,12 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     ap.add_argument("--rounds", type=int, default=5, help="alternations base, new per batch size")
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--base-env", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="environment variables of the base's processes only")
+    ap.add_argument("--name", default="step-ab", help="the result files' stem")
     ap.add_argument("--out", default=os.path.join(ROOT, "gpu_out"))
     args = ap.parse_args()
+    base_env = dict(kv.split("=", 1) for kv in args.base_env)
     sys.path.insert(0, ROOT)
     import torch
 
@@ -79,22 +87,23 @@ def main():
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))  # neither always goes first
             for name in order:
-                times[name].append(time_tree(trees[name], B, args.iters, 3))
+                times[name].append(time_tree(trees[name], B, args.iters, 3, base_env if name == "base" else None))
         med = {name: statistics.median(v) for name, v in times.items()}
         rows.append(dict(batch=B, base_us=round(med["base"], 2), new_us=round(med["new"], 2),
                          ratio=round(med["new"] / med["base"], 4), base_all=times["base"], new_all=times["new"]))
         print(f"B={B:6d}  base {med['base']:8.1f} us  new {med['new']:8.1f} us  new/base {med['new'] / med['base']:.3f}",
               flush=True)
     meta = run_meta("cuda" if torch.cuda.is_available() else "cpu", base=os.path.abspath(args.base),
-                    rounds=args.rounds, iters=args.iters)
+                    base_env=base_env, rounds=args.rounds, iters=args.iters)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "step-ab.json"), "w") as f:
+    with open(os.path.join(args.out, args.name + ".json"), "w") as f:
         dump_json(dict(meta=meta, rows=rows), f)
-    lines = [f"# Graphed step, base vs new tree — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
+    base_name = "base" + (" (" + ", ".join(args.base_env) + ")" if base_env else "")
+    lines = [f"# Graphed step, {base_name} vs new tree — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
              f"Median of {args.rounds} alternating rounds (each the median of 3 x {args.iters} steps).", "",
              "| B | base µs | new µs | new / base |", "|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['base_us']} | {r['new_us']} | {r['ratio']:.3f} |" for r in rows]
-    with open(os.path.join(args.out, "step-ab.md"), "w") as f:
+    with open(os.path.join(args.out, args.name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
