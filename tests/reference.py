@@ -365,6 +365,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
+def branch_columns(width, branches):
+    """The (first, size) row ranges of every (member, branch) of a [B, width, ...] q tensor."""
+    A = sum(branches)
+    return [(e * A + sum(branches[:d]), n) for e in range(width // A) for d, n in enumerate(branches)]
+
+
+def assert_no_near_ties(values, branches, bar=1e-4):
+    """Every (sample, member, branch)'s best next-state value is more than `bar` ahead of the
+    second, so F32 and float64 pick the same next action. values: [B, rows] expected Q values, or
+    [B, rows, N] quantile values (their means are compared)."""
+    v = values.detach().double()
+    if v.dim() == 3:
+        v = v.mean(-1)
+    for first, n in branch_columns(v.shape[1], branches):
+        if n > 1:
+            top = v[:, first:first + n].topk(2, dim=1).values
+            assert (top[:, 0] - top[:, 1]).min() > bar, "test data with a near tie of the next action: change the data"
+
+
 
 def power_iteration_f64(W, u, iterations, eps=1e-12):
     """The reference: v = normalize(W^T u), u = normalize(W v), sigma = u^T W v, in float64."""

@@ -23,8 +23,9 @@ from dqn_ops.step import GroupsStep, InternalOpsStep, PublicOpsStep, fused_loss_
 from dqn_ops.trainer import greedy_actions, greedy_from_logits
 from reference import layer_shapes, quantile_fractions, reference_groups_forward, rel_err
 from conftest import DEVICES
-from test_groups_reference import (GAMMA, LOSS_TYPES, NETS, V_MAX, V_MIN, assert_no_near_ties, group_fractions,
-                                   group_masks, layers_of, leaf_layers, reference_step, seeded_net, step_inputs)
+from test_groups_reference import (GAMMA, LOSS_TYPES, NETS, V_MAX, V_MIN, assert_no_near_ties_per_group,
+                                   group_fractions, group_masks, layers_of, leaf_layers, reference_step, seeded_net,
+                                   step_inputs)
 from step_check import same_bits, snapshot
 
 
@@ -216,7 +217,8 @@ def test_groups_step_is_the_references_step(name):
     masks = group_masks(c, B, 35)
     layers = leaf_layers(layers_of(online))
     with torch.no_grad():
-        assert_no_near_ties([q for q, _ in reference_groups_forward(c, layers, inputs[1], tau_hat)[0]], loss_types, c)
+        assert_no_near_ties_per_group([q for q, _ in reference_groups_forward(c, layers, inputs[1], tau_hat)[0]],
+                                      loss_types, c)
     loss, _, td, mean_q, _ = reference_step(c, loss_types, layers, layers_of(copy.deepcopy(target).double()), inputs,
                                             tau, tau_hat, tau2, masks)
 
@@ -362,7 +364,7 @@ def test_torch_trainer_trains_head_groups():
     b = trainer_batch(c, B, 0)
     del b["indices"]
     t.step(b)
-    x, cfg = t.inputs, t.config
+    x = t.inputs
     with torch.no_grad():
         outs_next, outs_target, outs = t.online(x["next_states"]), t.target(x["next_states"]), t.online(x["states"])
         want = torch_groups_loss(c, [q for q, _ in outs], [q for q, _ in outs_next], [q for q, _ in outs_target],

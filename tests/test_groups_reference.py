@@ -25,12 +25,12 @@ import pytest
 import torch
 
 import dqn_ops
-from dqn_ops import DQNConfig, DuelingBranchQNet, HeadGroup, ParamLayout, Trainer, TrainerConfig, from_torch
+from dqn_ops import DQNConfig, HeadGroup, ParamLayout, from_torch
 from dqn_ops.layout import ALIGN, HEAD_GROUP_KINDS
-from dqn_ops.rl.baseline import TorchQNet, TorchTrainer, torch_dqn_loss, torch_groups_loss
-from reference import (CONFIGS, SHAPES, ReferenceNet, group_config, group_layers, layer_shapes, quantile_fractions,
-                       reference_forward, reference_groups_forward, reference_groups_loss, reference_iqn_forward,
-                       reference_iqn_loss, rel_err)
+from dqn_ops.rl.baseline import TorchQNet, torch_dqn_loss, torch_groups_loss
+from reference import (CONFIGS, SHAPES, ReferenceNet, assert_no_near_ties, group_config, group_layers, layer_shapes,
+                       quantile_fractions, reference_forward, reference_groups_forward, reference_groups_loss,
+                       reference_iqn_forward, reference_iqn_loss, rel_err)
 from test_ensemble_loss import expected_q as expected_q_f64
 from test_ensemble_loss import reference as reference_ensemble_loss
 
@@ -108,19 +108,12 @@ def group_masks(c: DQNConfig, B: int, seed: int):
     return out
 
 
-def assert_no_near_ties(qs_next_online, loss_types, c: DQNConfig, bar=1e-4):
-    """Every (sample, member, branch)'s best expected next-state Q (the loss type's) is more than
-    `bar` ahead of the second: F32 and float64 pick the same next actions."""
-    A = c.total_actions
+def assert_no_near_ties_per_group(qs_next_online, loss_types, c: DQNConfig, bar=1e-4):
+    """Every group's (sample, member, branch) best expected next-state Q (the loss type's) is more
+    than `bar` ahead of the second: F32 and float64 pick the same next actions."""
     for qo, loss_type in zip(qs_next_online, loss_types):
-        q = expected_q_f64(qo.detach().double(), "qr" if loss_type == "iqn" else loss_type, V_MIN, V_MAX)
-        for e in range(q.shape[1] // A):
-            off = e * A
-            for n in c.branches:
-                if n > 1:
-                    top = q[:, off:off + n].topk(2, dim=1).values
-                    assert (top[:, 0] - top[:, 1]).min() > bar, "test data with a near tie: change the seed"
-                off += n
+        assert_no_near_ties(expected_q_f64(qo.detach().double(), "qr" if loss_type == "iqn" else loss_type, V_MIN,
+                                           V_MAX), c.branches, bar)
 
 
 # ----------------------------------------------------------------------------------------
@@ -242,7 +235,7 @@ def test_group_config_is_the_groups_one_group_network(name):
         c.group_config(0).num_heads, c.group_config(0).q_rows, c.group_config(0).head_out,
         c.group_config(0).hidden_widths)
     assert c.num_parameters == total
-    with pytest.raises(ValueError, match=rf"^DQNConfig\.group_config: g must be < 3 \(the head groups\), got 3$"):
+    with pytest.raises(ValueError, match=r"^DQNConfig\.group_config: g must be < 3 \(the head groups\), got 3$"):
         c.group_config(3)
     with pytest.raises(ValueError, match=r"^DQNConfig\.group_config: g must be >= 0 \(an int\), got -1$"):
         c.group_config(-1)
@@ -783,7 +776,7 @@ def test_torch_groups_loss_matches_reference(name, masked):
     rewards, weights = rewards.float().double(), weights.float().double()
     fractions = [None if f is None else f.float().double() for f in fractions]
     masks = masks if masked else None
-    assert_no_near_ties(qo, loss_types, c)
+    assert_no_near_ties_per_group(qo, loss_types, c)
     ref = reference_groups_loss(c, loss_types, qs, qo, qt, actions, rewards, dones, GAMMA, V_MIN, V_MAX, weights,
                                 masks, fractions)
     for dtype in (torch.float64, torch.float32):
@@ -863,7 +856,8 @@ def test_torch_baseline_step_gradients_match_the_float64_references(name, dtype)
     tau_hat, masks = group_midpoints(c, B, 4), group_masks(c, B, 35)
     layers = leaf_layers(layers_of(online64))
     with torch.no_grad():
-        assert_no_near_ties([q for q, _ in reference_groups_forward(c, layers, inputs[1], tau_hat)[0]], loss_types, c)
+        assert_no_near_ties_per_group([q for q, _ in reference_groups_forward(c, layers, inputs[1], tau_hat)[0]],
+                                      loss_types, c)
     ref = reference_step(c, loss_types, layers, layers_of(target64), inputs, tau, tau_hat, tau2, masks)
     loss, td, mean_q = baseline_loss(c, loss_types, online, target, inputs, tau, tau_hat, tau2, masks, dtype)
     loss.backward()

@@ -22,10 +22,10 @@ from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, Trainer, TrainerConfig, dqn_loss, ops
 from dqn_ops.rl.baseline import TorchTrainer, torch_dqn_loss
 from poison import poison_cuda_cache
-from reference import quantile_fractions, reference_iqn_loss
+from reference import assert_no_near_ties, quantile_fractions, reference_iqn_loss
 from step_check import check_compile_fullgraph_equals_eager, same_bits
 from test_ensemble_loss import masks_of
-from test_iqn_reference import assert_no_near_ties, iqn_batch
+from test_iqn_reference import iqn_batch
 from test_qr import check_against_reference
 
 GAMMA = 0.97

@@ -20,8 +20,8 @@ import torch
 from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout
 from dqn_ops.layout import ALIGN, LAYOUT_FORMAT
 from dqn_ops.rl.baseline import TorchQNet, iqn_cosines, torch_dqn_loss
-from reference import (ReferenceNet, layer_shapes, quantile_fractions, reference_forward,
-                       reference_iqn_forward, reference_iqn_loss, reference_qr)
+from reference import (ReferenceNet, assert_no_near_ties, branch_columns, layer_shapes, quantile_fractions,
+                       reference_forward, reference_iqn_forward, reference_iqn_loss, reference_qr)
 from test_ensemble_loss import GAMMA as ENSEMBLE_GAMMA
 from test_ensemble_loss import reference as reference_ensemble
 
@@ -310,12 +310,6 @@ def iqn_batch(B, width, N, K, N2, branches, seed=0):
     return q, separate_near_ties(qo, branches), qt, actions, rewards, dones, weights, tau
 
 
-def branch_columns(width, branches):
-    """The (first, size) row ranges of every (member, branch) of a [B, width, ...] q tensor."""
-    A = sum(branches)
-    return [(e * A + sum(branches[:d]), n) for e in range(width // A) for d, n in enumerate(branches)]
-
-
 def separate_near_ties(qo, branches, gap=1e-3):
     """qo with each (sample, member, branch)'s best mean raised by `gap` (every value of that
     action): with many samples two actions' means of randn values come within 1e-6 of each other,
@@ -327,16 +321,6 @@ def separate_near_ties(qo, branches, gap=1e-3):
             best = qo[:, first:first + n].double().mean(-1).argmax(1)
             qo[rows, first + best] += gap
     return qo
-
-
-def assert_no_near_ties(qo, branches, bar=1e-4):
-    """Every (sample, member, branch)'s best mean of the next-state values is more than `bar`
-    ahead of the second: F32 and float64 means then pick the same next action."""
-    means = qo.double().mean(-1)
-    for first, n in branch_columns(qo.shape[1], branches):
-        if n > 1:
-            top = means[:, first:first + n].topk(2, dim=1).values
-            assert (top[:, 0] - top[:, 1]).min() > bar, "test data with a near tie (separate_near_ties makes none)"
 
 
 @pytest.mark.parametrize("branches", [(3, 3, 3), (2,), (4, 1, 6)], ids=lambda b: "x".join(map(str, b)))

@@ -29,7 +29,8 @@ from dqn_ops import DQNConfig, DuelingBranchQNet, Trainer, TrainerConfig, dqn_lo
 from dqn_ops.rl.baseline import TorchTrainer, torch_dqn_loss
 from dqn_ops.trainer import greedy_actions, greedy_from_logits, resolve_loss_type
 from poison import poison_cuda_cache
-from reference import SHAPES, huber1, qr_targets, quantile_fractions, reference_net_like, reference_qr
+from reference import (SHAPES, assert_no_near_ties, huber1, qr_targets, quantile_fractions, reference_net_like,
+                       reference_qr)
 from step_check import (check_compile_fullgraph_equals_eager, check_graphed_trainer_equals_eager,
                         check_trainer_step_is_the_public_ops_step, same_bits)
 
@@ -80,13 +81,6 @@ def taken_mask(shape, actions, branches):
         mask[rows, off + actions[:, d].cpu()] = True
         off += n
     return mask
-
-
-def assert_no_near_ties(qo, branches, bar=1e-4):
-    """The double-DQN choice of the test data is decided (the best mean of the online quantiles
-    more than `bar` ahead of the second): F32 and float64 means then pick the same a*."""
-    _, _, gap = qr_targets(qo, qo, torch.zeros(qo.shape[0]), torch.zeros(qo.shape[0]), branches, 0.0)
-    assert gap.min() > bar, f"test data with a near tie of the next action ({gap.min().item():.2e}): change the seed"
 
 
 # ----------------------------------------------------------------------------------------
