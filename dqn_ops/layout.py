@@ -329,6 +329,14 @@ class DQNConfig:
         """Each group's weight w_g in the loss sum_g w_g L_g: 1 for group 0, then the aux groups'."""
         return (1.0,) + tuple(group.loss_weight for group in self.aux)
 
+    def check_group(self, where: str, group) -> int:
+        """``group`` as the index of one of this config's head groups, or a ValueError naming
+        ``where`` (the forward's and the steps' ``group`` arguments)."""
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
+            raise ValueError(f"{where}: group must be an int in [0, {self.num_groups}) (the head groups), "
+                             f"got {group!r}")
+        return group
+
     def group_config(self, g: int) -> "DQNConfig":
         """Group g's network alone: the trunk with that group's head set and nothing else (g = 0:
         this config without ``aux``). Group g of the network computes exactly what this one-group

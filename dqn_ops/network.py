@@ -162,10 +162,7 @@ class DuelingBranchQNet(nn.Module):
         return [self.forward_full(states, f, g) for g, f in enumerate(fractions)]
 
     def _group_layout(self, group: int):
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self._group_layouts):
-            raise ValueError(f"DuelingBranchQNet: group must be an int in [0, {len(self._group_layouts)}) (the head "
-                             f"groups), got {group!r}")
-        return self._group_layouts[group]
+        return self._group_layouts[self.config.check_group("DuelingBranchQNet", group)]
 
     @torch.no_grad()
     def act(self, states: Tensor, epsilon: Tensor, rng: Tensor, v_min: float = -10.0,

@@ -198,11 +198,7 @@ class PublicOpsStep(_Step):
 
     def __init__(self, online, target, *, group: int = 0, **kwargs):
         super().__init__(online, target, **kwargs)
-        groups = online.config.num_groups
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
-            raise ValueError(f"PublicOpsStep: group must be an int in [0, {groups}) (the network's head groups), "
-                             f"got {group!r}")
-        self.group = group
+        self.group = online.config.check_group("PublicOpsStep", group)
 
     def _network_config(self) -> DQNConfig:
         return self.online.layout.group_configs[self.group]
