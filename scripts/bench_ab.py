@@ -73,6 +73,9 @@ def main():
     ap.add_argument("--name", default="step-ab", help="the result files' stem")
     ap.add_argument("--out", default=os.path.join(ROOT, "gpu_out"))
     args = ap.parse_args()
+    bad = [kv for kv in args.base_env if "=" not in kv or kv.startswith("=")]
+    if bad:
+        ap.error(f"--base-env takes KEY=VALUE pairs, got {bad}")
     base_env = dict(kv.split("=", 1) for kv in args.base_env)
     sys.path.insert(0, ROOT)
     import torch
