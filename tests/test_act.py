@@ -534,7 +534,7 @@ def test_cuda_matches_cpu_reference(name):
     net_cpu = make_net(c, "cpu")
     net_cpu.load_state_dict(net.state_dict())
     q_cpu = dqn_ops.bf16_dueling_forward(s.cpu(), *net_args(net_cpu)).q_logits
-    cpu = call_act(net_cpu, s.cpu(), eps_of(0.0, "cpu"), rng_c)
+    call_act(net_cpu, s.cpu(), eps_of(0.0, "cpu"), rng_c)  # advances rng_c as the CUDA call advanced rng_g
     # a bound from the measured CPU/GPU logit difference, as bf16_tolerance
     tol = bf16_tolerance(c, q_gpu, q_cpu)
     assert_greedy(c, g.actions, g.greedy_q, expected_q_f64(q_cpu), tol, f"{name}: cuda vs cpu", min_decided=0.9)

@@ -22,7 +22,6 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import dqn_ops
 from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, dqn_loss, ops
 from dqn_ops.rl.baseline import torch_dqn_loss

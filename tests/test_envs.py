@@ -563,7 +563,7 @@ def test_cuda_follows_the_cpu_markets_and_is_deterministic():
     gen = torch.Generator().manual_seed(5)
     for step in range(200):  # five episodes
         acts = random_acts(300, gen)
-        a, b, c = cpu.step(acts), gpu.step(acts.cuda()), gpu2.step(acts.cuda())
+        _, b, c = cpu.step(acts), gpu.step(acts.cuda()), gpu2.step(acts.cuda())
         for x, y in zip(b, c):
             assert torch.equal(x, y), step  # the same inputs: the same bits
         assert torch.equal(gpu.counters.cpu(), cpu.counters)

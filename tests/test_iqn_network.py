@@ -20,7 +20,7 @@ import torch
 
 import dqn_ops
 from conftest import DEVICES, requires_cuda
-from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout, ops
+from dqn_ops import DuelingBranchQNet, ParamLayout, ops
 from dqn_ops.layout import LAYOUT_FORMAT, decode_config
 from poison import poison_cuda_cache
 from reference import mirror_layers, reference_iqn_forward, rel_err

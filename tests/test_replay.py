@@ -4,7 +4,6 @@ and descended in Python floats (IEEE doubles, summed in the same order as the ke
 indices must be equal), float64 formulas for priorities, importance weights and n-step returns,
 and chi-square tests of the sampled frequencies."""
 import math
-import random
 
 import pytest
 import torch

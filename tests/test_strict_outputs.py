@@ -12,7 +12,7 @@ from conftest import loads_strict_json  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from dqn_ops.rl.results import dump_json, dumps_json, strict_json  # noqa: E402
+from dqn_ops.rl.results import dumps_json, strict_json  # noqa: E402
 
 
 def test_strict_json_maps_every_non_finite_float_to_null():
