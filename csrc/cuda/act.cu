@@ -41,6 +41,7 @@
 #include "call_counter.cuh"
 #include "dueling.cuh"
 #include "forward.h"
+#include "pdl.cuh"
 #include "quantiles.cuh"
 #include "reductions.cuh"
 
@@ -82,6 +83,8 @@ struct ActParams {
 // is the chosen action's mean.
 template <bool kQuantiles>
 __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActParams P, const BranchTable br) {
+  pdl_wait();
+  pdl_launch_dependents();
   extern __shared__ float shared[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int NA = P.atoms, D = br.per_member, E = br.count / br.per_member;
@@ -260,8 +263,7 @@ std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, 
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((N + warps - 1) / warps, int64_t(1) << 16));
   const bool quantiles = type == LossType::kQR || type == LossType::kIQN;
   const auto epilogue = quantiles ? act_epilogue_kernel<true> : act_epilogue_kernel<false>;
-  epilogue<<<blocks, warps * 32, shared_bytes, stream>>>(P, branches);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(epilogue, blocks, warps * 32, shared_bytes, stream, P, branches);
   advance_call(rng.data_ptr<int64_t>(), stream);
   return {actions, greedy_q};
 }

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "batch_args.h"
+#include "pdl.cuh"
 
 namespace dqn_ops {
 namespace cuda {
@@ -26,6 +27,8 @@ struct CopyJobs {
 };
 
 __global__ void load_batch_kernel(const CopyJobs jobs) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int j = blockIdx.y;
   const char* __restrict__ src = jobs.src[j];
   char* __restrict__ dst = jobs.dst[j];
@@ -58,9 +61,8 @@ void load_batch_cuda(at::TensorList dst, at::TensorList src) {
   // threads then loop).
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t blocks = std::min<int64_t>((most / 16 + kThreads - 1) / kThreads + 1, 4 * sms);
-  load_batch_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(dst.size())), kThreads, 0,
-                      at::cuda::getCurrentCUDAStream()>>>(jobs);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(load_batch_kernel, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(dst.size())), kThreads, 0,
+         at::cuda::getCurrentCUDAStream(), jobs);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "bootstrap_args.h"
+#include "pdl.cuh"
 
 namespace dqn_ops {
 namespace cuda {
@@ -21,6 +22,8 @@ constexpr int kThreads = 256;
 
 __global__ void bootstrap_masks_kernel(const int64_t* __restrict__ indices, int64_t stride, int64_t members,
                                        int64_t total, uint64_t seed, double p, float* __restrict__ masks) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += step) {
     const int64_t b = i / members, e = i - b * members;
@@ -36,10 +39,9 @@ Tensor bootstrap_masks_cuda(const Tensor& indices, int64_t seed, int64_t members
   if (total == 0) return masks;
   // A thread per element up to a grid of 65535 blocks; beyond that the threads loop.
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535);
-  bootstrap_masks_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      indices.data_ptr<int64_t>(), indices.stride(0), members, total, static_cast<uint64_t>(seed), p,
-      masks.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(bootstrap_masks_kernel, static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream(),
+         indices.data_ptr<int64_t>(), indices.stride(0), members, total, static_cast<uint64_t>(seed), p,
+         masks.data_ptr<float>());
   return masks;
 }
 

@@ -38,6 +38,7 @@
 #include "forward.h"
 #include "gemm.cuh"
 #include "network_args.h"
+#include "pdl.cuh"
 
 namespace dqn_ops {
 namespace cuda {
@@ -50,10 +51,14 @@ constexpr int kLoadsInFlight = 4;  // per thread, in the output-bias + dueling k
 // states -> BF16; the x4 version takes 4 elements a thread (16-byte loads) where n and both
 // pointers allow it.
 __global__ void cast_to_bf16_kernel(const float* __restrict__ in, __nv_bfloat16* __restrict__ out, int64_t n) {
+  pdl_wait();
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __float2bfloat16_rn(in[i]);
 }
 __global__ void cast_to_bf16_x4_kernel(const float4* __restrict__ in, uint2* __restrict__ out, int64_t n4) {
+  pdl_wait();
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
     const float4 v = in[i];
     out[i] = pack_bf16x4(v.x, v.y, v.z, v.w);
@@ -69,6 +74,8 @@ __device__ __forceinline__ float relu_keep_nan(float v) { return v < 0.f ? 0.f :
 __global__ void bias_relu_bf16_kernel(const float* __restrict__ z, const float* __restrict__ bias_lo,
                                       const float* __restrict__ bias_hi, int64_t split,
                                       __nv_bfloat16* __restrict__ out, int64_t rows, int64_t cols) {
+  pdl_wait();
+  pdl_launch_dependents();
   const RowGroup g = row_group(cols);
   if (g.idle) return;
   for (int64_t r = g.first_row; r < rows; r += g.row_stride) {
@@ -80,6 +87,8 @@ __global__ void bias_relu_bf16_kernel(const float* __restrict__ z, const float* 
 __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const float4* __restrict__ bias_lo,
                                          const float4* __restrict__ bias_hi, int64_t split,
                                          uint2* __restrict__ out, int64_t rows, int64_t cols4) {
+  pdl_wait();
+  pdl_launch_dependents();
   const RowGroup g = row_group(cols4);
   if (g.idle) return;
   for (int64_t r = g.first_row; r < rows; r += g.row_stride) {
@@ -104,6 +113,8 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
                                          const float* __restrict__ b_out, float* __restrict__ head,
                                          float* __restrict__ q, int64_t rows, int atoms, int64_t head_out,
                                          int total_actions, BranchTable branches, int64_t slots) {
+  pdl_wait();
+  pdl_launch_dependents();
   const RowGroup g = row_group(atoms);
   if (g.idle) return;
   const int value_heads = value_heads_of(branches);  // the members' value heads' atoms come first in `head`
@@ -157,6 +168,8 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
 // the argument k * tau in F32, cospif (accurate to an ulp of F32) before the rounding to BF16.
 __global__ void iqn_cosines_kernel(const float* __restrict__ tau, __nv_bfloat16* __restrict__ c, int64_t fractions,
                                    int n) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t total = fractions * n;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
     c[i] = __float2bfloat16_rn(cospif(float(i % n) * tau[i / n]));
@@ -168,6 +181,8 @@ __global__ void iqn_cosines_kernel(const float* __restrict__ tau, __nv_bfloat16*
 __global__ void iqn_phi_z_kernel(const float* __restrict__ pre, const float* __restrict__ b_phi,
                                  const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ phi,
                                  __nv_bfloat16* __restrict__ z, int64_t rows, int64_t cols, int64_t N) {
+  pdl_wait();
+  pdl_launch_dependents();
   const RowGroup g = row_group(cols);
   if (g.idle) return;
   for (int64_t r = g.first_row; r < rows; r += g.row_stride) {
@@ -186,11 +201,10 @@ Tensor cast_states(const Tensor& states, const at::TensorOptions& bf16, cudaStre
   const float* s_ptr = states.data_ptr<float>();
   auto* x_ptr = static_cast<__nv_bfloat16*>(x.data_ptr());
   if (x.numel() % 4 == 0 && aligned16(s_ptr, x_ptr))
-    cast_to_bf16_x4_kernel<<<blocks_for(x.numel() / 4, kThreads), kThreads, 0, stream>>>(
-        reinterpret_cast<const float4*>(s_ptr), reinterpret_cast<uint2*>(x_ptr), x.numel() / 4);
+    launch(cast_to_bf16_x4_kernel, blocks_for(x.numel() / 4, kThreads), kThreads, 0, stream,
+           reinterpret_cast<const float4*>(s_ptr), reinterpret_cast<uint2*>(x_ptr), x.numel() / 4);
   else
-    cast_to_bf16_kernel<<<blocks_for(x.numel(), kThreads), kThreads, 0, stream>>>(s_ptr, x_ptr, x.numel());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(cast_to_bf16_kernel, blocks_for(x.numel(), kThreads), kThreads, 0, stream, s_ptr, x_ptr, x.numel());
   return x;
 }
 
@@ -258,13 +272,12 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
     auto* hp = static_cast<__nv_bfloat16*>(h.data_ptr());
     const int64_t all_rows = count * rows;
     if (out % 4 == 0 && aligned16(zp, bias_lo, bias_hi, hp))
-      bias_relu_bf16_x4_kernel<<<row_group_blocks(all_rows, out / 4, kThreads), kThreads, 0, stream>>>(
-          reinterpret_cast<const float4*>(zp), reinterpret_cast<const float4*>(bias_lo),
-          reinterpret_cast<const float4*>(bias_hi), rows, reinterpret_cast<uint2*>(hp), all_rows, out / 4);
+      launch(bias_relu_bf16_x4_kernel, row_group_blocks(all_rows, out / 4, kThreads), kThreads, 0, stream,
+             reinterpret_cast<const float4*>(zp), reinterpret_cast<const float4*>(bias_lo),
+             reinterpret_cast<const float4*>(bias_hi), rows, reinterpret_cast<uint2*>(hp), all_rows, out / 4);
     else
-      bias_relu_bf16_kernel<<<row_group_blocks(all_rows, out, kThreads), kThreads, 0, stream>>>(
-          zp, bias_lo, bias_hi, rows, hp, all_rows, out);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch(bias_relu_bf16_kernel, row_group_blocks(all_rows, out, kThreads), kThreads, 0, stream, zp, bias_lo,
+             bias_hi, rows, hp, all_rows, out);
     outs.push_back(h);
   }
   std::vector<std::vector<Tensor>> acts(count);
@@ -310,19 +323,17 @@ std::vector<Tensor> iqn_embedding(const char* op, const Tensor& h, const Tensor&
   const int64_t rows = fractions.numel(), n = L.iqn_embedding, T = L.phi.out_width;
   Tensor c = at::empty({rows, n}, h.options());
   auto* c_ptr = static_cast<__nv_bfloat16*>(c.data_ptr());
-  iqn_cosines_kernel<<<blocks_for(rows * n, kThreads), kThreads, 0, stream>>>(fractions.data_ptr<float>(), c_ptr,
-                                                                              rows, static_cast<int>(n));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(iqn_cosines_kernel, blocks_for(rows * n, kThreads), kThreads, 0, stream, fractions.data_ptr<float>(), c_ptr,
+         rows, static_cast<int>(n));
   Tensor pre = at::empty({rows, T}, f32);
   const HeadSlice& w = L.phi.blocks[0];
   gemm(op, "phi", rows, T, n, Operand{c_ptr, CUDA_R_16BF, n, false}, Operand{net.w + w.w_off, CUDA_R_16BF, n, true},
        pre.data_ptr<float>(), CUDA_R_32F, T, CUBLAS_COMPUTE_32F);
   Tensor phi = at::empty({rows, T}, h.options()), z = at::empty({rows, T}, h.options());
-  iqn_phi_z_kernel<<<row_group_blocks(rows, T, kThreads), kThreads, 0, stream>>>(
-      pre.data_ptr<float>(), net.p + L.phi.b_off, static_cast<const __nv_bfloat16*>(h.data_ptr()),
-      static_cast<__nv_bfloat16*>(phi.data_ptr()), static_cast<__nv_bfloat16*>(z.data_ptr()), rows, T,
-      fractions.size(fractions.dim() - 1));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(iqn_phi_z_kernel, row_group_blocks(rows, T, kThreads), kThreads, 0, stream, pre.data_ptr<float>(),
+         net.p + L.phi.b_off, static_cast<const __nv_bfloat16*>(h.data_ptr()),
+         static_cast<__nv_bfloat16*>(phi.data_ptr()), static_cast<__nv_bfloat16*>(z.data_ptr()), rows, T,
+         fractions.size(fractions.dim() - 1));
   return {c, phi, z};
 }
 
@@ -412,10 +423,8 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> online_and_target_logits_cuda(
 
 void launch_head_bias_dueling(const float* logits, const float* b_out, float* head, float* q, int64_t rows,
                               const NetLayout& L, const BranchTable& branches, cudaStream_t stream, int64_t slots) {
-  head_bias_dueling_kernel<<<row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream>>>(
-      logits, L.head_ld, b_out, head, q, rows, static_cast<int>(L.atoms), L.head_out,
-      static_cast<int>(L.q_rows()), branches, slots);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(head_bias_dueling_kernel, row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream, logits, L.head_ld,
+         b_out, head, q, rows, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.q_rows()), branches, slots);
 }
 
 }  // namespace cuda

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "env_args.h"
+#include "pdl.cuh"
 
 namespace dqn_ops {
 namespace cuda {
@@ -22,6 +23,8 @@ constexpr int kEnvThreads = 128;
 __global__ void futures_env_step_kernel(int64_t n, const int64_t* __restrict__ actions, float* __restrict__ state,
                                         int64_t* __restrict__ counters, float* __restrict__ ring,
                                         float* __restrict__ obs, float* __restrict__ info, const env::Params p) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= n) return;
   const env::StepOut out{obs + e * env::kStateDim, obs + (n + e) * env::kStateDim, info + e, info + n + e,
@@ -33,6 +36,8 @@ __global__ void futures_env_step_kernel(int64_t n, const int64_t* __restrict__ a
 __global__ void futures_env_reset_kernel(int64_t n, float* __restrict__ state, int64_t* __restrict__ counters,
                                          const float* __restrict__ ring, float* __restrict__ obs, float scale,
                                          float left) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= n) return;
   state[2 * n + e] = 0.0f;
@@ -50,10 +55,9 @@ void futures_env_step_cuda(const Tensor& actions, Tensor& state, Tensor& counter
                                             episode_length, kappa, trend, sigma, sigma_fair, switch_prob, cost);
   const c10::cuda::CUDAGuard guard(state.device());
   const int64_t n = state.size(1);
-  futures_env_step_kernel<<<blocks_for(n), kEnvThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      n, actions.data_ptr<int64_t>(), state.data_ptr<float>(), counters.data_ptr<int64_t>(),
-      returns.data_ptr<float>(), observations.data_ptr<float>(), info.data_ptr<float>(), p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(futures_env_step_kernel, blocks_for(n), kEnvThreads, 0, at::cuda::getCurrentCUDAStream(), n,
+         actions.data_ptr<int64_t>(), state.data_ptr<float>(), counters.data_ptr<int64_t>(), returns.data_ptr<float>(),
+         observations.data_ptr<float>(), info.data_ptr<float>(), p);
 }
 
 void futures_env_reset_cuda(Tensor& state, Tensor& counters, const Tensor& returns, Tensor& observations,
@@ -63,10 +67,9 @@ void futures_env_reset_cuda(Tensor& state, Tensor& counters, const Tensor& retur
   check_episode_length(episode_length, op);
   const float scale = checked_scale(sigma, op);
   const c10::cuda::CUDAGuard guard(state.device());
-  futures_env_reset_kernel<<<blocks_for(n), kEnvThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      n, state.data_ptr<float>(), counters.data_ptr<int64_t>(), returns.data_ptr<float>(),
-      observations.data_ptr<float>(), scale, env::time_left(0, episode_length));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(futures_env_reset_kernel, blocks_for(n), kEnvThreads, 0, at::cuda::getCurrentCUDAStream(), n,
+         state.data_ptr<float>(), counters.data_ptr<int64_t>(), returns.data_ptr<float>(),
+         observations.data_ptr<float>(), scale, env::time_left(0, episode_length));
 }
 
 }  // namespace

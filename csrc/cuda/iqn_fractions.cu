@@ -13,6 +13,7 @@
 
 #include "call_counter.cuh"
 #include "iqn_fractions_args.h"
+#include "pdl.cuh"
 
 namespace dqn_ops {
 namespace cuda {
@@ -25,6 +26,8 @@ constexpr int kThreads = 256;
 // Elements [0, batch * n) are tau (row-major), the next batch * n_target tau_target.
 __global__ void iqn_fractions_kernel(const int64_t* __restrict__ rng, int64_t batch, int64_t n, int64_t n_target,
                                      int64_t row_offset, float* __restrict__ tau, float* __restrict__ tau_target) {
+  pdl_wait();
+  pdl_launch_dependents();
   const uint64_t seed = static_cast<uint64_t>(rng[0]), call = static_cast<uint64_t>(rng[1]);
   const int64_t online = batch * n, total = online + batch * n_target;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
@@ -50,9 +53,8 @@ std::tuple<Tensor, Tensor> iqn_fractions_cuda(Tensor& rng, int64_t batch, int64_
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // A thread per element up to a grid of 65535 blocks; beyond that the threads loop.
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535);
-  iqn_fractions_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      rng.data_ptr<int64_t>(), batch, n, n_target, row_offset, tau.data_ptr<float>(), tau_target.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(iqn_fractions_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, rng.data_ptr<int64_t>(), batch, n,
+         n_target, row_offset, tau.data_ptr<float>(), tau_target.data_ptr<float>());
   advance_call(rng.data_ptr<int64_t>(), stream);
   return {tau, tau_target};
 }

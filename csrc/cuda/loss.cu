@@ -65,6 +65,7 @@
 #include "loss/kernels.cuh"
 #include "loss/params.cuh"
 #include "loss_args.h"
+#include "pdl.cuh"
 
 namespace dqn_ops {
 namespace cuda {
@@ -194,8 +195,7 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   P.staged = staged;
   P.work_floats = static_cast<int>(work_floats);
   P.type = type;
-  kernel<<<grid, threads, smem, stream>>>(br, P);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(kernel, grid, threads, smem, stream, br, P);
   return out;
 }
 

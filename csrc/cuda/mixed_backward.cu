@@ -27,6 +27,7 @@
 #include "elementwise.cuh"
 #include "gemm.cuh"
 #include "network_args.h"
+#include "pdl.cuh"
 
 namespace dqn_ops {
 namespace cuda {
@@ -46,6 +47,8 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
                                         float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
                                         int64_t head_ld, int64_t rows, int atoms, int64_t head_out,
                                         int total_actions, BranchTable branches, int64_t slots) {
+  pdl_wait();
+  pdl_launch_dependents();
   const RowGroup grp = row_group(atoms);
   if (grp.idle) return;
   const int value_heads = value_heads_of(branches);  // the members' value heads' column blocks come first
@@ -111,6 +114,8 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
 // copy for the `bf16` GEMMs when d_bf16 is not null.
 __global__ void relu_backward_kernel(float* __restrict__ d, const __nv_bfloat16* __restrict__ h,
                                      __nv_bfloat16* __restrict__ d_bf16, int64_t n) {
+  pdl_wait();
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float g = __bfloat162float(h[i]) > 0.f ? d[i] : 0.f;
     d[i] = g;
@@ -120,6 +125,8 @@ __global__ void relu_backward_kernel(float* __restrict__ d, const __nv_bfloat16*
 // The same, 4 elements per thread (16-byte F32 and 8-byte BF16 accesses).
 __global__ void relu_backward_x4_kernel(float4* __restrict__ d, const uint2* __restrict__ h, uint2* __restrict__ d_bf16,
                                         int64_t n4) {
+  pdl_wait();
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
     const float4 m = unpack_bf16x4(h[i]), v = d[i];
     const float4 g = make_float4(m.x > 0.f ? v.x : 0.f, m.y > 0.f ? v.y : 0.f, m.z > 0.f ? v.z : 0.f,
@@ -138,6 +145,8 @@ __global__ void iqn_backward_kernel(const float* __restrict__ dz, const __nv_bfl
                                     const __nv_bfloat16* __restrict__ phi, float* __restrict__ dh,
                                     float* __restrict__ dP, __nv_bfloat16* __restrict__ dP_bf16, int64_t B,
                                     int64_t T, int64_t N) {
+  pdl_wait();
+  pdl_launch_dependents();
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < B * T; j += int64_t(gridDim.x) * blockDim.x) {
     const int64_t b = j / T, t = j % T;
     const float hv = __bfloat162float(h[j]);
@@ -163,6 +172,8 @@ struct UpcastJobs {
 };
 
 __global__ void upcast_kernel(UpcastJobs jobs) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int j = blockIdx.y;
   const __nv_bfloat16* src = jobs.src[j];
   float* dst = jobs.dst[j];
@@ -206,6 +217,8 @@ __device__ __forceinline__ int column_sum_job(const int64_t* first, int count, i
 }
 
 __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnSumJobs jobs) {
+  pdl_wait();
+  pdl_launch_dependents();
   if (blockIdx.x == 0 && blockIdx.y == 0) {
     const int t = threadIdx.y * blockDim.x + threadIdx.x, n = blockDim.x * blockDim.y;
     for (int r = 0; r < jobs.zero_count; ++r)
@@ -239,6 +252,8 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnS
 }
 
 __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t total = jobs.first_col[jobs.count];
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int j = column_sum_job(jobs.first_col, jobs.count, i);
@@ -310,8 +325,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         jobs.n[i] = activations[first + i].numel();
         most = std::max(most, jobs.n[i]);
       }
-      upcast_kernel<<<dim3(blocks_for(most, kThreads), count), kThreads, 0, stream>>>(jobs);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch(upcast_kernel, dim3(blocks_for(most, kThreads), count), kThreads, 0, stream, jobs);
     }
   }
   auto act = [&](int64_t i) { return bf16 ? activations[i].data_ptr() : acts_f32[i].data_ptr(); };
@@ -396,10 +410,8 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       Grad dP = make_grad(rows, T), dh = make_grad(B, T);
       const auto* h_L = static_cast<const __nv_bfloat16*>(activations[L.hidden_activation(i)].data_ptr());
       const auto* phi = static_cast<const __nv_bfloat16*>(activations[L.phi_activation()].data_ptr());
-      iqn_backward_kernel<<<blocks_for(B * T, kThreads), kThreads, 0, stream>>>(
-          d_out.f32.data_ptr<float>(), h_L, phi, dh.f32.data_ptr<float>(), dP.f32.data_ptr<float>(), dP.low_ptr(), B, T,
-          rows / B);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch(iqn_backward_kernel, blocks_for(B * T, kThreads), kThreads, 0, stream, d_out.f32.data_ptr<float>(), h_L,
+             phi, dh.f32.data_ptr<float>(), dP.f32.data_ptr<float>(), dP.low_ptr(), B, T, rows / B);
       layer_backward(L.phi.blocks, dP.operand(bf16), T, static_cast<int64_t>(L.cos_activation()), nullptr, "phi");
       d_z.emplace_back(std::move(dP), L.phi.b_off);
       d_out = std::move(dh);
@@ -411,11 +423,10 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     const auto* h = static_cast<const __nv_bfloat16*>(activations[out].data_ptr());
     __nv_bfloat16* d_low = d_out.low_ptr();
     if (n % 4 == 0 && aligned16(d, h, d_low))
-      relu_backward_x4_kernel<<<blocks_for(n / 4, kThreads), kThreads, 0, stream>>>(
-          reinterpret_cast<float4*>(d), reinterpret_cast<const uint2*>(h), reinterpret_cast<uint2*>(d_low), n / 4);
+      launch(relu_backward_x4_kernel, blocks_for(n / 4, kThreads), kThreads, 0, stream, reinterpret_cast<float4*>(d),
+             reinterpret_cast<const uint2*>(h), reinterpret_cast<uint2*>(d_low), n / 4);
     else
-      relu_backward_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(d, h, d_low, n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch(relu_backward_kernel, blocks_for(n, kThreads), kThreads, 0, stream, d, h, d_low, n);
     const bool need_dx = i > 0 || need_grad_states;
     Grad d_in = need_dx ? make_grad(rows, layer.in_width) : Grad{};
     layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, out - 1,
@@ -461,13 +472,12 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       if (!partial.defined() || partial.numel() < chunks * cols) partial = at::empty({chunks * cols}, f32);
       jobs.partial = partial.data_ptr<float>();
     }
-    column_sum_kernel<<<dim3(static_cast<unsigned>(jobs.first_block[jobs.count]), static_cast<unsigned>(chunks)),
-                        dim3(kColTile, kRowLanes), 0, stream>>>(jobs);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (chunks > 1) {
-      column_sum_chunks_kernel<<<blocks_for(cols, kThreads), kThreads, 0, stream>>>(jobs, static_cast<int>(chunks));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    launch(column_sum_kernel,
+           dim3(static_cast<unsigned>(jobs.first_block[jobs.count]), static_cast<unsigned>(chunks)),
+           dim3(kColTile, kRowLanes), 0, stream, jobs);
+    if (chunks > 1)
+      launch(column_sum_chunks_kernel, blocks_for(cols, kThreads), kThreads, 0, stream, jobs,
+             static_cast<int>(chunks));
   }
 
   // d_out is now d(states) (undefined without need_grad_states).
@@ -516,10 +526,9 @@ Tensor mixed_backward_from_head_cuda(const Tensor& grad_head, const Tensor& grad
 void launch_dueling_backward(const float* grad_q, const float* grad_head, float* d_head, __nv_bfloat16* d_head_bf16,
                              int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream,
                              int64_t slots) {
-  dueling_backward_kernel<<<row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream>>>(
-      grad_q, grad_head, d_head, d_head_bf16, L.head_ld, rows, static_cast<int>(L.atoms), L.head_out,
-      static_cast<int>(L.q_rows()), branches, slots);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(dueling_backward_kernel, row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream, grad_q, grad_head,
+         d_head, d_head_bf16, L.head_ld, rows, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.q_rows()),
+         branches, slots);
 }
 
 }  // namespace cuda

@@ -26,6 +26,7 @@
 
 #include "optim_args.h"
 #include "optim_math.h"
+#include "pdl.cuh"
 #include "reductions.cuh"
 
 namespace dqn_ops {
@@ -40,6 +41,8 @@ constexpr int kMaxNormBlocks = 1024;  // = partials; each update block folds the
 __global__ void __launch_bounds__(kThreads) sq_norm_partials_kernel(const float* __restrict__ g, int64_t n,
                                                                     double* __restrict__ scratch,
                                                                     const float* __restrict__ step) {
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ double smem[kThreads];
   double s = 0.0;
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
@@ -66,6 +69,8 @@ __global__ void __launch_bounds__(kThreads) adam_update_kernel(
     __nv_bfloat16* __restrict__ mirror, int64_t n, const double* __restrict__ scratch, int num_partials,
     float* __restrict__ step, const float* __restrict__ lr, float beta1, float beta2, float eps, float weight_decay,
     bool decoupled, float max_grad_norm, float* __restrict__ grad_norm, float* __restrict__ found_inf) {
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ double smem[kThreads];
   double s = 0.0;
   for (int i = threadIdx.x; i < num_partials; i += kThreads) s += scratch[i];
@@ -105,6 +110,8 @@ __global__ void __launch_bounds__(kThreads) adam_update_kernel(
 
 __global__ void __launch_bounds__(kThreads) ema_kernel(float* __restrict__ t, __nv_bfloat16* __restrict__ mirror,
                                                        const float* __restrict__ o, int64_t n, float tau) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   const int64_t n4 = n / 4;
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n4; i += stride) {
@@ -142,26 +149,21 @@ void fused_adam_bf16_cuda(Tensor& params, const Tensor& grads, Tensor& exp_avg, 
   const int64_t n = params.numel();
   const int partials = static_cast<int>(std::min<int64_t>(kMaxNormBlocks, (n + kThreads - 1) / kThreads));
   Tensor scratch = at::empty({kMaxNormBlocks + 1}, params.options().dtype(at::kDouble));
-  sq_norm_partials_kernel<<<partials, kThreads, 0, stream>>>(grads.data_ptr<float>(), n,
-                                                              scratch.data_ptr<double>(), step.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  adam_update_kernel<<<update_blocks(n), kThreads, 0, stream>>>(
-      params.data_ptr<float>(), grads.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-      static_cast<__nv_bfloat16*>(params_bf16.data_ptr()), n, scratch.data_ptr<double>(), partials,
-      step.data_ptr<float>(), lr.data_ptr<float>(), float(beta1), float(beta2), float(eps), float(weight_decay),
-      decoupled_weight_decay, float(max_grad_norm.value_or(0)), grad_norm.data_ptr<float>(),
-      found_inf.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(sq_norm_partials_kernel, partials, kThreads, 0, stream, grads.data_ptr<float>(), n,
+         scratch.data_ptr<double>(), step.data_ptr<float>());
+  launch(adam_update_kernel, update_blocks(n), kThreads, 0, stream, params.data_ptr<float>(), grads.data_ptr<float>(),
+         exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), static_cast<__nv_bfloat16*>(params_bf16.data_ptr()),
+         n, scratch.data_ptr<double>(), partials, step.data_ptr<float>(), lr.data_ptr<float>(), float(beta1),
+         float(beta2), float(eps), float(weight_decay), decoupled_weight_decay, float(max_grad_norm.value_or(0)),
+         grad_norm.data_ptr<float>(), found_inf.data_ptr<float>());
 }
 
 void ema_update_cuda(Tensor& target, Tensor& target_bf16, const Tensor& online, double tau) {
   check_ema_args(target, target_bf16, online, tau);
   const c10::cuda::CUDAGuard guard(target.device());
   const int64_t n = target.numel();
-  ema_kernel<<<update_blocks(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      target.data_ptr<float>(), static_cast<__nv_bfloat16*>(target_bf16.data_ptr()), online.data_ptr<float>(), n,
-      float(tau));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(ema_kernel, update_blocks(n), kThreads, 0, at::cuda::getCurrentCUDAStream(), target.data_ptr<float>(),
+         static_cast<__nv_bfloat16*>(target_bf16.data_ptr()), online.data_ptr<float>(), n, float(tau));
 }
 
 }  // namespace

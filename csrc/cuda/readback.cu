@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "pdl.cuh"
 #include "readback_args.h"
 
 namespace dqn_ops {
@@ -23,6 +24,8 @@ struct RecordValues {
 __global__ void record_step_kernel(float* __restrict__ ring, int64_t rows, int64_t* __restrict__ slot,
                                    float* __restrict__ flag, const RecordValues values,
                                    const float* __restrict__ non_finite) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t row = ((slot[0] % rows) + rows) % rows;  // a foreign slot wraps, never writes out of bounds
   for (int i = 0; i < values.count; ++i) ring[row * values.count + i] = *values.ptr[i];
   slot[0] = (row + 1) % rows;
@@ -35,10 +38,8 @@ void record_step_cuda(Tensor& ring, Tensor& slot, Tensor& flag, at::TensorList v
   RecordValues v{};
   v.count = static_cast<int>(values.size());
   for (int i = 0; i < v.count; ++i) v.ptr[i] = values[i].data_ptr<float>();
-  record_step_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
-      ring.data_ptr<float>(), ring.size(0), slot.data_ptr<int64_t>(), flag.data_ptr<float>(), v,
-      non_finite.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(record_step_kernel, 1, 1, 0, at::cuda::getCurrentCUDAStream(), ring.data_ptr<float>(), ring.size(0),
+         slot.data_ptr<int64_t>(), flag.data_ptr<float>(), v, non_finite.data_ptr<float>());
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "pdl.cuh"
 #include "replay_args.h"
 
 namespace dqn_ops {
@@ -106,6 +107,8 @@ struct Rows {
 __global__ void __launch_bounds__(kThreads) add_kernel(Storage s, TreeRefs t, bool prioritized,
                                                        int64_t* __restrict__ cursor, int* __restrict__ counter,
                                                        Rows rows) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int lane = threadIdx.x % 32;
   const int64_t w = wrapped_cursor(cursor, s.C);
   for (int64_t k = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; k < rows.n; k += int64_t(gridDim.x) * kWarps) {
@@ -136,9 +139,8 @@ void replay_add_cuda(at::TensorList storage, Tensor& cursor, at::TensorList tree
   const TreeRefs t = prioritized ? tree_refs(tree, s.C) : TreeRefs{};
   const Rows r{rows[0].data_ptr<float>(), rows[1].data_ptr<int64_t>(), rows[2].data_ptr<float>(),
                rows[3].data_ptr<float>(), rows[4].data_ptr<float>(), N};
-  add_kernel<<<grid_for(N, kWarps), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      s, t, prioritized, cursor.data_ptr<int64_t>(), counter.data_ptr<int>(), r);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(add_kernel, grid_for(N, kWarps), kThreads, 0, at::cuda::getCurrentCUDAStream(), s, t, prioritized,
+         cursor.data_ptr<int64_t>(), counter.data_ptr<int>(), r);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -171,6 +173,8 @@ __device__ __forceinline__ bool flag_at(const void* p, bool is_bool, int64_t e) 
 // counts into each env's first row (an exclusive scan in env order) and the total.
 __global__ void __launch_bounds__(kThreads) window_kernel(Window win, Step step, int64_t SD, int64_t D,
                                                           int* __restrict__ counter) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int lane = threadIdx.x % 32;
   for (int64_t e = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; e < win.E; e += int64_t(gridDim.x) * kWarps) {
     const int64_t start = win.pos[2 * e], len = win.pos[2 * e + 1], slot = (start + len) % win.n;
@@ -215,6 +219,8 @@ __global__ void __launch_bounds__(kThreads) window_kernel(Window win, Step step,
 __global__ void __launch_bounds__(kThreads) emit_kernel(Storage s, TreeRefs t, bool prioritized, Window win,
                                                         Step step, double gamma, int64_t* __restrict__ cursor,
                                                         int* __restrict__ counter) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int lane = threadIdx.x % 32;
   const int64_t w = wrapped_cursor(cursor, s.C), n = win.n;
   for (int64_t e = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; e < win.E; e += int64_t(gridDim.x) * kWarps) {
@@ -271,11 +277,9 @@ void replay_add_steps_cuda(at::TensorList storage, Tensor& cursor, at::TensorLis
   const auto stream = at::cuda::getCurrentCUDAStream();
   int* counters = counter.data_ptr<int>();
   const unsigned blocks = grid_for(d.envs, kWarps);
-  window_kernel<<<blocks, kThreads, 0, stream>>>(win, step, s.SD, s.D, counters);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  emit_kernel<<<blocks, kThreads, 0, stream>>>(s, t, d.prioritized, win, step, gamma, cursor.data_ptr<int64_t>(),
-                                               counters + 1);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(window_kernel, blocks, kThreads, 0, stream, win, step, s.SD, s.D, counters);
+  launch(emit_kernel, blocks, kThreads, 0, stream, s, t, d.prioritized, win, step, gamma, cursor.data_ptr<int64_t>(),
+         counters + 1);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -297,6 +301,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Storage s, TreeRefs t,
                                                           const int64_t* __restrict__ cursor,
                                                           const float* __restrict__ beta, int64_t* __restrict__ rng,
                                                           int* __restrict__ counter, Out out) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int lane = threadIdx.x % 32;
   const uint64_t seed = static_cast<uint64_t>(rng[0]), call = static_cast<uint64_t>(rng[1]);
   int64_t size = cursor[1];
@@ -340,10 +346,8 @@ void replay_sample_cuda(at::TensorList storage, const Tensor& cursor, at::Tensor
   const TreeRefs t = prioritized ? tree_refs(tree, s.C) : TreeRefs{};
   const Out o{out[0].data_ptr<float>(), out[1].data_ptr<int64_t>(), out[2].data_ptr<float>(), out[3].data_ptr<float>(),
               out[4].data_ptr<float>(), out[5].data_ptr<float>(), out[6].data_ptr<int64_t>(), B};
-  sample_kernel<<<grid_for(B, kWarps), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      s, t, prioritized, cursor.data_ptr<int64_t>(), beta.data_ptr<float>(), rng.data_ptr<int64_t>(),
-      counter.data_ptr<int>(), o);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(sample_kernel, grid_for(B, kWarps), kThreads, 0, at::cuda::getCurrentCUDAStream(), s, t, prioritized,
+         cursor.data_ptr<int64_t>(), beta.data_ptr<float>(), rng.data_ptr<int64_t>(), counter.data_ptr<int>(), o);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -356,6 +360,8 @@ __global__ void __launch_bounds__(kUpdateThreads) update_kernel(TreeRefs t, cons
                                                                 const int64_t* __restrict__ indices,
                                                                 const float* __restrict__ td, int64_t K, double alpha,
                                                                 double eps, unsigned long long* __restrict__ skipped) {
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ unsigned long long bad;
   __shared__ int most;
   __shared__ unsigned claimed[kDedupBits / 32];
@@ -411,10 +417,9 @@ void replay_update_priorities_cuda(at::TensorList tree, const Tensor& cursor, co
   if (K == 0) return;
   const c10::cuda::CUDAGuard guard(cursor.device());
   const TreeRefs t = tree_refs(tree, tree[0].size(0));
-  update_kernel<<<1, kUpdateThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      t, cursor.data_ptr<int64_t>(), indices.data_ptr<int64_t>(), td_error.data_ptr<float>(), K, alpha, eps,
-      reinterpret_cast<unsigned long long*>(skipped.data_ptr<int64_t>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(update_kernel, 1, kUpdateThreads, 0, at::cuda::getCurrentCUDAStream(), t, cursor.data_ptr<int64_t>(),
+         indices.data_ptr<int64_t>(), td_error.data_ptr<float>(), K, alpha, eps,
+         reinterpret_cast<unsigned long long*>(skipped.data_ptr<int64_t>()));
 }
 
 }  // namespace

@@ -38,6 +38,7 @@
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
+#include "pdl.cuh"
 #include "reductions.cuh"
 #include "spectral_args.h"
 
@@ -105,6 +106,10 @@ __global__ void __launch_bounds__(kThreads)
                          __nv_bfloat16* __restrict__ mirror, float* __restrict__ u, float* __restrict__ v,
                          float* __restrict__ sigma, float* __restrict__ partial, float* __restrict__ sq_v,
                          float* __restrict__ sq_u, int iterations, float eps) {
+  // No-ops under the cooperative launch (launch_cooperative: no PDL attribute); kept so that the
+  // rule of pdl.cuh holds in every kernel, and the trigger still lets the next kernel start early.
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ float smem[kWarps * kChunkCols];  // >= kThreads
   cg::grid_group grid = cg::this_grid();
   const int tid = threadIdx.x;
@@ -284,6 +289,8 @@ __global__ void __launch_bounds__(kThreads)
                                  __nv_bfloat16* __restrict__ mirror, float* __restrict__ u_all,
                                  float* __restrict__ v_all, float* __restrict__ sigma, int iterations, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  pdl_wait();
+  pdl_launch_dependents();
   extern __shared__ float dyn[];
   namespace cgx = cooperative_groups;
   cgx::cluster_group cluster = cgx::this_cluster();
@@ -383,7 +390,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // A launch configuration of the cluster kernel: `clusters` clusters of kCluster blocks.
-// attr is the storage config.attrs points to.
+// attr is the storage config.attrs points to (launch_ex adds the PDL attribute to a copy).
 cudaLaunchConfig_t cluster_config(int clusters, size_t smem_bytes, cudaStream_t stream, cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
@@ -476,9 +483,8 @@ void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, T
   cudaLaunchConfig_t config = cluster_config(b.count, static_cast<size_t>(floats) * sizeof(float), stream, attr);
   float* p = params.data_ptr<float>();
   auto* mirror = static_cast<__nv_bfloat16*>(params_bf16.data_ptr());
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, spectral_norm_cluster_kernel, b, p, mirror, u.data_ptr<float>(),
-                                    v.data_ptr<float>(), sigma.data_ptr<float>(), iterations, eps));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_ex(config, spectral_norm_cluster_kernel, b, p, mirror, u.data_ptr<float>(), v.data_ptr<float>(),
+            sigma.data_ptr<float>(), iterations, eps);
 }
 
 // The cooperative strategy: one cooperative launch, its grid capped at the blocks of
