@@ -57,7 +57,8 @@ if [ -n "${AB_BASE:-}" ]; then  # before the tests: the machine is otherwise idl
 fi
 
 echo "== tests"
-$PY -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+# PYTEST_ARGS sets the verbosity too: a -q before it would cancel its -v.
+$PY -m pytest -rs -p no:cacheprovider ${PYTEST_ARGS:--q tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
 test_rc=${PIPESTATUS[0]}
 
 if [ -z "${SKIP_BENCH:-}" ]; then
