@@ -208,7 +208,7 @@ class HeadGroup:
         """The loss types (dqn_loss's loss_type) that fit this group's outputs."""
         return HEAD_GROUP_KINDS[self.kind]
 
-    def check_loss_type(self, loss_type: str, g: int, owner: str, field: str) -> None:
+    def check_loss_type(self, owner: str, field: str, loss_type: str, g: int) -> None:
         """A ValueError "<owner>: <field> must be ... (group g is a '<kind>' group), got ..." unless
         ``loss_type`` is one of ``loss_types`` (this group is head group g)."""
         if loss_type not in self.loss_types:

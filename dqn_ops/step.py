@@ -256,7 +256,7 @@ class GroupsStep:
             raise ValueError(f"GroupsStep: loss_types must have one entry per head group ({c.num_groups}), got "
                              f"{len(loss_types)}")
         for g, group in enumerate(c.aux, 1):
-            group.check_loss_type(loss_types[g], g, "GroupsStep", f"loss_types[{g}]")
+            group.check_loss_type("GroupsStep", f"loss_types[{g}]", loss_types[g], g)
         self.online, self.target, self.loss_types = online, target, loss_types
         self.weights = c.loss_weights
         self.groups = [PublicOpsStep(online, target, group=g, loss_type=t, **kwargs) for g, t in enumerate(loss_types)]

@@ -605,7 +605,7 @@ def group_loss_types(config: DQNConfig, loss_type: str, aux_loss_types: Sequence
     for g, group in enumerate(aux, 1):
         chosen = aux_loss_types[g - 1] if aux_loss_types else None
         if chosen is not None:
-            group.check_loss_type(chosen, g, owner, f"TrainerConfig.aux_loss_types[{g - 1}]")
+            group.check_loss_type(owner, f"TrainerConfig.aux_loss_types[{g - 1}]", chosen, g)
         types.append(chosen or group.loss_types[0])
     return tuple(types)
 

@@ -252,7 +252,7 @@ def torch_groups_loss(config: DQNConfig, qs, qs_next_online, qs_next_target, act
         if len(given) != G:
             raise ValueError(f"torch_groups_loss: {what} must have one entry per head group ({G}), got {len(given)}")
     for g, group in enumerate(config.aux, 1):
-        group.check_loss_type(loss_types[g], g, "torch_groups_loss", f"loss_types[{g}]")
+        group.check_loss_type("torch_groups_loss", f"loss_types[{g}]", loss_types[g], g)
     total = td = mean_q = None
     for g, w in enumerate(config.loss_weights):
         loss, td_g, mean_q_g = torch_dqn_loss(qs[g], qs_next_online[g], qs_next_target[g], actions, rewards, dones,
