@@ -21,6 +21,33 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running (training parity)")
 
 
+def _test_shard() -> tuple[int, int] | None:
+    """DQN_OPS_TEST_SHARD="i/n" (0 <= i < n): run the i-th of n interleaved parts of the
+    collected tests (the GPU machine's calls have a time limit that the whole suite exceeds)."""
+    spec = os.environ.get("DQN_OPS_TEST_SHARD", "")
+    if not spec:
+        return None
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f'DQN_OPS_TEST_SHARD must be "i/n" with 0 <= i < n, got {spec!r}') from None
+    if not 0 <= i < n:
+        raise pytest.UsageError(f'DQN_OPS_TEST_SHARD must be "i/n" with 0 <= i < n, got {spec!r}')
+    return i, n
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = _test_shard()
+    if shard is None:
+        return
+    i, n = shard
+    # Interleaved by position in the collection order (the same on every xdist worker), so
+    # each part takes a share of every file.
+    keep = [item for k, item in enumerate(items) if k % n == i]
+    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i])
+    items[:] = keep
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
