@@ -66,6 +66,7 @@
 #include "loss/params.cuh"
 #include "loss_args.h"
 #include "pdl.cuh"
+#include "smem_limit.h"
 
 namespace dqn_ops {
 namespace cuda {
@@ -88,32 +89,6 @@ int resident_blocks_per_sm(void (*kernel)(const BranchTable, const LossParams), 
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem));
   known.emplace(key, resident);
   return resident;
-}
-
-// The dynamic shared memory a launch of `kernel` may ask for: the device's per-block limit
-// without an opt-in (cudaDevAttrMaxSharedMemoryPerBlock, 48 KiB) less the kernel's own static
-// shared memory (sharedSizeBytes: the block's partial sums and flags), and no more than the
-// kernel's maxDynamicSharedSizeBytes. A fixed 48 KiB budget let a staging area of 48,881 to
-// 49,152 bytes through, which the launch then refused. Queried once per (device, kernel).
-// No opt-in above 48 KiB: rows that do not fit are read from global memory instead (the same
-// results), and the launches that fit keep the shape they have always had.
-size_t dynamic_smem_budget(void (*kernel)(const BranchTable, const LossParams)) {
-  using Key = std::tuple<int, const void*>;
-  static std::mutex mutex;
-  static std::map<Key, size_t> known;
-  const int device = static_cast<int>(c10::cuda::current_device());
-  const Key key{device, reinterpret_cast<const void*>(kernel)};
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  cudaFuncAttributes attr{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  int per_block = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlock, device));
-  const size_t by_device = size_t(per_block) > attr.sharedSizeBytes ? size_t(per_block) - attr.sharedSizeBytes : 0;
-  const size_t budget = std::min(by_device, size_t(std::max(attr.maxDynamicSharedSizeBytes, 0)));
-  known.emplace(key, budget);
-  return budget;
 }
 
 struct LossResults {
@@ -155,8 +130,10 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
                         : rows == LossRows::kHeadDueling ? small_atoms_kernel<LossRows::kHeadDueling>(in_registers)
                         : rows == LossRows::kHeadPlain   ? small_atoms_kernel<LossRows::kHeadPlain>(in_registers)
                                                          : small_atoms_kernel<LossRows::kQ>(in_registers);
-  // The general version stages the rows where they fit in what the kernel may have.
-  const size_t budget = dynamic_smem_budget(kernel);
+  // The general version stages the rows where they fit in what the kernel may have without an
+  // opt-in above 48 KiB: rows that do not fit are read from global memory instead (the same
+  // results), and the launches that fit keep the shape they have always had.
+  const size_t budget = dynamic_smem_limit(kernel, SmemLimit::kDefault);
   const bool staged = c51 && !small_atoms &&
                       size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= budget;
   const int64_t work_floats = qr           ? qr_floats_per_warp(atoms, P.target_atoms)

@@ -1,0 +1,60 @@
+// The dynamic shared memory a block of a kernel may ask for on the current device.
+//
+// The device's per-block limit, less the kernel's own static shared memory as the compiler laid
+// it out (cudaFuncGetAttributes' sharedSizeBytes). Not the sum of the kernel's __shared__
+// objects: the dynamic array's alignment pads past it, and a limit computed from that sum is
+// refused (cudaFuncSetAttribute) or lets a launch through that the runtime then refuses (both
+// were bugs here: a loss kernel's staging area of 48,881 to 49,152 bytes, the tile forward's
+// opt-in limit 112 bytes too high).
+//   - SmemLimit::kDefault: the limit without an opt-in (cudaDevAttrMaxSharedMemoryPerBlock, 48
+//     KiB), and no more than the kernel's maxDynamicSharedSizeBytes.
+//   - SmemLimit::kOptIn: the opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin), the value
+//     to give cudaFuncAttributeMaxDynamicSharedMemorySize.
+// Queried once per (device, kernel, limit), then a cached lookup.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime.h>
+
+namespace dqn_ops {
+namespace cuda {
+
+enum class SmemLimit { kDefault, kOptIn };
+
+inline size_t dynamic_smem_limit(const void* kernel, SmemLimit which) {
+  using Key = std::tuple<int, const void*, SmemLimit>;
+  static std::mutex mutex;
+  static std::map<Key, size_t> known;
+  const int device = static_cast<int>(c10::cuda::current_device());
+  const Key key{device, kernel, which};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  int per_block = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block,
+                                        which == SmemLimit::kOptIn ? cudaDevAttrMaxSharedMemoryPerBlockOptin
+                                                                   : cudaDevAttrMaxSharedMemoryPerBlock,
+                                        device));
+  size_t limit = size_t(per_block) > attr.sharedSizeBytes ? size_t(per_block) - attr.sharedSizeBytes : 0;
+  if (which == SmemLimit::kDefault) limit = std::min(limit, size_t(std::max(attr.maxDynamicSharedSizeBytes, 0)));
+  known.emplace(key, limit);
+  return limit;
+}
+
+// The same for a kernel of any signature.
+template <typename... Args>
+size_t dynamic_smem_limit(void (*kernel)(Args...), SmemLimit which) {
+  return dynamic_smem_limit(reinterpret_cast<const void*>(kernel), which);
+}
+
+}  // namespace cuda
+}  // namespace dqn_ops
