@@ -23,6 +23,7 @@ from dqn_ops.step import GroupsStep, InternalOpsStep, PublicOpsStep, fused_loss_
 from dqn_ops.trainer import greedy_actions, greedy_from_logits
 from reference import layer_shapes, quantile_fractions, reference_groups_forward, rel_err
 from conftest import DEVICES
+from test_ensemble_trainer import reference_masks
 from test_groups_reference import (GAMMA, LOSS_TYPES, NETS, V_MAX, V_MIN, assert_no_near_ties_per_group,
                                    group_fractions, group_masks, layers_of, leaf_layers, reference_step, seeded_net,
                                    step_inputs)
@@ -277,15 +278,21 @@ def on(device, batch: dict) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
+# Two IQN groups and three ensembles (group 0's included): each group's own fractions and masks.
+TWO_IQN = DQNConfig(state_dim=5, trunk_hidden=(10,), value_hidden=4, adv_hidden=4, atoms=1, branches=(2, 3), ensemble=2,
+                    iqn_embedding=4, aux=(HeadGroup("iqn", members=2, iqn_embedding=3, adv_hidden=3),
+                                          HeadGroup("c51", members=2, atoms=5, adv_hidden=())))
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name,bootstrap_p", [("seed", 0.5), ("iqn_main", 1.0), ("qr_main", 1.0)])
+@pytest.mark.parametrize("name,bootstrap_p", [("seed", 0.5), ("iqn_main", 1.0), ("qr_main", 1.0), ("two_iqn", 0.5)])
 def test_trainer_step_is_the_groups_step(name, bootstrap_p, device):
     """Trainer's step on a network of head groups is GroupsStep's on copies of its networks, bit
     for bit (on CUDA the trainer's step graphed, GroupsStep eager): each IQN group draws its own
-    (tau, tau') from fraction_rng in group order, each ensemble group its own masks
-    (Trainer.bootstrap_masks(indices, g)); group 0's loss type is the trainer's, an aux group's
-    its kind's first."""
-    c = NETS[name]
+    (tau, tau') from fraction_rng in group order, each ensemble group its own masks (the Philox
+    draws keyed by the trainer's seed plus g * 2^32, from the Python reference); group 0's loss
+    type is the trainer's, an aux group's its kind's first."""
+    c = TWO_IQN if name == "two_iqn" else NETS[name]
     B = 6
     t = Trainer(c, TrainerConfig(batch_size=B, gamma=GAMMA, v_min=V_MIN, v_max=V_MAX, readback_interval=1,
                                  iqn_fractions=3, bootstrap_p=bootstrap_p), device=device, seed=2)
@@ -303,8 +310,12 @@ def test_trainer_step_is_the_groups_step(name, bootstrap_p, device):
     online, target = snapshot(t.online), snapshot(t.target)
     rng = t.fraction_rng.clone()
     fractions = [ops.iqn_fractions(rng, B, 3, 3) if c.group_config(g).iqn else None for g in range(c.num_groups)]
-    masks = ([t.bootstrap_masks(b["indices"], g) if c.group_config(g).members > 1 else None
-              for g in range(c.num_groups)] if bootstrap_p < 1 else None)
+    seed = 2  # the trainer's
+    masks = ([reference_masks(b["indices"].cpu(), seed + (g << 32), c.group_config(g).members, bootstrap_p).to(device)
+              if c.group_config(g).members > 1 else None for g in range(c.num_groups)] if bootstrap_p < 1 else None)
+    if name == "two_iqn":  # the draws differ between groups, so a mix-up would show
+        assert not torch.equal(fractions[0].tau, fractions[1].tau)
+        assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
     t.step(b)
     assert t.graphed == (device == "cuda")
     want = GroupsStep(online, target, loss_types=t.group_loss_types, v_min=V_MIN, v_max=V_MAX, gamma=GAMMA,

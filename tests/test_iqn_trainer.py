@@ -78,9 +78,17 @@ def test_the_step_draws_new_fractions_each_step_and_learns():
     grads = a.online.layer_views(a.online.flat_params.grad)
     for name, g in grads.items():
         assert (g != 0).any(), name
+    assert a.fraction_rng[1].item() == 3  # one draw a step: new fractions each step
     tau1 = ops.iqn_fractions(torch.tensor([a.fraction_rng[0].item(), 0]), 16, 4, 4)[0]
     tau2 = ops.iqn_fractions(torch.tensor([a.fraction_rng[0].item(), 1]), 16, 4, 4)[0]
     assert not torch.equal(tau1, tau2)
+    # and the step reads them: a trainer whose stream starts one draw later takes another step
+    c = make()
+    c.fraction_rng[1] = 1
+    c.step(step_batch(batch(TINY_IQN, 16, seed=0)))
+    d = make()
+    d.step(step_batch(batch(TINY_IQN, 16, seed=0)))
+    assert not torch.equal(c.online.flat_params, d.online.flat_params)
 
 
 def test_acting_is_the_mean_over_the_midpoints():

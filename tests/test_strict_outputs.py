@@ -1,6 +1,6 @@
 """Result files as strict JSON (null, not NaN) and no GPU-only figures on a CPU run
 (scripts/train.py; scripts/parity.py's file: tests/test_parity_script.py)."""
-import json
+import io
 import math
 import os
 import sys
@@ -12,6 +12,7 @@ from conftest import loads_strict_json  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+from dqn_ops.rl import results  # noqa: E402
 from dqn_ops.rl.results import dumps_json, strict_json  # noqa: E402
 
 
@@ -21,8 +22,16 @@ def test_strict_json_maps_every_non_finite_float_to_null():
     text = dumps_json(obj)
     assert "NaN" not in text.replace('"NaN"', "") and "Infinity" not in text
     assert loads_strict_json(text)["b"] == [1.0, None, [None, 2]]
-    with pytest.raises(ValueError):  # plain json would have written NaN: allow_nan=False is the net
-        json.dumps(float("nan"), allow_nan=False)
+
+
+def test_dump_json_refuses_what_strict_json_would_let_through(monkeypatch):
+    """allow_nan=False is the net behind strict_json: with the mapping gone, a NaN is an error,
+    never a NaN token in the file."""
+    monkeypatch.setattr(results, "strict_json", lambda obj: obj)
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        results.dumps_json({"x": float("nan")})
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        results.dump_json({"x": [1.0, float("inf")]}, io.StringIO())
 
 
 def test_train_writes_strict_json_and_prints_wall_clock_on_the_cpu(tmp_path, monkeypatch, capsys):
