@@ -76,8 +76,15 @@ def test_each_group_encodes_as_its_one_group_network_in_the_whole_buffer():
         assert view[0] == GROUP_VIEW_FORMAT and alone[0] == LAYOUT_FORMAT
         assert decode_config(view) == c.group_config(g)
         assert view[-1] == layout.numel > alone[-1]
-        n_sizes = len(alone) - len(ParamLayout(c.group_config(g)).segments) - 1
-        assert view[1:n_sizes] == alone[1:n_sizes]  # the same sizes, the whole network's offsets
+        one_group = ParamLayout(c.group_config(g))
+        n_sizes = len(alone) - len(one_group.segments) - 1
+        assert view[1:n_sizes] == alone[1:n_sizes]  # the same sizes ...
+        # ... and each segment's offset in the whole buffer: the trunk's (W_s*, b_s*) as they are,
+        # the heads' under the group's prefix
+        name_at = {offset: name for name, (offset, _) in one_group.segments.items()}
+        whole = [layout.segments[name if name.startswith(("W_s", "b_s")) else group_prefix(g) + name][0]
+                 for name in (name_at[offset] for offset in alone[n_sizes:-1])]
+        assert view[n_sizes:-1] == whole
     one = ParamLayout(c.group_config(0))
     assert one.encode() == one.encode(group=0)
 
