@@ -83,8 +83,7 @@ struct ActParams {
 // is the chosen action's mean.
 template <bool kQuantiles>
 __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActParams P, const BranchTable br) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   extern __shared__ float shared[];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int NA = P.atoms, D = br.per_member, E = br.count / br.per_member;

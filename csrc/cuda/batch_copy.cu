@@ -27,8 +27,7 @@ struct CopyJobs {
 };
 
 __global__ void load_batch_kernel(const CopyJobs jobs) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int j = blockIdx.y;
   const char* __restrict__ src = jobs.src[j];
   char* __restrict__ dst = jobs.dst[j];

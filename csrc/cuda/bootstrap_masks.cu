@@ -22,8 +22,7 @@ constexpr int kThreads = 256;
 
 __global__ void bootstrap_masks_kernel(const int64_t* __restrict__ indices, int64_t stride, int64_t members,
                                        int64_t total, uint64_t seed, double p, float* __restrict__ masks) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += step) {
     const int64_t b = i / members, e = i - b * members;

@@ -51,14 +51,12 @@ constexpr int kLoadsInFlight = 4;  // per thread, in the output-bias + dueling k
 // states -> BF16; the x4 version takes 4 elements a thread (16-byte loads) where n and both
 // pointers allow it.
 __global__ void cast_to_bf16_kernel(const float* __restrict__ in, __nv_bfloat16* __restrict__ out, int64_t n) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __float2bfloat16_rn(in[i]);
 }
 __global__ void cast_to_bf16_x4_kernel(const float4* __restrict__ in, uint2* __restrict__ out, int64_t n4) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
     const float4 v = in[i];
     out[i] = pack_bf16x4(v.x, v.y, v.z, v.w);
@@ -74,8 +72,7 @@ __device__ __forceinline__ float relu_keep_nan(float v) { return v < 0.f ? 0.f :
 __global__ void bias_relu_bf16_kernel(const float* __restrict__ z, const float* __restrict__ bias_lo,
                                       const float* __restrict__ bias_hi, int64_t split,
                                       __nv_bfloat16* __restrict__ out, int64_t rows, int64_t cols) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const RowGroup g = row_group(cols);
   if (g.idle) return;
   for (int64_t r = g.first_row; r < rows; r += g.row_stride) {
@@ -87,8 +84,7 @@ __global__ void bias_relu_bf16_kernel(const float* __restrict__ z, const float* 
 __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const float4* __restrict__ bias_lo,
                                          const float4* __restrict__ bias_hi, int64_t split,
                                          uint2* __restrict__ out, int64_t rows, int64_t cols4) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const RowGroup g = row_group(cols4);
   if (g.idle) return;
   for (int64_t r = g.first_row; r < rows; r += g.row_stride) {
@@ -113,8 +109,7 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
                                          const float* __restrict__ b_out, float* __restrict__ head,
                                          float* __restrict__ q, int64_t rows, int atoms, int64_t head_out,
                                          int total_actions, BranchTable branches, int64_t slots) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const RowGroup g = row_group(atoms);
   if (g.idle) return;
   const int value_heads = value_heads_of(branches);  // the members' value heads' atoms come first in `head`
@@ -167,11 +162,10 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
 // IQN's embedding input c[r, k] = bf16(cos(pi * k * tau[r])), r over the rows * N fractions:
 // the argument k * tau in F32, cospif (accurate to an ulp of F32) before the rounding to BF16. A
 // thread per column k (row_group), so no index needs a division (a 64-bit division and modulo
-// per element made this kernel compute-bound: 63 µs for 33.5 MB at B = 4096, N = 32).
+// per element make such a kernel compute-bound, not memory-bound).
 __global__ void iqn_cosines_kernel(const float* __restrict__ tau, __nv_bfloat16* __restrict__ c, int64_t fractions,
                                    int n) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const RowGroup g = row_group(n);
   if (g.idle) return;
   for (int64_t r = g.first_row; r < fractions; r += g.row_stride) {
@@ -187,8 +181,7 @@ __global__ void iqn_cosines_kernel(const float* __restrict__ tau, __nv_bfloat16*
 __global__ void iqn_phi_z_kernel(const float* __restrict__ pre, const float* __restrict__ b_phi,
                                  const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ phi,
                                  __nv_bfloat16* __restrict__ z, int64_t rows, int64_t cols, int64_t N) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const RowGroup g = row_group(cols);
   if (g.idle) return;
   for (int64_t r = g.first_row; r < rows; r += g.row_stride) {
@@ -203,8 +196,7 @@ __global__ void iqn_phi_z_kernel(const float* __restrict__ pre, const float* __r
 __global__ void iqn_phi_z_x4_kernel(const float4* __restrict__ pre, const float4* __restrict__ b_phi,
                                     const uint2* __restrict__ h, uint2* __restrict__ phi, uint2* __restrict__ z,
                                     int64_t rows, int64_t cols4, int64_t N) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const RowGroup g = row_group(cols4);
   if (g.idle) return;
   for (int64_t r = g.first_row; r < rows; r += g.row_stride) {

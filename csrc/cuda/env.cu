@@ -23,8 +23,7 @@ constexpr int kEnvThreads = 128;
 __global__ void futures_env_step_kernel(int64_t n, const int64_t* __restrict__ actions, float* __restrict__ state,
                                         int64_t* __restrict__ counters, float* __restrict__ ring,
                                         float* __restrict__ obs, float* __restrict__ info, const env::Params p) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= n) return;
   const env::StepOut out{obs + e * env::kStateDim, obs + (n + e) * env::kStateDim, info + e, info + n + e,
@@ -36,8 +35,7 @@ __global__ void futures_env_step_kernel(int64_t n, const int64_t* __restrict__ a
 __global__ void futures_env_reset_kernel(int64_t n, float* __restrict__ state, int64_t* __restrict__ counters,
                                          const float* __restrict__ ring, float* __restrict__ obs, float scale,
                                          float left) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= n) return;
   state[2 * n + e] = 0.0f;

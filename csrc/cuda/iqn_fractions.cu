@@ -26,8 +26,7 @@ constexpr int kThreads = 256;
 // Elements [0, batch * n) are tau (row-major), the next batch * n_target tau_target.
 __global__ void iqn_fractions_kernel(const int64_t* __restrict__ rng, int64_t batch, int64_t n, int64_t n_target,
                                      int64_t row_offset, float* __restrict__ tau, float* __restrict__ tau_target) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const uint64_t seed = static_cast<uint64_t>(rng[0]), call = static_cast<uint64_t>(rng[1]);
   const int64_t online = batch * n, total = online + batch * n_target;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;

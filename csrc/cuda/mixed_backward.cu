@@ -47,8 +47,7 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
                                         float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
                                         int64_t head_ld, int64_t rows, int atoms, int64_t head_out,
                                         int total_actions, BranchTable branches, int64_t slots) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const RowGroup grp = row_group(atoms);
   if (grp.idle) return;
   const int value_heads = value_heads_of(branches);  // the members' value heads' column blocks come first
@@ -114,8 +113,7 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
 // copy for the `bf16` GEMMs when d_bf16 is not null.
 __global__ void relu_backward_kernel(float* __restrict__ d, const __nv_bfloat16* __restrict__ h,
                                      __nv_bfloat16* __restrict__ d_bf16, int64_t n) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float g = __bfloat162float(h[i]) > 0.f ? d[i] : 0.f;
     d[i] = g;
@@ -125,8 +123,7 @@ __global__ void relu_backward_kernel(float* __restrict__ d, const __nv_bfloat16*
 // The same, 4 elements per thread (16-byte F32 and 8-byte BF16 accesses).
 __global__ void relu_backward_x4_kernel(float4* __restrict__ d, const uint2* __restrict__ h, uint2* __restrict__ d_bf16,
                                         int64_t n4) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
     const float4 m = unpack_bf16x4(h[i]), v = d[i];
     const float4 g = make_float4(m.x > 0.f ? v.x : 0.f, m.y > 0.f ? v.y : 0.f, m.z > 0.f ? v.z : 0.f,
@@ -145,8 +142,7 @@ __global__ void iqn_backward_kernel(const float* __restrict__ dz, const __nv_bfl
                                     const __nv_bfloat16* __restrict__ phi, float* __restrict__ dh,
                                     float* __restrict__ dP, __nv_bfloat16* __restrict__ dP_bf16, int64_t B,
                                     int64_t T, int64_t N) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < B * T; j += int64_t(gridDim.x) * blockDim.x) {
     const int64_t b = j / T, t = j % T;
     const float hv = __bfloat162float(h[j]);
@@ -172,8 +168,7 @@ struct UpcastJobs {
 };
 
 __global__ void upcast_kernel(UpcastJobs jobs) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int j = blockIdx.y;
   const __nv_bfloat16* src = jobs.src[j];
   float* dst = jobs.dst[j];
@@ -217,8 +212,7 @@ __device__ __forceinline__ int column_sum_job(const int64_t* first, int count, i
 }
 
 __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnSumJobs jobs) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   if (blockIdx.x == 0 && blockIdx.y == 0) {
     const int t = threadIdx.y * blockDim.x + threadIdx.x, n = blockDim.x * blockDim.y;
     for (int r = 0; r < jobs.zero_count; ++r)
@@ -252,8 +246,7 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnS
 }
 
 __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int64_t total = jobs.first_col[jobs.count];
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int j = column_sum_job(jobs.first_col, jobs.count, i);

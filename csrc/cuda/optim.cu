@@ -41,8 +41,7 @@ constexpr int kMaxNormBlocks = 1024;  // = partials; each update block folds the
 __global__ void __launch_bounds__(kThreads) sq_norm_partials_kernel(const float* __restrict__ g, int64_t n,
                                                                     double* __restrict__ scratch,
                                                                     const float* __restrict__ step) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   __shared__ double smem[kThreads];
   double s = 0.0;
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
@@ -69,8 +68,7 @@ __global__ void __launch_bounds__(kThreads) adam_update_kernel(
     __nv_bfloat16* __restrict__ mirror, int64_t n, const double* __restrict__ scratch, int num_partials,
     float* __restrict__ step, const float* __restrict__ lr, float beta1, float beta2, float eps, float weight_decay,
     bool decoupled, float max_grad_norm, float* __restrict__ grad_norm, float* __restrict__ found_inf) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   __shared__ double smem[kThreads];
   double s = 0.0;
   for (int i = threadIdx.x; i < num_partials; i += kThreads) s += scratch[i];
@@ -110,8 +108,7 @@ __global__ void __launch_bounds__(kThreads) adam_update_kernel(
 
 __global__ void __launch_bounds__(kThreads) ema_kernel(float* __restrict__ t, __nv_bfloat16* __restrict__ mirror,
                                                        const float* __restrict__ o, int64_t n, float tau) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   const int64_t n4 = n / 4;
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n4; i += stride) {

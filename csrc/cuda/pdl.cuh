@@ -1,16 +1,16 @@
 // Programmatic dependent launch (PDL, sm_90 and newer) for the kernels of csrc/cuda/.
 //
-// Why: the training step is one CUDA graph whose kernels form a chain (32 kernels a step at
-// B = 256), and a plain kernel-to-kernel edge serialises fully: the next kernel is launched only
-// once its predecessor has completed and flushed its memory, a gap of ~0.5 us plus ~1 us of
-// launch and ramp per edge. A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization
+// Why: the training step is one CUDA graph whose kernels form a chain of a few dozen, and a plain
+// kernel-to-kernel edge serialises fully: the next kernel is launched only once its predecessor
+// has completed and flushed its memory, so every edge pays a gap plus the next kernel's launch and
+// ramp. A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization
 // (stream capture records it as a programmatic graph edge) may be scheduled as soon as every block
 // of its predecessor has executed griddepcontrol.launch_dependents (or exited), and runs up to its
 // own griddepcontrol.wait while the predecessor finishes.
 //
 // The rule, in every kernel here: at the top of the body, before any global-memory read or write
-// (writes too: the predecessor may still be reading what this kernel overwrites), pdl_wait(); then
-// pdl_launch_dependents(). The wait returns once every prerequisite grid has completed and its
+// (writes too: the predecessor may still be reading what this kernel overwrites), pdl_enter():
+// pdl_wait(), then pdl_launch_dependents(). The wait returns once every prerequisite grid has completed and its
 // writes are visible, so the trigger's place does not matter for correctness: it lets the
 // dependent grid onto free SMs early, where it blocks in its own pdl_wait() until this grid has
 // completed. Threads that return early (idle threads, a block that is not the last one) wait
@@ -64,6 +64,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
+}
+
+// The top of every kernel's body (the rule above): wait for the predecessors, then let the
+// dependents be scheduled.
+__device__ __forceinline__ void pdl_enter() {
+  pdl_wait();
+  pdl_launch_dependents();
 }
 
 namespace pdl {

@@ -24,8 +24,7 @@ struct RecordValues {
 __global__ void record_step_kernel(float* __restrict__ ring, int64_t rows, int64_t* __restrict__ slot,
                                    float* __restrict__ flag, const RecordValues values,
                                    const float* __restrict__ non_finite) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int64_t row = ((slot[0] % rows) + rows) % rows;  // a foreign slot wraps, never writes out of bounds
   for (int i = 0; i < values.count; ++i) ring[row * values.count + i] = *values.ptr[i];
   slot[0] = (row + 1) % rows;

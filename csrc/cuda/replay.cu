@@ -107,8 +107,7 @@ struct Rows {
 __global__ void __launch_bounds__(kThreads) add_kernel(Storage s, TreeRefs t, bool prioritized,
                                                        int64_t* __restrict__ cursor, int* __restrict__ counter,
                                                        Rows rows) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int lane = threadIdx.x % 32;
   const int64_t w = wrapped_cursor(cursor, s.C);
   for (int64_t k = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; k < rows.n; k += int64_t(gridDim.x) * kWarps) {
@@ -173,8 +172,7 @@ __device__ __forceinline__ bool flag_at(const void* p, bool is_bool, int64_t e) 
 // counts into each env's first row (an exclusive scan in env order) and the total.
 __global__ void __launch_bounds__(kThreads) window_kernel(Window win, Step step, int64_t SD, int64_t D,
                                                           int* __restrict__ counter) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int lane = threadIdx.x % 32;
   for (int64_t e = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; e < win.E; e += int64_t(gridDim.x) * kWarps) {
     const int64_t start = win.pos[2 * e], len = win.pos[2 * e + 1], slot = (start + len) % win.n;
@@ -219,8 +217,7 @@ __global__ void __launch_bounds__(kThreads) window_kernel(Window win, Step step,
 __global__ void __launch_bounds__(kThreads) emit_kernel(Storage s, TreeRefs t, bool prioritized, Window win,
                                                         Step step, double gamma, int64_t* __restrict__ cursor,
                                                         int* __restrict__ counter) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int lane = threadIdx.x % 32;
   const int64_t w = wrapped_cursor(cursor, s.C), n = win.n;
   for (int64_t e = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; e < win.E; e += int64_t(gridDim.x) * kWarps) {
@@ -301,8 +298,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Storage s, TreeRefs t,
                                                           const int64_t* __restrict__ cursor,
                                                           const float* __restrict__ beta, int64_t* __restrict__ rng,
                                                           int* __restrict__ counter, Out out) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   const int lane = threadIdx.x % 32;
   const uint64_t seed = static_cast<uint64_t>(rng[0]), call = static_cast<uint64_t>(rng[1]);
   int64_t size = cursor[1];
@@ -360,8 +356,7 @@ __global__ void __launch_bounds__(kUpdateThreads) update_kernel(TreeRefs t, cons
                                                                 const int64_t* __restrict__ indices,
                                                                 const float* __restrict__ td, int64_t K, double alpha,
                                                                 double eps, unsigned long long* __restrict__ skipped) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   __shared__ unsigned long long bad;
   __shared__ int most;
   __shared__ unsigned claimed[kDedupBits / 32];

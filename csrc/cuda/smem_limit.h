@@ -3,9 +3,7 @@
 // The device's per-block limit, less the kernel's own static shared memory as the compiler laid
 // it out (cudaFuncGetAttributes' sharedSizeBytes). Not the sum of the kernel's __shared__
 // objects: the dynamic array's alignment pads past it, and a limit computed from that sum is
-// refused (cudaFuncSetAttribute) or lets a launch through that the runtime then refuses (both
-// were bugs here: a loss kernel's staging area of 48,881 to 49,152 bytes, the tile forward's
-// opt-in limit 112 bytes too high).
+// refused (cudaFuncSetAttribute) or lets a launch through that the runtime then refuses.
 //   - SmemLimit::kDefault: the limit without an opt-in (cudaDevAttrMaxSharedMemoryPerBlock, 48
 //     KiB), and no more than the kernel's maxDynamicSharedSizeBytes.
 //   - SmemLimit::kOptIn: the opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin), the value

@@ -108,8 +108,7 @@ __global__ void __launch_bounds__(kThreads)
                          float* __restrict__ sq_u, int iterations, float eps) {
   // No-ops under the cooperative launch (launch_cooperative: no PDL attribute); kept so that the
   // rule of pdl.cuh holds in every kernel, and the trigger still lets the next kernel start early.
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   __shared__ float smem[kWarps * kChunkCols];  // >= kThreads
   cg::grid_group grid = cg::this_grid();
   const int tid = threadIdx.x;
@@ -289,8 +288,7 @@ __global__ void __launch_bounds__(kThreads)
                                  __nv_bfloat16* __restrict__ mirror, float* __restrict__ u_all,
                                  float* __restrict__ v_all, float* __restrict__ sigma, int iterations, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   extern __shared__ float dyn[];
   namespace cgx = cooperative_groups;
   cgx::cluster_group cluster = cgx::this_cluster();

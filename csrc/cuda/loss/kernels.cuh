@@ -377,8 +377,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
                                                   : kQuantiles ? kQuantileMinBlocks
                                                                : 1)
     dqn_loss_kernel(const __grid_constant__ BranchTable br, const LossParams P) {
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_enter();
   constexpr bool kDueling = kRows == LossRows::kHeadDueling;
   static_assert(!reads_head(kRows) || kSmallAtoms, "the fused loss runs the <= 64-atom version");
   static_assert(!kRowsInRegisters || kSmallAtoms, "rows in registers: the <= 64-atom version");
