@@ -29,9 +29,10 @@ def _test_shard() -> tuple[int, int] | None:
         return None
     try:
         i, n = (int(x) for x in spec.split("/"))
+        valid = 0 <= i < n
     except ValueError:
-        raise pytest.UsageError(f'DQN_OPS_TEST_SHARD must be "i/n" with 0 <= i < n, got {spec!r}') from None
-    if not 0 <= i < n:
+        valid = False
+    if not valid:
         raise pytest.UsageError(f'DQN_OPS_TEST_SHARD must be "i/n" with 0 <= i < n, got {spec!r}')
     return i, n
 
