@@ -15,6 +15,9 @@ Writes ``<out>/step-ab.{json,md}``: per batch size, the median over the rounds o
 The base may be this tree itself under other environment variables (a switch read at run time):
 
     python3 scripts/bench_ab.py --base . --base-env DQN_OPS_PDL=0 --name step-ab-pdl --out bench/results
+
+``--network`` times another network of scripts/bench_networks.py (its trainer settings
+included) than the reference one; the base must have the features that network uses.
 """
 import argparse
 import json
@@ -32,15 +35,21 @@ TIMING = r"""
 import json, sys, torch, dqn_ops
 from bench_common import time_us
 from dqn_ops import DQNConfig, Trainer, TrainerConfig
-B, iters, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-c = DQNConfig()
+B, iters, repeats, network = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+if network == "reference":  # what any base has
+    c, trainer_kw = DQNConfig(), {}
+else:
+    from bench_networks import NETWORKS
+    c, trainer_kw = NETWORKS[network]
 g = torch.Generator(device="cuda").manual_seed(B)
 batch = dict(states=torch.randn(B, c.state_dim, device="cuda", generator=g),
              next_states=torch.randn(B, c.state_dim, device="cuda", generator=g),
              actions=torch.stack([torch.randint(0, n, (B,), device="cuda", generator=g) for n in c.branches], 1),
              rewards=torch.randn(B, device="cuda", generator=g),
              dones=(torch.rand(B, device="cuda", generator=g) < 0.05).float())
-t = Trainer(c, TrainerConfig(batch_size=B, on_non_finite="flag"), device="cuda", seed=0)
+if network != "reference":  # replay rows: an ensemble's bootstrap masks
+    batch["indices"] = torch.randint(0, 1 << 20, (B,), device="cuda", generator=g)
+t = Trainer(c, TrainerConfig(batch_size=B, on_non_finite="flag", **trainer_kw), device="cuda", seed=0)
 t.step(batch)
 for _ in range(10):
     t.step()
@@ -50,11 +59,11 @@ print(json.dumps(dict(us=us, dqn_ops=dqn_ops.__file__)))
 """
 
 
-def time_tree(tree, B, iters, repeats, extra_env=None):
+def time_tree(tree, B, iters, repeats, network="reference", extra_env=None):
     # the tree's dqn_ops first; this tree's scripts/ for the timing helper both trees share
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), HERE]), **(extra_env or {}))
-    out = subprocess.run([sys.executable, "-c", TIMING, str(B), str(iters), str(repeats)], env=env, cwd=tree,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", TIMING, str(B), str(iters), str(repeats), network], env=env,
+                         cwd=tree, capture_output=True, text=True, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     expected = os.path.join(os.path.abspath(tree), "dqn_ops")
     if not result["dqn_ops"].startswith(expected):
@@ -70,12 +79,19 @@ def main():
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--base-env", nargs="+", default=[], metavar="KEY=VALUE",
                     help="environment variables of the base's processes only")
+    ap.add_argument("--network", default="reference",
+                    help="a network of scripts/bench_networks.py (default: the reference one)")
     ap.add_argument("--name", default="step-ab", help="the result files' stem")
     ap.add_argument("--out", default=os.path.join(ROOT, "gpu_out"))
     args = ap.parse_args()
     bad = [kv for kv in args.base_env if "=" not in kv or kv.startswith("=")]
     if bad:
         ap.error(f"--base-env takes KEY=VALUE pairs, got {bad}")
+    if args.network != "reference":
+        sys.path.insert(0, HERE)
+        from bench_networks import NETWORKS
+        if args.network not in NETWORKS:
+            ap.error(f"--network: one of {sorted(NETWORKS)}, got {args.network!r}")
     base_env = dict(kv.split("=", 1) for kv in args.base_env)
     sys.path.insert(0, ROOT)
     import torch
@@ -90,19 +106,21 @@ def main():
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))  # neither always goes first
             for name in order:
-                times[name].append(time_tree(trees[name], B, args.iters, 3, base_env if name == "base" else None))
+                times[name].append(time_tree(trees[name], B, args.iters, 3, args.network,
+                                             base_env if name == "base" else None))
         med = {name: statistics.median(v) for name, v in times.items()}
         rows.append(dict(batch=B, base_us=round(med["base"], 2), new_us=round(med["new"], 2),
                          ratio=round(med["new"] / med["base"], 4), base_all=times["base"], new_all=times["new"]))
         print(f"B={B:6d}  base {med['base']:8.1f} us  new {med['new']:8.1f} us  new/base {med['new'] / med['base']:.3f}",
               flush=True)
     meta = run_meta("cuda" if torch.cuda.is_available() else "cpu", base=os.path.abspath(args.base),
-                    base_env=base_env, rounds=args.rounds, iters=args.iters)
+                    base_env=base_env, rounds=args.rounds, iters=args.iters, network=args.network)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, args.name + ".json"), "w") as f:
         dump_json(dict(meta=meta, rows=rows), f)
     base_name = "base" + (" (" + ", ".join(args.base_env) + ")" if base_env else "")
-    lines = [f"# Graphed step, {base_name} vs new tree — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
+    lines = [f"# Graphed step of the {args.network} network, {base_name} vs new tree — {meta['device']}, "
+             f"torch {meta['torch']}, {meta['date']}", "",
              f"Median of {args.rounds} alternating rounds (each the median of 3 x {args.iters} steps).", "",
              "| B | base µs | new µs | new / base |", "|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['base_us']} | {r['new_us']} | {r['ratio']:.3f} |" for r in rows]
