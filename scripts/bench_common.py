@@ -34,13 +34,19 @@ def time_us(fn, iters, repeats, warmup=5, device=None):
 
 def graphed(fn):
     """fn captured once in a CUDA graph, as the trainer captures its step (dqn_ops.graphed.CapturedStep:
-    warm-up on a side stream, then the capture); returns the graph's replay."""
+    warm-up on a side stream, then the capture); returns the graph's replay, which keeps fn alive,
+    and so the tensors it closes over: the graph replays their addresses but does not own memory
+    allocated outside its capture."""
     from dqn_ops.graphed import CapturedStep
 
     step = CapturedStep(fn, torch.device("cuda", torch.cuda.current_device()))
     while not step.graphed:
         step()
-    return step.graph.replay
+
+    def replay():
+        step.graph.replay()
+
+    return replay
 
 
 def kernels_per_call(fn):

@@ -1,0 +1,42 @@
+"""scripts/bench_common.py's helpers that the benchmarks time with."""
+import gc
+import os
+import sys
+import weakref
+
+import torch
+
+from conftest import requires_cuda
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from bench_common import graphed  # noqa: E402
+
+
+def doubling():
+    """fn: y = 2 x, x held by fn's closure only; y; a weak reference to x."""
+    x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")  # a segment of its own
+    y = torch.empty_like(x)
+
+    def fn():
+        y.copy_(x * 2)
+
+    return fn, y, weakref.ref(x)
+
+
+@requires_cuda
+def test_a_graphed_replay_keeps_what_it_reads_alive():
+    """The replay graphed() returns holds the captured function, and so the tensors it closes
+    over: a caller that keeps only the replay must not have the graph's inputs freed under it."""
+    fn, y, x_alive = doubling()
+    replay = graphed(fn)
+    del fn
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert x_alive() is not None, "the graph's input was freed while its replay was still held"
+    y.zero_()
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.arange(1 << 20, dtype=torch.float32, device="cuda") * 2)
+    del replay
+    gc.collect()
+    assert x_alive() is None, "the replay, once dropped, should let its input go"
