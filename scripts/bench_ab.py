@@ -36,19 +36,21 @@ import json, sys, torch, dqn_ops
 from bench_common import time_us
 from dqn_ops import DQNConfig, Trainer, TrainerConfig
 B, iters, repeats, network = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-if network == "reference":  # what any base has
+if network == "reference":
+    # Written out, not bench.random_batch: this tree's bench.py imports parts of dqn_ops an older
+    # base may lack (dqn_ops.step, dqn_ops.rl.baseline).
     c, trainer_kw = DQNConfig(), {}
-else:
+    g = torch.Generator(device="cuda").manual_seed(B)
+    batch = dict(states=torch.randn(B, c.state_dim, device="cuda", generator=g),
+                 next_states=torch.randn(B, c.state_dim, device="cuda", generator=g),
+                 actions=torch.stack([torch.randint(0, n, (B,), device="cuda", generator=g) for n in c.branches], 1),
+                 rewards=torch.randn(B, device="cuda", generator=g),
+                 dones=(torch.rand(B, device="cuda", generator=g) < 0.05).float())
+else:  # the base has the network's features (--network's help), bench.py's imports included
+    from bench import random_batch
     from bench_networks import NETWORKS
     c, trainer_kw = NETWORKS[network]
-g = torch.Generator(device="cuda").manual_seed(B)
-batch = dict(states=torch.randn(B, c.state_dim, device="cuda", generator=g),
-             next_states=torch.randn(B, c.state_dim, device="cuda", generator=g),
-             actions=torch.stack([torch.randint(0, n, (B,), device="cuda", generator=g) for n in c.branches], 1),
-             rewards=torch.randn(B, device="cuda", generator=g),
-             dones=(torch.rand(B, device="cuda", generator=g) < 0.05).float())
-if network != "reference":  # replay rows: an ensemble's bootstrap masks
-    batch["indices"] = torch.randint(0, 1 << 20, (B,), device="cuda", generator=g)
+    batch = random_batch(c, B, "cuda")
 t = Trainer(c, TrainerConfig(batch_size=B, on_non_finite="flag", **trainer_kw), device="cuda", seed=0)
 t.step(batch)
 for _ in range(10):

@@ -10,10 +10,10 @@
 //
 // The rule, in every kernel here: at the top of the body, before any global-memory read or write
 // (writes too: the predecessor may still be reading what this kernel overwrites), pdl_enter():
-// pdl_wait(), then pdl_launch_dependents(). The wait returns once every prerequisite grid has completed and its
-// writes are visible, so the trigger's place does not matter for correctness: it lets the
-// dependent grid onto free SMs early, where it blocks in its own pdl_wait() until this grid has
-// completed. Threads that return early (idle threads, a block that is not the last one) wait
+// pdl_wait(), then pdl_launch_dependents(). The wait returns once every prerequisite grid has
+// completed and its writes are visible, so the trigger's place does not matter for correctness: it
+// lets the dependent grid onto free SMs early, where it blocks in its own pdl_wait() until this
+// grid has completed. Threads that return early (idle threads, a block that is not the last one) wait
 // first too. As every kernel waits before it touches memory, and a grid completes only after all
 // of its threads, completion is transitive along the chain: a kernel past its wait sees the writes
 // of every kernel before it, not only of its direct predecessor. Device helpers need no wait of
