@@ -16,7 +16,11 @@
 #include "fused_loss_limits.h"
 #include "iqn_fractions_args.h"
 #include "loss_args.h"
+#include "side_streams.h"
 #include "spectral_args.h"
+#ifdef DQN_OPS_WITH_CUDA
+#include "cuda/side_stream.h"
+#endif
 
 // `import dqn_ops._C` loads this library, whose static initialisers register the ops. The
 // module also carries the limits the Python side chooses a path by:
@@ -24,10 +28,58 @@
 //     _dqn_loss_on_logits runs as the single fused kernel on CUDA (csrc/fused_loss_limits.h);
 //   LOSS_CUDA_MAX_ATOMS: the most atoms (C51) or quantiles (QR) the CUDA loss takes (csrc/loss_args.h);
 //   IQN_MAX_FRACTIONS: the most fractions per row of each set iqn_fractions draws (csrc/iqn_fractions_args.h);
+// the side streams (csrc/side_streams.h; dqn_ops/side_stream.py wraps them):
+//   _side_streams_enabled() -> bool, _set_side_streams(bool) -> the previous setting;
+//   _side_stream(device index, current stream as an int, lane >= 1) -> the side stream of that
+//     device, stream and lane for the calling thread, as an int (csrc/cuda/side_stream.h; lane 0
+//     is the ops' own); RuntimeError in a build without the CUDA kernels;
 // and one test hook, not part of the API:
 //   _set_spectral_strategy(name) -> previous name: "auto" (the default) or "cooperative" (every
 //     matrix of batched_spectral_norm on CUDA takes the cooperative strategy; csrc/spectral_args.h).
 namespace {
+// A c10::Error (an invalid DQN_OPS_* setting, a failed CUDA call) as a Python RuntimeError.
+template <class F>
+PyObject* raising_runtime_error(F&& f) {
+  try {
+    return f();
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
+
+PyObject* side_streams_enabled_py(PyObject* /*self*/, PyObject* /*args*/) {
+  return raising_runtime_error([] { return PyBool_FromLong(dqn_ops::side_streams_enabled()); });
+}
+
+PyObject* set_side_streams_py(PyObject* /*self*/, PyObject* args) {
+  int on = 0;
+  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+  return raising_runtime_error([on] { return PyBool_FromLong(dqn_ops::set_side_streams(on != 0)); });
+}
+
+PyObject* side_stream_py(PyObject* /*self*/, PyObject* args) {
+  int device = 0, lane = 0;
+  PyObject* stream = nullptr;
+  if (!PyArg_ParseTuple(args, "iO!i", &device, &PyLong_Type, &stream, &lane)) return nullptr;
+  const unsigned long long current = PyLong_AsUnsignedLongLong(stream);  // OverflowError if negative
+  if (PyErr_Occurred()) return nullptr;
+  if (lane < 1) {
+    PyErr_SetString(PyExc_ValueError, "_side_stream: lane must be >= 1 (lane 0 is the ops' own)");
+    return nullptr;
+  }
+#ifdef DQN_OPS_WITH_CUDA
+  return raising_runtime_error([&] {
+    const dqn_ops::cuda::SideStreamSlot slot = dqn_ops::cuda::side_stream_slot(
+        static_cast<c10::DeviceIndex>(device), reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(current)), lane);
+    return PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(slot.stream)));
+  });
+#else
+  PyErr_SetString(PyExc_RuntimeError, "_side_stream: dqn_ops was built without its CUDA kernels");
+  return nullptr;
+#endif
+}
+
 PyObject* set_spectral_strategy_py(PyObject* /*self*/, PyObject* args) {
   const char* name = nullptr;
   if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
@@ -36,18 +88,22 @@ PyObject* set_spectral_strategy_py(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "_set_spectral_strategy: expected 'auto' or 'cooperative'");
     return nullptr;
   }
-  try {
+  // Raises when DQN_OPS_SPECTRAL_STRATEGY holds an unknown name.
+  return raising_runtime_error([strategy] {
     return PyUnicode_FromString(dqn_ops::spectral_strategy_name(dqn_ops::set_spectral_strategy(strategy)));
-  } catch (const c10::Error& e) {  // DQN_OPS_SPECTRAL_STRATEGY holds an unknown name
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-    return nullptr;
-  }
+  });
 }
 }  // namespace
 
 extern "C" {
 PyObject* PyInit__C(void) {
   static PyMethodDef methods[] = {
+      {"_side_streams_enabled", side_streams_enabled_py, METH_NOARGS,
+       "Whether the ops and steps run independent work on side streams (dqn_ops.side_stream)."},
+      {"_set_side_streams", set_side_streams_py, METH_VARARGS,
+       "Turns the side streams on or off for the process; returns the previous setting."},
+      {"_side_stream", side_stream_py, METH_VARARGS,
+       "The side stream (an int cudaStream_t) of (device index, current stream, lane >= 1) for this thread."},
       {"_set_spectral_strategy", set_spectral_strategy_py, METH_VARARGS,
        "Test hook: batched_spectral_norm's CUDA strategy, 'auto' or 'cooperative'; returns the previous one."},
       {nullptr, nullptr, 0, nullptr}};

@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import ops
+from . import ops, side_stream
 from .layout import DQNConfig
 
 # Up to this batch size the online and target networks' hidden layers run as one batched GEMM
@@ -212,10 +212,16 @@ class PublicOpsStep(_Step):
         if fractions is not None:  # IQN: s at tau, s' at the midpoints (the next action's), the target at tau'
             tau, target_fractions = fractions
             online_fractions = torch.cat([tau, quantile_midpoints(tau.shape[1], tau).expand(B, -1)])
-        online = ops.bf16_dueling_forward(state_pairs, p.online, p.online_bf16, p.layout, self.precision,
-                                          online_fractions)
-        q_next_target = ops.bf16_dueling_forward(state_pairs[B:], p.target, p.target_bf16, p.layout,
-                                                 self.precision, target_fractions).q_logits
+        # The target's pass beside the online one's (dqn_ops.side_stream): neither reads the other.
+        branch = side_stream.Branch(state_pairs.device, side_stream.LANE_STEP)
+        try:
+            with branch:
+                q_next_target = ops.bf16_dueling_forward(state_pairs[B:], p.target, p.target_bf16, p.layout,
+                                                         self.precision, target_fractions).q_logits
+            online = ops.bf16_dueling_forward(state_pairs, p.online, p.online_bf16, p.layout, self.precision,
+                                              online_fractions)
+        finally:
+            branch.join()
         return PublicForward(online, q_next_target)
 
     def _activations(self, fwd: PublicForward):
@@ -270,8 +276,18 @@ class GroupsStep:
         for what, given in (("masks", masks), ("fractions", fractions)):
             if len(given) != G:
                 raise ValueError(f"GroupsStep: {what} must have one entry per head group ({G}), got {len(given)}")
-        outs = [step(state_pairs, actions, rewards, dones, weights, m, f)
-                for step, m, f in zip(self.groups, masks, fractions)]
+        # Group g >= 1 beside group 0 on a side stream of its own (dqn_ops.side_stream): the groups'
+        # steps read the same inputs and write their own outputs.
+        branches = [side_stream.Branch(state_pairs.device, side_stream.group_lane(g)) for g in range(1, G)]
+        outs = [None] * G
+        try:
+            for g in range(1, G):
+                with branches[g - 1]:
+                    outs[g] = self.groups[g](state_pairs, actions, rewards, dones, weights, masks[g], fractions[g])
+            outs[0] = self.groups[0](state_pairs, actions, rewards, dones, weights, masks[0], fractions[0])
+        finally:
+            for branch in branches:
+                branch.join()
         loss, grad = outs[0].loss, outs[0].grad
         for w, out in zip(self.weights[1:], outs[1:]):
             loss = loss + w * out.loss

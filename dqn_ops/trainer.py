@@ -29,7 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import ops
+from . import ops, side_stream
 from .graphed import CapturedStep, on_device
 from .layout import DQNConfig, check_bool, check_choice, check_float, check_int
 from .network import DuelingBranchQNet
@@ -362,12 +362,19 @@ class Trainer:
             grad.mul_(1.0 / self.world_size)
         p.grad = grad
         self.optimizer.step()  # clip + Adam + BF16 mirror; skipped on the device when non-finite
-        if self.spectral is not None:
-            self.spectral()
-        ops.ema_update(self.target.flat_params, self.target.params_bf16, p, cfg.tau)
-        self.td_error.copy_(out.td_error)
-        found_inf = self.optimizer.found_inf
-        self.stats.record([out.loss, self.optimizer.grad_norm, out.mean_q, found_inf], found_inf)
+        # The TD errors and the readback row beside spectral norm and the EMA (dqn_ops.side_stream):
+        # they read the step's outputs and the optimizer's, which those two do not write.
+        tail = side_stream.Branch(self.device, side_stream.LANE_STEP)
+        try:
+            with tail:
+                self.td_error.copy_(out.td_error)
+                found_inf = self.optimizer.found_inf
+                self.stats.record([out.loss, self.optimizer.grad_norm, out.mean_q, found_inf], found_inf)
+            if self.spectral is not None:
+                self.spectral()
+            ops.ema_update(self.target.flat_params, self.target.params_bf16, p, cfg.tau)
+        finally:
+            tail.join()
 
     def bootstrap_masks(self, indices: Tensor, group: int = 0) -> Tensor:
         """The bootstrap masks [B, E] this trainer's loss takes for transitions at the replay rows

@@ -12,9 +12,11 @@ names, so each timing runs in a process of its own, with that tree first on ``PY
 Writes ``<out>/step-ab.{json,md}``: per batch size, the median over the rounds of each tree's
 µs per step (``Trainer.step()`` replaying its CUDA graph on a fixed batch), and new / base.
 
-The base may be this tree itself under other environment variables (a switch read at run time):
+The base may be this tree itself under other environment variables (a switch read at run time),
+and the new tree's processes may take some of their own (a switch that is off by default):
 
     python3 scripts/bench_ab.py --base . --base-env DQN_OPS_PDL=0 --name step-ab-pdl --out bench/results
+    python3 scripts/bench_ab.py --base . --new-env DQN_OPS_SIDE_STREAM=1 --name step-ab-side-stream
 
 ``--network`` times another network of scripts/bench_networks.py (its trainer settings
 included) than the reference one; the base must have the features that network uses.
@@ -81,20 +83,23 @@ def main():
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--base-env", nargs="+", default=[], metavar="KEY=VALUE",
                     help="environment variables of the base's processes only")
+    ap.add_argument("--new-env", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="environment variables of the new tree's processes only")
     ap.add_argument("--network", default="reference",
                     help="a network of scripts/bench_networks.py (default: the reference one)")
     ap.add_argument("--name", default="step-ab", help="the result files' stem")
     ap.add_argument("--out", default=os.path.join(ROOT, "gpu_out"))
     args = ap.parse_args()
-    bad = [kv for kv in args.base_env if "=" not in kv or kv.startswith("=")]
-    if bad:
-        ap.error(f"--base-env takes KEY=VALUE pairs, got {bad}")
+    for flag, pairs in (("--base-env", args.base_env), ("--new-env", args.new_env)):
+        bad = [kv for kv in pairs if "=" not in kv or kv.startswith("=")]
+        if bad:
+            ap.error(f"{flag} takes KEY=VALUE pairs, got {bad}")
     if args.network != "reference":
         sys.path.insert(0, HERE)
         from bench_networks import NETWORKS
         if args.network not in NETWORKS:
             ap.error(f"--network: one of {sorted(NETWORKS)}, got {args.network!r}")
-    base_env = dict(kv.split("=", 1) for kv in args.base_env)
+    env = dict(base=dict(kv.split("=", 1) for kv in args.base_env), new=dict(kv.split("=", 1) for kv in args.new_env))
     sys.path.insert(0, ROOT)
     import torch
 
@@ -108,20 +113,22 @@ def main():
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))  # neither always goes first
             for name in order:
-                times[name].append(time_tree(trees[name], B, args.iters, 3, args.network,
-                                             base_env if name == "base" else None))
+                times[name].append(time_tree(trees[name], B, args.iters, 3, args.network, env[name]))
         med = {name: statistics.median(v) for name, v in times.items()}
         rows.append(dict(batch=B, base_us=round(med["base"], 2), new_us=round(med["new"], 2),
                          ratio=round(med["new"] / med["base"], 4), base_all=times["base"], new_all=times["new"]))
         print(f"B={B:6d}  base {med['base']:8.1f} us  new {med['new']:8.1f} us  new/base {med['new'] / med['base']:.3f}",
               flush=True)
     meta = run_meta("cuda" if torch.cuda.is_available() else "cpu", base=os.path.abspath(args.base),
-                    base_env=base_env, rounds=args.rounds, iters=args.iters, network=args.network)
+                    base_env=env["base"], new_env=env["new"], rounds=args.rounds, iters=args.iters,
+                    network=args.network)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, args.name + ".json"), "w") as f:
         dump_json(dict(meta=meta, rows=rows), f)
-    base_name = "base" + (" (" + ", ".join(args.base_env) + ")" if base_env else "")
-    lines = [f"# Graphed step of the {args.network} network, {base_name} vs new tree — {meta['device']}, "
+    def named(name, pairs):
+        return name + (" (" + ", ".join(pairs) + ")" if pairs else "")
+    lines = [f"# Graphed step of the {args.network} network, {named('base', args.base_env)} vs "
+             f"{named('new tree', args.new_env)} — {meta['device']}, "
              f"torch {meta['torch']}, {meta['date']}", "",
              f"Median of {args.rounds} alternating rounds (each the median of 3 x {args.iters} steps).", "",
              "| B | base µs | new µs | new / base |", "|---|---|---|---|"]

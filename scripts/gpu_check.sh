@@ -25,6 +25,8 @@
 #   SOAK=1 bash scripts/gpu_check.sh             # also scripts/soak.py (100,000 graphed + 10,000 eager steps)
 #   AB_BASE=.base bash scripts/gpu_check.sh      # also the graphed step of the tree in .base vs this one, timed
 #       alternately (scripts/bench_ab.py); make .base first: git archive <commit> csrc dqn_ops scripts setup.py | tar -x -C .base
+#   AB_BASE=. AB_ARGS="--new-env DQN_OPS_SIDE_STREAM=1 --name step-ab-side-stream" bash scripts/gpu_check.sh
+#       # this tree against itself under a run-time switch (no second build)
 # Sanitizers: scripts/verify_gpu.sh.
 #
 # Training runs go to $OUT/runs.tar.gz (metrics.csv, summary.json, learning_curve.png; not the checkpoints),
@@ -43,7 +45,8 @@ source "$(dirname "$0")/gpu_common.sh"
 cat "$OUT/env.txt"
 
 echo "== build"
-if [ -n "${AB_BASE:-}" ]; then  # the base tree builds beside this one (the machine has the cores for both)
+# The base tree builds beside this one (the machine has the cores for both), unless it is this one.
+if [ -n "${AB_BASE:-}" ] && [ "$(realpath "$AB_BASE")" != "$(realpath .)" ]; then
   (cd "$AB_BASE" && MAX_JOBS=8 $PY setup.py build_ext --inplace > "$OUT/build-base.log" 2>&1) &
   base_build=$!
 fi
@@ -52,7 +55,7 @@ $PY -c "import dqn_ops; assert dqn_ops.cuda_kernels_built(), 'built without CUDA
 
 if [ -n "${AB_BASE:-}" ]; then  # before the tests: the machine is otherwise idle
   echo "== base vs this tree, graphed step (scripts/bench_ab.py)"
-  if wait "$base_build"; then
+  if [ -z "${base_build:-}" ] || wait "$base_build"; then
     $PY scripts/bench_ab.py --base "$AB_BASE" --out "$OUT" ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" | tail -6
   else
     tail -30 "$OUT/build-base.log"; echo "BASE BUILD FAILED"

@@ -39,6 +39,7 @@
 #include "gemm.cuh"
 #include "network_args.h"
 #include "pdl.cuh"
+#include "side_stream.h"
 
 namespace dqn_ops {
 namespace cuda {
@@ -309,11 +310,11 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
 // (contiguous): its GEMM results, no bias, in the padded layout [rows, head_ld].
 // Block-diagonal: each head reads its column slice of `in` (with H = 0 all of it: the heads'
 // in_col_stride is 0) and writes its column slice of the padded logits; each group of
-// same-shape heads (the branch heads, when they can) as one batched GEMM.
-Tensor output_logits(const char* op, const Tensor& in, const __nv_bfloat16* w, const NetLayout& L,
-                     const at::TensorOptions& f32) {
+// same-shape heads (the branch heads, when they can) as one batched GEMM. `logits`: [rows,
+// head_ld] F32, written (output_logits allocates it).
+void output_logits_into(const char* op, const Tensor& in, const __nv_bfloat16* w, const NetLayout& L,
+                        const Tensor& logits) {
   const int64_t rows = in.size(0);
-  Tensor logits = at::empty({rows, L.head_ld}, f32);
   const auto* in_ptr = static_cast<const __nv_bfloat16*>(in.data_ptr());
   for (const HeadGroup& g : head_groups(L)) {
     const HeadSlice& s = g.first;
@@ -325,6 +326,12 @@ Tensor output_logits(const char* op, const Tensor& in, const __nv_bfloat16* w, c
                          logits.data_ptr<float>() + s.pad_col, CUDA_R_32F, L.head_ld, g.pad_col_stride, g.count,
                          CUBLAS_COMPUTE_32F);
   }
+}
+
+Tensor output_logits(const char* op, const Tensor& in, const __nv_bfloat16* w, const NetLayout& L,
+                     const at::TensorOptions& f32) {
+  Tensor logits = at::empty({in.size(0), L.head_ld}, f32);
+  output_logits_into(op, in, w, L, logits);
   return logits;
 }
 
@@ -437,8 +444,16 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> online_and_target_logits_cuda(
     on = std::move(hidden_layers(op, x, {online}, L, f32, stream, 0, L.hidden.size())[0]);
     tgt = std::move(hidden_layers(op, x.narrow(0, B, B), {target}, L, f32, stream, 0, L.hidden.size())[0]);
   }
+  // The target's output layer beside the online one's (csrc/cuda/side_stream.h); its logits are
+  // allocated here, on the current stream.
+  Tensor logits_next_target = at::empty({B, L.head_ld}, f32);
+  SideStream side(state_pairs.device());
+  side.fork();
+  side.run([&] {
+    output_logits_into(op, tgt.back().narrow(0, tgt.back().size(0) - B, B), target.w, L, logits_next_target);
+  });
   Tensor logits = output_logits(op, on.back(), online.w, L, f32);
-  Tensor logits_next_target = output_logits(op, tgt.back().narrow(0, tgt.back().size(0) - B, B), target.w, L, f32);
+  side.join();
   std::vector<Tensor> activations = {x};
   for (Tensor& h : on) activations.push_back(std::move(h));
   return {logits, logits_next_target, std::move(activations)};

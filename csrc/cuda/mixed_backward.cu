@@ -28,6 +28,7 @@
 #include "gemm.cuh"
 #include "network_args.h"
 #include "pdl.cuh"
+#include "side_stream.h"
 
 namespace dqn_ops {
 namespace cuda {
@@ -338,7 +339,9 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   // output layer's blocks) from dY, the gradient of its output (dy_ld elements between rows),
   // and its saved input, activation `in`: dW_k = dY_k^T X_k and dX_k = dY_k W_k on block k's
   // column slices, into dx [B, width of activation `in`] unless dx is null. A group of
-  // same-shape blocks (block_groups) runs as one strided-batched GEMM.
+  // same-shape blocks (block_groups) runs as one strided-batched GEMM. The dW GEMMs run on the
+  // side stream (nothing in the chain reads them: the column sums write the bias segments),
+  // joined before the gradient is returned; dX goes on along the chain.
   //
   // In bf16 mode dY is the BF16 copy and a block's columns start at its pad_col: for the output
   // heads the padded layout, whose padding columns are 0, so their GEMMs run on pad_width
@@ -350,20 +353,31 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   // block of the layer read (the output heads with H = 0: every head reads all of h_L), adds
   // its product to them (beta 1). Blocks sharing an input within a group (in_col_stride 0)
   // therefore run one GEMM each: one batch cannot add into one matrix.
+  SideStream side(params.device());
   auto layer_backward = [&](const std::vector<HeadSlice>& blocks, const void* dy, int64_t dy_ld, int64_t in,
                             float* dx, const std::string& what) {
     const int64_t x_ld = L.activation_width(in), rows = activations[in].size(0);
-    const std::string what_dw = what + " dW", what_dx = what + " dX";
+    const std::vector<HeadGroup> groups = block_groups(blocks);
+    side.fork();
+    side.run([&] {
+      const std::string what_dw = what + " dW";
+      for (const HeadGroup& grp : groups) {
+        const HeadSlice& s = grp.first;
+        const int64_t col = bf16 ? s.pad_col : s.out_col, width = bf16 ? s.pad_width : s.out_width;
+        const int64_t dy_stride = bf16 ? grp.pad_col_stride : grp.out_col_stride;
+        gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, rows,
+                             Operand{at_elem(dy, col), op_type, dy_ld, true}, dy_stride,
+                             Operand{at_elem(act(in), s.in_col), op_type, x_ld, false}, grp.in_col_stride,
+                             g + s.w_off, CUDA_R_32F, s.in_width, grp.w_stride, grp.count, compute);
+      }
+    });
+    if (dx == nullptr) return;
+    const std::string what_dx = what + " dX";
     int64_t written = 0;  // dx's columns [0, written) hold a product
-    for (const HeadGroup& grp : block_groups(blocks)) {
+    for (const HeadGroup& grp : groups) {
       const HeadSlice& s = grp.first;
       const int64_t col = bf16 ? s.pad_col : s.out_col, width = bf16 ? s.pad_width : s.out_width;
       const int64_t dy_stride = bf16 ? grp.pad_col_stride : grp.out_col_stride;
-      gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, rows,
-                           Operand{at_elem(dy, col), op_type, dy_ld, true}, dy_stride,
-                           Operand{at_elem(act(in), s.in_col), op_type, x_ld, false}, grp.in_col_stride,
-                           g + s.w_off, CUDA_R_32F, s.in_width, grp.w_stride, grp.count, compute);
-      if (dx == nullptr) continue;
       const int64_t batch = grp.in_col_stride == 0 ? 1 : grp.count;
       for (int64_t i = 0; i < grp.count; i += batch) {
         const int64_t in_col = s.in_col + i * grp.in_col_stride;
@@ -382,7 +396,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         written = std::max(written, end);
       }
     }
-    DQN_CHECK(dx == nullptr || written == x_ld, op, ": ", what, ": the blocks read ", written, " of the ", x_ld,
+    DQN_CHECK(written == x_ld, op, ": ", what, ": the blocks read ", written, " of the ", x_ld,
               " input columns (the layout should have been rejected)");
   };
 
@@ -473,6 +487,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
              static_cast<int>(chunks));
   }
 
+  side.join();  // the dW GEMMs
   // d_out is now d(states) (undefined without need_grad_states).
   Tensor grad_states = need_grad_states ? d_out.f32 : at::empty({0}, f32);
   return {grad, grad_states};
