@@ -64,6 +64,13 @@ inline void check_dtype(const at::Tensor& t, const char* op, const char* name, a
   DQN_CHECK(t.scalar_type() == expected, op, ": ", name, ": expected dtype ", expected, ", got ", t.scalar_type());
 }
 
+// A mirror the optimizer-side ops write beside F32 params: BF16, or on the CPU F32 (the unrounded
+// reference path: the network's forward then rounds nothing; DuelingBranchQNet's mirror_dtype).
+inline void check_mirror_dtype(const at::Tensor& t, const char* op, const char* name) {
+  DQN_CHECK(t.scalar_type() == at::kBFloat16 || (t.device().is_cpu() && t.scalar_type() == at::kFloat), op, ": ",
+            name, ": expected dtype BFloat16 (or Float on the CPU), got ", t.scalar_type(), " on ", t.device());
+}
+
 inline void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
   DQN_CHECK(t.is_contiguous(), op, ": ", name, ": expected a contiguous tensor, got strides ",
               shape_str(t.strides()), " for shape ", shape_str(t.sizes()));

@@ -172,7 +172,8 @@ inline int64_t check_online_and_target_args(const at::Tensor& state_pairs, const
 }
 
 // _mixed_backward_from_head: grad_head [B, head_out] in params' dtype and its copy in the
-// mirror's dtype in the padded layout [B, head_ld], with the saved activations. Returns B.
+// padded layout [B, head_ld], BF16 as _dqn_loss_on_logits makes it (or, on the CPU, the mirror's
+// dtype), with the saved activations. Returns B.
 inline int64_t check_backward_from_head_args(const at::Tensor& grad_head, const at::Tensor& grad_head_bf16,
                                              at::TensorList activations, const at::Tensor& params,
                                              const at::Tensor& params_bf16, const NetLayout& L,
@@ -183,7 +184,10 @@ inline int64_t check_backward_from_head_args(const at::Tensor& grad_head, const 
   DQN_CHECK(!L.iqn(), op, ": IQN networks run the composed step (mixed_backward), not this op");
   const int64_t B = check_saved_activations(activations, params_bf16, L, op).B;
   check_tensor(grad_head, op, "grad_head", params.device(), params.scalar_type(), {B, L.head_out});
-  check_tensor(grad_head_bf16, op, "grad_head_bf16", params.device(), params_bf16.scalar_type(), {B, L.head_ld});
+  const at::ScalarType copy = params.is_cpu() && grad_head_bf16.scalar_type() == params_bf16.scalar_type()
+                                  ? params_bf16.scalar_type()
+                                  : at::kBFloat16;
+  check_tensor(grad_head_bf16, op, "grad_head_bf16", params.device(), copy, {B, L.head_ld});
   if (params.is_cuda()) check_aligned(grad_head_bf16, op, "grad_head_bf16", 16);
   return B;
 }

@@ -11,7 +11,7 @@ namespace dqn_ops {
 constexpr const char* kAdamOp = "dqn_ops.fused_adam_bf16";
 constexpr const char* kEmaOp = "dqn_ops.ema_update";
 
-// A flat F32 buffer of n elements on `device`, contiguous, 16-byte aligned (float4 access).
+// A flat buffer of n elements of `dtype` on `device`, contiguous, 16-byte aligned on CUDA (float4 access).
 inline void check_flat(const at::Tensor& t, const char* op, const char* name, int64_t n, const at::Device& device,
                        at::ScalarType dtype) {
   check_tensor(t, op, name, device, dtype, {n});
@@ -40,7 +40,8 @@ inline void check_adam_args(const at::Tensor& params, const at::Tensor& grads, c
   check_flat(grads, op, "grads", n, dev, at::kFloat);
   check_flat(exp_avg, op, "exp_avg", n, dev, at::kFloat);
   check_flat(exp_avg_sq, op, "exp_avg_sq", n, dev, at::kFloat);
-  check_flat(params_bf16, op, "params_bf16", n, dev, at::kBFloat16);
+  check_mirror_dtype(params_bf16, op, "params_bf16");
+  check_flat(params_bf16, op, "params_bf16", n, dev, params_bf16.scalar_type());
   check_scalar_tensor(step, op, "step", dev);
   check_scalar_tensor(lr, op, "lr", dev);
   check_scalar_tensor(grad_norm, op, "grad_norm", dev);
@@ -72,7 +73,8 @@ inline void check_ema_args(const at::Tensor& target, const at::Tensor& target_bf
   const at::Device dev = target.device();
   DQN_CHECK(dev.is_cpu() || dev.is_cuda(), op, ": target: expected a CPU or CUDA tensor, got one on ", dev);
   check_flat(target, op, "target", n, dev, at::kFloat);
-  check_flat(target_bf16, op, "target_bf16", n, dev, at::kBFloat16);
+  check_mirror_dtype(target_bf16, op, "target_bf16");
+  check_flat(target_bf16, op, "target_bf16", n, dev, target_bf16.scalar_type());
   check_flat(online, op, "online", n, dev, at::kFloat);
   // target and target_bf16 are written while online is read: no two of the three may overlap.
   check_no_overlap(target, "target", online, "online", op);

@@ -2,9 +2,9 @@
 #include <cmath>
 
 #include <ATen/ATen.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "mirror_cpu.h"
 #include "optim_args.h"
 #include "optim_math.h"
 
@@ -24,7 +24,6 @@ void fused_adam_bf16_cpu(Tensor& params, const Tensor& grads, Tensor& exp_avg, T
   const float* g = grads.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
-  auto* mirror = params_bf16.data_ptr<at::BFloat16>();
 
   // The sum of squares in double, as the CUDA kernels (csrc/cuda/optim.cu says why).
   double sq = 0;
@@ -41,22 +40,25 @@ void fused_adam_bf16_cpu(Tensor& params, const Tensor& grads, Tensor& exp_avg, T
   const AdamStep s = make_adam_step(step_lr, t, float(beta1), float(beta2), float(eps),
                                     float(weight_decay), decoupled_weight_decay,
                                     clip_coefficient(norm, float(max_grad_norm.value_or(0))));
-  for (int64_t i = 0; i < n; ++i) {
-    adam_element(p[i], g[i], m[i], v[i], s);
-    mirror[i] = at::BFloat16(p[i]);  // round to nearest even, as __float2bfloat16_rn
-  }
+  write_mirror(params_bf16, [&](auto* mirror) {
+    for (int64_t i = 0; i < n; ++i) {
+      adam_element(p[i], g[i], m[i], v[i], s);
+      mirror[i] = p[i];
+    }
+  });
 }
 
 void ema_update_cpu(Tensor& target, Tensor& target_bf16, const Tensor& online, double tau) {
   check_ema_args(target, target_bf16, online, tau);
   float* t = target.data_ptr<float>();
   const float* o = online.data_ptr<float>();
-  auto* mirror = target_bf16.data_ptr<at::BFloat16>();
   const float w = static_cast<float>(tau);
-  for (int64_t i = 0; i < target.numel(); ++i) {
-    t[i] = lerp_like_torch(t[i], o[i], w);
-    mirror[i] = at::BFloat16(t[i]);
-  }
+  write_mirror(target_bf16, [&](auto* mirror) {
+    for (int64_t i = 0; i < target.numel(); ++i) {
+      t[i] = lerp_like_torch(t[i], o[i], w);
+      mirror[i] = t[i];
+    }
+  });
 }
 
 }  // namespace

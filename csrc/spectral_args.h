@@ -67,7 +67,7 @@ inline std::vector<SpectralMatrix> check_spectral_args(const at::Tensor& params,
               shape_str(t.first->sizes()));
   }
   check_dtype(params, op, "params", at::kFloat);
-  check_dtype(params_bf16, op, "params_bf16", at::kBFloat16);
+  check_mirror_dtype(params_bf16, op, "params_bf16");
   check_dtype(u, op, "u", at::kFloat);
   check_dtype(v, op, "v", at::kFloat);
   check_dtype(sigma, op, "sigma", at::kFloat);

@@ -6,9 +6,9 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "mirror_cpu.h"
 #include "spectral_args.h"
 
 namespace dqn_ops {
@@ -57,7 +57,6 @@ void batched_spectral_norm_cpu(Tensor& params, Tensor& params_bf16, Tensor& u, T
                                int64_t n_power_iterations, double eps, bool /*one_launch_per_matrix*/) {
   const auto mats = check_spectral_args(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps);
   float* p = params.data_ptr<float>();
-  auto* mirror = params_bf16.data_ptr<at::BFloat16>();
   float* uu = u.data_ptr<float>();
   float* vv = v.data_ptr<float>();
   float* sig = sigma.data_ptr<float>();
@@ -93,10 +92,12 @@ void batched_spectral_norm_cpu(Tensor& params, Tensor& params_bf16, Tensor& u, T
     sig[m] = sf;
     if (sf > d.sigma_max) {  // false for NaN: a non-finite estimate leaves W alone, and sigma reports it
       const float scale = d.sigma_max / sf;
-      for (int64_t i = 0; i < d.rows * d.cols; ++i) {
-        W[i] *= scale;
-        mirror[d.w_off + i] = at::BFloat16(W[i]);
-      }
+      write_mirror(params_bf16, [&](auto* mirror) {
+        for (int64_t i = 0; i < d.rows * d.cols; ++i) {
+          W[i] *= scale;
+          mirror[d.w_off + i] = W[i];
+        }
+      });
     }
   }
 }

@@ -47,11 +47,15 @@ class DuelingBranchQNet(nn.Module):
 
     The mirror is BF16 beside F32 parameters. On the CPU, ``net.double()`` gives the float64
     reference path: the mirror becomes float64 too and nothing is rounded; ``net.float()``
-    brings back the BF16 mirror.
+    brings back the BF16 mirror. ``mirror_dtype=torch.float32`` (CPU only) keeps an F32 mirror
+    beside F32 parameters: the same kernels with nothing rounded, so the network, and a
+    ``Trainer`` of it, compute what plain PyTorch computes in F32 (the reference that tells the
+    BF16 rounding's effects from the formulas').
     """
 
     def __init__(self, config: Optional[DQNConfig] = None, *, backward_precision: str = "tf32",
-                 device=None, dtype=torch.float32, generator: Optional[torch.Generator] = None):
+                 device=None, dtype=torch.float32, generator: Optional[torch.Generator] = None,
+                 mirror_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.config = config if config is not None else DQNConfig()
         self.layout = ParamLayout(self.config)
@@ -64,9 +68,14 @@ class DuelingBranchQNet(nn.Module):
             raise ValueError(f"DuelingBranchQNet: backward_precision must be one of {ops.BACKWARD_PRECISIONS}, "
                              f"got {backward_precision!r}")
         self.backward_precision = backward_precision
+        if mirror_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"DuelingBranchQNet: mirror_dtype must be torch.bfloat16 or torch.float32 (CPU only), "
+                             f"got {mirror_dtype!r}")
+        self.mirror_dtype = mirror_dtype
         self.sync_mirror = True
         self.flat_params = nn.Parameter(torch.zeros(self.layout.numel, device=device, dtype=dtype))
-        self.register_buffer("params_bf16", torch.zeros(self.layout.numel, device=device, dtype=torch.bfloat16),
+        self.register_buffer("params_bf16", torch.zeros(self.layout.numel, device=device,
+                                                        dtype=self._mirror_dtype_of(self.flat_params)),
                              persistent=False)
         self.reset_parameters(generator)
         self._register_state_dict_hook(_state_dict_per_layer)
@@ -113,19 +122,30 @@ class DuelingBranchQNet(nn.Module):
               or getattr(self, "_mirror_key", None) != self._master_key()):
             self.refresh_mirror()
 
+    def _mirror_dtype_of(self, params: Tensor) -> torch.dtype:
+        """The mirror's dtype beside `params`: ``mirror_dtype`` beside F32 params (F32 only on
+        the CPU), params' own dtype otherwise (the exact CPU reference path)."""
+        if params.dtype != torch.float32:
+            return params.dtype
+        if self.mirror_dtype != torch.bfloat16 and params.device.type != "cpu":
+            raise ValueError(f"DuelingBranchQNet: an F32 mirror (mirror_dtype=torch.float32) is the CPU's unrounded "
+                             f"reference path; the {params.device.type} kernels read a BF16 mirror")
+        return self.mirror_dtype
+
     def weight_matrices(self) -> Dict[str, Tensor]:
         """The weight matrices (10 for the reference config) as views of ``flat_params``."""
         return {n: v for n, v in self.layer_views().items() if n.endswith(".weight")}
 
     def _apply(self, fn, recurse=True):
         # .to()/.double()/.float() convert every floating tensor alike; the mirror instead
-        # follows its rule: BF16 beside F32 params, params' own dtype otherwise (the exact
-        # CPU reference path), and is rewritten from the converted params.
+        # follows its rule (_mirror_dtype_of), checked on an empty tensor first so that a move
+        # the mirror refuses changes nothing, and is rewritten from the converted params.
         # The mirror keeps its tensor object (its .data is replaced), so whoever holds it (an
         # optimizer from FusedAdamBF16.for_network) keeps writing the one the forward reads.
+        self._mirror_dtype_of(fn(self.flat_params.detach()[:0]))
         mirror = self._buffers["params_bf16"]
         super()._apply(fn, recurse)
-        mirror_dtype = torch.bfloat16 if self.flat_params.dtype == torch.float32 else self.flat_params.dtype
+        mirror_dtype = self._mirror_dtype_of(self.flat_params)
         converted = self._buffers["params_bf16"]
         if converted.dtype != mirror_dtype or converted.device != self.flat_params.device:
             converted = torch.empty_like(self.flat_params, dtype=mirror_dtype, requires_grad=False)

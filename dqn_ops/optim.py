@@ -24,7 +24,9 @@ class FusedAdamBF16(torch.optim.Optimizer):
     Args:
         params: parameters or param groups (each parameter a contiguous F32 tensor).
         mirrors: one BF16 tensor per parameter (in order) to keep equal to
-            ``param.to(torch.bfloat16)``; a parameter without one gets its own, in
+            ``param.to(torch.bfloat16)`` (on the CPU an F32 one, kept equal to the parameter:
+            the unrounded reference path, ``DuelingBranchQNet(mirror_dtype=torch.float32)``);
+            a parameter without one gets its own BF16 mirror, in
             ``self.mirror(param)``. ``FusedAdamBF16.for_network(net)`` wires a
             DuelingBranchQNet's mirror and turns off its per-forward mirror refresh.
         max_grad_norm: clip to this global gradient norm (as ``clip_grad_norm_`` over all the
@@ -67,9 +69,11 @@ class FusedAdamBF16(torch.optim.Optimizer):
             mirror = mirrors[i] if mirrors is not None else None
             if mirror is None:
                 mirror = p.detach().to(torch.bfloat16)
-            elif mirror.dtype != torch.bfloat16 or mirror.shape != p.shape or mirror.device != p.device:
-                raise ValueError(f"FusedAdamBF16: mirror {i} must be a bfloat16 tensor of shape {tuple(p.shape)} on "
-                                 f"{p.device}, got {mirror.dtype} {tuple(mirror.shape)} on {mirror.device}")
+            elif (not (mirror.dtype == torch.bfloat16 or (mirror.dtype == torch.float32 and p.device.type == "cpu"))
+                  or mirror.shape != p.shape or mirror.device != p.device):
+                raise ValueError(f"FusedAdamBF16: mirror {i} must be a bfloat16 tensor (or float32 on the CPU) of shape "
+                                 f"{tuple(p.shape)} on {p.device}, got {mirror.dtype} {tuple(mirror.shape)} on "
+                                 f"{mirror.device}")
             self._mirrors[p] = mirror
         device = flat[0].device
         if any(p.device != device for p in flat):

@@ -73,8 +73,9 @@ class SpectralNorm(nn.Module):
     def forward(self, one_launch_per_matrix: bool = False) -> Tensor:
         """Runs the power iteration and the clamp; returns ``self.sigma`` (no host sync)."""
         net = self.net
-        if net.flat_params.dtype != torch.float32 or net.params_bf16.dtype != torch.bfloat16:
-            raise TypeError(f"SpectralNorm: the network must hold float32 parameters with a bfloat16 mirror, "
+        if net.flat_params.dtype != torch.float32 or net.params_bf16.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"SpectralNorm: the network must hold float32 parameters with a bfloat16 mirror (or a "
+                            f"float32 one on the CPU), "
                             f"got {net.flat_params.dtype} / {net.params_bf16.dtype}")
         batched_spectral_norm(net.flat_params.data, net.params_bf16, self.u, self.v, self.sigma, self.matrices,
                               self.sigma_max, self.n_power_iterations, self.eps, one_launch_per_matrix)

@@ -42,6 +42,7 @@ from .step import (GroupsStep, InternalOpsStep, PublicOpsStep, default_batch_net
 BATCH_KEYS = ("states", "actions", "rewards", "next_states", "dones")
 OPTIONAL_BATCH_KEYS = ("weights", "indices")  # indices: the replay rows, read for bootstrap masks
 STAT_FIELDS = ("loss", "grad_norm", "mean_q", "skipped")
+MIRRORS = {"bf16": torch.bfloat16, "f32": torch.float32}  # TrainerConfig.mirror -> the networks' mirror_dtype
 
 
 @dataclasses.dataclass
@@ -65,6 +66,10 @@ class TrainerConfig:
     # 'c51', 'qr', 'mse', 'huber', 'iqn'; None: 'iqn' for an IQN network, 'c51' with atoms > 1, else 'huber'
     loss_type: Optional[str] = None
     backward_precision: str = "bf16"
+    # The networks' mirror (what the GEMMs read): 'bf16'; 'f32' (CPU only) keeps an F32 one,
+    # so nothing is rounded anywhere: the same step in F32, as plain PyTorch computes it (the
+    # reference that tells BF16's effects on training from the formulas'; dqn_ops.Trainer only).
+    mirror: str = "bf16"
     use_cuda_graph: bool = True    # on CUDA: capture the step after warmup_steps eager steps
     warmup_steps: int = 3
     readback_interval: int = 100
@@ -118,6 +123,7 @@ class TrainerConfig:
         self.n_power_iterations = check_int(n, "n_power_iterations", self.n_power_iterations, minimum=1)
         check_choice(n, "loss_type", self.loss_type, ops.LOSS_TYPES, allow_none=True)
         check_choice(n, "backward_precision", self.backward_precision, ops.BACKWARD_PRECISIONS)
+        check_choice(n, "mirror", self.mirror, MIRRORS)
         check_bool(n, "use_cuda_graph", self.use_cuda_graph)
         if not isinstance(self.warmup_steps, bool) and isinstance(self.warmup_steps, int) and self.warmup_steps < 1:
             raise ValueError(f"{n}: warmup_steps must be >= 1 (cuBLAS must be warm before a capture), "
@@ -214,9 +220,13 @@ class Trainer:
         c = self.net_config
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "Trainer", c.iqn)
         self.mask_seed = seed  # the bootstrap masks' key: a checkpoint's replaces it (load_state_dict)
+        if cfg.mirror != "bf16" and self.device.type != "cpu":
+            raise ValueError(f"Trainer: TrainerConfig.mirror={cfg.mirror!r} is the CPU's unrounded reference path; "
+                             f"the {self.device.type} kernels read a BF16 mirror")
         gen = torch.Generator().manual_seed(seed)
-        self.online = DuelingBranchQNet(c, backward_precision=cfg.backward_precision, generator=gen).to(self.device)
-        self.target = DuelingBranchQNet(c, backward_precision=cfg.backward_precision).to(self.device)
+        net_kw = dict(backward_precision=cfg.backward_precision, mirror_dtype=MIRRORS[cfg.mirror])
+        self.online = DuelingBranchQNet(c, generator=gen, **net_kw).to(self.device)
+        self.target = DuelingBranchQNet(c, **net_kw).to(self.device)
         self.target.load_state_dict(self.online.state_dict())
         self.target.sync_mirror = False
         self.target.requires_grad_(False)

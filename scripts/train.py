@@ -77,6 +77,9 @@ def parse_args(argv=None):
     ap.add_argument("--bootstrap-p", type=float, default=1.0,
                     help="probability that a member learns from a transition (bootstrap masks drawn per replay "
                          "row; 1: every member from every transition)")
+    ap.add_argument("--mirror", choices=("bf16", "f32"), default="bf16",
+                    help="dqn_ops backend: the networks' mirror; f32 (--device cpu only) rounds nothing: the same "
+                         "step in F32 (TrainerConfig.mirror)")
     ap.add_argument("--act-ucb", type=float, default=0.0,
                     help="acting scores each action by mean + C * std over the ensemble's members")
     ap.add_argument("--distributed", action="store_true",
@@ -100,11 +103,12 @@ def make_trainer(args):
     cfg = TrainerConfig(batch_size=args.batch, lr=args.lr, gamma=args.gamma ** args.n_step, v_min=-10.0, v_max=10.0,
                         tau=0.005, max_grad_norm=10.0, sigma_max=1.0, use_cuda_graph=not args.no_graph,
                         readback_interval=args.steps, on_non_finite="flag", loss_type=args.loss_type,
-                        bootstrap_p=args.bootstrap_p, act_ucb=args.act_ucb, iqn_fractions=args.iqn_fractions)
+                        bootstrap_p=args.bootstrap_p, act_ucb=args.act_ucb, iqn_fractions=args.iqn_fractions,
+                        mirror=args.mirror)
     if args.backend == "dqn_ops":
         return Trainer(net, cfg, device=args.device, seed=args.seed)
-    if args.distributed:
-        raise SystemExit("--distributed runs the dqn_ops backend only")
+    if args.distributed or args.mirror != "bf16":
+        raise SystemExit("--distributed and --mirror take the dqn_ops backend only")
     return TorchTrainer(net, cfg, device=args.device, seed=args.seed, amp=args.backend == "torch-bf16")
 
 
@@ -185,7 +189,7 @@ def train(args) -> dict:
     finite = all(all(v == v and abs(v) != float("inf") for v in r.values()) for r in trainer.stats.rows)
     summary = dict(backend=args.backend, loss_type=args.loss_type, atoms=trainer.net_config.atoms,
                    ensemble=trainer.net_config.members, bootstrap_p=args.bootstrap_p, act_ucb=args.act_ucb,
-                   seed=args.seed,
+                   seed=args.seed, mirror=args.mirror,
                    epochs=args.epochs, steps_per_epoch=args.steps,
                    world_size=trainer.world_size if isinstance(trainer, Trainer) else 1,
                    batch=args.batch, device=str(dev), torch=torch.__version__,

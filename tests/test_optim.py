@@ -171,7 +171,7 @@ def test_opcheck(device):
 @pytest.mark.parametrize("index,value,match", [
     (1, lambda a: a[1][:-1], r"grads: expected shape \[100\], got \[99\]"),
     (2, lambda a: a[2].double(), "exp_avg: expected dtype Float, got Double"),
-    (4, lambda a: a[4].float(), "params_bf16: expected dtype BFloat16, got Float"),
+    (4, lambda a: a[4].half(), r"params_bf16: expected dtype BFloat16 \(or Float on the CPU\), got Half"),
     (3, lambda a: a[0], "params and exp_avg_sq must not share memory"),
     (5, lambda a: torch.zeros(2, device=a[0].device), r"step: expected a one-element tensor, got shape \[2\]"),
     (7, lambda a: 1.0, r"beta1: expected a value in \[0, 1\)"),
@@ -200,8 +200,10 @@ def test_optimizer_bad_construction():
         FusedAdamBF16([p, torch.nn.Parameter(torch.randn(3))], max_grad_norm=0.0)
     with pytest.raises(ValueError, match="must be a contiguous float32 tensor"):
         FusedAdamBF16([torch.nn.Parameter(torch.randn(10, dtype=torch.float64))])
+    with pytest.raises(ValueError, match=r"mirror 0 must be a bfloat16 tensor \(or float32 on the CPU\)"):
+        FusedAdamBF16([p], mirrors=[torch.zeros(10, dtype=torch.float16)])
     with pytest.raises(ValueError, match="mirror 0 must be a bfloat16 tensor"):
-        FusedAdamBF16([p], mirrors=[torch.zeros(10)])
+        FusedAdamBF16([p], mirrors=[torch.zeros(9)])
 
 
 @requires_cuda

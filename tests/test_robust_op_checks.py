@@ -90,8 +90,9 @@ def test_ema_rejects_target_bf16_sharing_online():
         EMA(buf, torch.zeros(n, dtype=torch.bfloat16), buf, 0.1)
     with pytest.raises(RuntimeError, match=r"dqn_ops.ema_update: target_bf16: expected shape \[64\], got \[63\]"):
         EMA(torch.randn(n), torch.zeros(n - 1, dtype=torch.bfloat16), torch.randn(n), 0.1)
-    with pytest.raises(RuntimeError, match="dqn_ops.ema_update: target_bf16: expected dtype BFloat16, got Float"):
-        EMA(torch.randn(n), torch.zeros(n), torch.randn(n), 0.1)
+    with pytest.raises(RuntimeError, match=r"dqn_ops.ema_update: target_bf16: expected dtype BFloat16 \(or Float on the "
+                                           r"CPU\), got Half"):
+        EMA(torch.randn(n), torch.zeros(n, dtype=torch.float16), torch.randn(n), 0.1)
 
 
 def _snapshot(a):

@@ -157,7 +157,7 @@ def _bad(index, value):
 
 BAD = [
     (0, lambda t: t.double(), "params: expected dtype Float, got Double"),
-    (1, lambda t: t.float(), "params_bf16: expected dtype BFloat16, got Float"),
+    (1, lambda t: t.half(), r"params_bf16: expected dtype BFloat16 \(or Float on the CPU\), got Half"),
     (2, lambda t: t[:-1], r"u \(the left vectors of every matrix, one after the other\): expected shape \[9\], got \[8\]"),
     (3, lambda t: t.repeat(2)[::2], "v: expected a contiguous tensor"),
     (4, lambda t: t.double(), "sigma: expected dtype Float, got Double"),
