@@ -1,8 +1,11 @@
 """Convergence parity: the BF16 dqn_ops path against the plain-PyTorch F32 path.
 
 Same task (scripts/train.py, one process per run), same seeds (so the same initial weights,
-spectral-norm vectors, markets, exploration and replay samples), `--epochs` epochs of 300 steps at B=256, for each of
-`--seeds`. Compared (docs/design.md's bars): final Sharpe within 5% relative, mean Q within 10%,
+spectral-norm vectors, markets and replay draws; the exploration draws differ: dqn_ops's come from
+its Philox stream, plain PyTorch's from torch's generator), `--epochs` epochs of 300 steps at B=256,
+for each of `--seeds`. `--f32-backend dqn_ops` (CPU only) makes the F32 side dqn_ops itself with
+nothing rounded (`train.py --mirror f32`): the same formulas and the same random streams on both
+sides, so the difference is BF16's own. Compared (docs/design.md's bars): final Sharpe within 5% relative, mean Q within 10%,
 grad-norm mean and max within 20%, no NaN/Inf, peak VRAM within 10%.
 
 Peak VRAM is checked as what the spec's criterion names it ("zero regression: no new CUDA errors,
@@ -15,7 +18,7 @@ signed difference and what the two-sided reading would say (`two_sided_passed`).
 RL runs diverge chaotically: the F32 runs of different seeds spread about as wide as their
 mean (seed 4 of the committed result barely learns), 20x the Sharpe band, so neither one seed
 nor the difference of two seed means can tell a real difference from luck. Both paths run the
-same seeds (the same initial weights, markets, exploration and replay samples), so each figure
+same seeds (the same initial weights, markets and replay draws), so each figure
 is compared on the paired per-seed differences d_s = BF16_s - F32_s, relative to |mean F32|: a
 Student-t confidence interval of their mean (`--confidence`, 95% by default) is checked against
 the band (an equivalence test; no band is widened):
@@ -312,6 +315,9 @@ def main():
     ap.add_argument("--bf16-backend", choices=("dqn_ops", "torch-bf16"), default="dqn_ops",
                     help="the BF16 side: dqn_ops (the check) or plain PyTorch under autocast BF16 (separates what "
                          "BF16 itself does from what dqn_ops's kernels do)")
+    ap.add_argument("--f32-backend", choices=("torch", "dqn_ops"), default="torch",
+                    help="the F32 side: plain PyTorch (the check) or dqn_ops with nothing rounded (--mirror f32, "
+                         "--device cpu only: BF16's own effect, the same formulas and random streams on both sides)")
     ap.add_argument("--reanalyze", metavar="FILE",
                     help="re-analyse an existing result file from its per-seed figures (no training) and rewrite "
                          "it and its .md")
@@ -324,11 +330,16 @@ def main():
         return
     if args.jobs < 1:
         ap.error(f"--jobs: expected at least 1, got {args.jobs}")
+    if args.f32_backend == "dqn_ops" and args.device != "cpu":
+        ap.error("--f32-backend dqn_ops: dqn_ops's unrounded path (an F32 mirror) runs on the CPU only: --device cpu")
+    backends = dict(f32=["--backend", "torch"] if args.f32_backend == "torch" else ["--backend", "dqn_ops", "--mirror",
+                                                                                   "f32"],
+                    bf16=["--backend", args.bf16_backend])
 
-    def run(path: str, backend: str, seed: int) -> dict:
+    def run(path: str, seed: int) -> dict:
         # One process per run: peak VRAM and every other figure measured from a clean start.
         out = os.path.join(args.runs, f"{path}-seed{seed}")
-        subprocess.run([sys.executable, TRAIN, "--backend", backend, "--epochs", str(args.epochs), "--seed",
+        subprocess.run([sys.executable, TRAIN, *backends[path], "--epochs", str(args.epochs), "--seed",
                         str(seed), "--steps", str(args.steps), "--device", args.device, "--quiet", "--out", out]
                        + (["--tiny"] if args.tiny else []) + shlex.split(args.train_args), check=True,
                        stdout=subprocess.DEVNULL)
@@ -342,12 +353,11 @@ def main():
         print(f"{path} seed {seed}: " + ", ".join(f"{k}={_fmt(r[k])}" for k in FIGURE_KEYS), flush=True)
         return r
 
-    jobs = [(path, backend, seed) for seed in args.seeds
-            for path, backend in (("f32", "torch"), ("bf16", args.bf16_backend))]
+    jobs = [(path, seed) for seed in args.seeds for path in ("f32", "bf16")]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(lambda j: run(*j), jobs))
     runs = {"f32": {}, "bf16": {}}
-    for (path, _, seed), r in zip(jobs, results):
+    for (path, seed), r in zip(jobs, results):
         runs[path][seed] = r
 
     seeds = args.seeds
@@ -360,7 +370,8 @@ def main():
                 vram_criterion="the spec's 'zero regression: no memory leaks (same peak VRAM +/- 10%)': "
                                "BF16 peak at most 10% above F32's (one-sided), and every run's peak "
                                "at the end within 10% of its peak after epoch 1",
-                f32_path="dqn_ops.rl.baseline.TorchTrainer (plain PyTorch, F32, TF32 off)",
+                f32_path="dqn_ops.rl.baseline.TorchTrainer (plain PyTorch, F32, TF32 off)" if args.f32_backend == "torch"
+                else "dqn_ops.Trainer with an F32 mirror (TrainerConfig(mirror='f32'): the same kernels, nothing rounded)",
                 bf16_path="dqn_ops.Trainer (BF16 forward, bf16 backward, CUDA graph)" if args.bf16_backend == "dqn_ops"
                 else "dqn_ops.rl.baseline.TorchTrainer under torch.autocast(bfloat16)",
                 analysis=dict(date=today, confidence=args.confidence,

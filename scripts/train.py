@@ -189,7 +189,7 @@ def train(args) -> dict:
     finite = all(all(v == v and abs(v) != float("inf") for v in r.values()) for r in trainer.stats.rows)
     summary = dict(backend=args.backend, loss_type=args.loss_type, atoms=trainer.net_config.atoms,
                    ensemble=trainer.net_config.members, bootstrap_p=args.bootstrap_p, act_ucb=args.act_ucb,
-                   seed=args.seed, mirror=args.mirror,
+                   seed=args.seed, mirror=args.mirror if args.backend == "dqn_ops" else None,
                    epochs=args.epochs, steps_per_epoch=args.steps,
                    world_size=trainer.world_size if isinstance(trainer, Trainer) else 1,
                    batch=args.batch, device=str(dev), torch=torch.__version__,

@@ -45,6 +45,21 @@ def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
     assert result["meta"]["analysis"]["confidence"] == 0.95
 
 
+def test_parity_script_takes_dqn_ops_unrounded_as_its_f32_side(tmp_path):
+    """--f32-backend dqn_ops: the F32 side is dqn_ops with an F32 mirror (CPU only)."""
+    args = [sys.executable, os.path.join(ROOT, "scripts", "parity.py"), "--epochs", "1", "--steps", "4", "--tiny",
+            "--seeds", "0", "--jobs", "2", "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"),
+            "--f32-backend", "dqn_ops"]
+    subprocess.run(args + ["--device", "cpu"], check=True, cwd=ROOT, capture_output=True)
+    result = loads_strict_json((tmp_path / "out" / "parity.json").read_text())
+    assert "F32 mirror" in result["meta"]["f32_path"]
+    for path, mirror in (("f32", "f32"), ("bf16", "bf16")):
+        summary = loads_strict_json((tmp_path / "runs" / f"{path}-seed0" / "summary.json").read_text())
+        assert summary["backend"] == "dqn_ops" and summary["mirror"] == mirror
+    refused = subprocess.run(args + ["--device", "cuda"], cwd=ROOT, capture_output=True, text=True)
+    assert refused.returncode == 2 and "runs on the CPU only" in refused.stderr
+
+
 def _synthetic_runs(bf16_vram: float, growth: float = 0.0) -> dict:
     """Two seeds per path, every figure equal between the paths except peak VRAM (F32: 100)."""
     def run(vram):
