@@ -29,10 +29,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
+from dqn_ops import Trainer, TrainerConfig  # noqa: E402
 from dqn_ops.rl.baseline import TorchTrainer  # noqa: E402
 from dqn_ops.rl.envs import BRANCHES, STATE_DIM, FuturesTradingEnv  # noqa: E402
 from dqn_ops.rl.replay import ReplayBuffer  # noqa: E402
+from train import network_config  # noqa: E402
 
 
 def fill_replay(device, num_envs: int, env_steps: int, seed: int) -> ReplayBuffer:
@@ -79,12 +80,7 @@ def main(argv=None):
     if args.ours_mirror != "bf16" and args.device != "cpu":
         ap.error("--ours-mirror f32: dqn_ops's unrounded path runs on the CPU only (--device cpu)")
 
-    net = DQNConfig(state_dim=STATE_DIM, branches=BRANCHES)
-    if args.tiny:
-        net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=(16,), adv_hidden=(16,), atoms=11,
-                        branches=BRANCHES)
-    if args.atoms is not None:
-        net = dataclasses.replace(net, atoms=args.atoms)
+    net = network_config(args.tiny, args.atoms)
     # scripts/train.py's settings; readback every step (the figures of each step)
     cfg = TrainerConfig(batch_size=args.batch, lr=1e-4, gamma=0.9, v_min=-10.0, v_max=10.0, tau=0.005,
                         max_grad_norm=args.max_grad_norm, sigma_max=args.sigma_max, readback_interval=1,

@@ -88,14 +88,18 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def make_trainer(args):
+def network_config(tiny: bool = False, atoms=None) -> DQNConfig:
+    """The task's network: the reference one, or with `tiny` a small one; `atoms` atoms (C51) or
+    quantiles (QR) per action (None: the network's default)."""
     net = DQNConfig(state_dim=STATE_DIM, branches=BRANCHES)
-    if args.tiny:
+    if tiny:
         net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=(16,), adv_hidden=(16,), atoms=11,
                         branches=BRANCHES)
-    if args.atoms is not None:
-        net = dataclasses.replace(net, atoms=args.atoms)
-    net = dataclasses.replace(net, ensemble=args.ensemble)
+    return net if atoms is None else dataclasses.replace(net, atoms=atoms)
+
+
+def make_trainer(args):
+    net = dataclasses.replace(network_config(args.tiny, args.atoms), ensemble=args.ensemble)
     if args.loss_type == "iqn":  # one value per action at each fraction
         net = dataclasses.replace(net, atoms=1, iqn_embedding=args.iqn_embedding)
     # gamma ** n: the loss discounts an n-step return's bootstrap; the readback ring holds an epoch
