@@ -19,6 +19,8 @@
 #include "side_streams.h"
 #include "spectral_args.h"
 #ifdef DQN_OPS_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+
 #include "cuda/side_stream.h"
 #endif
 
@@ -45,6 +47,9 @@ PyObject* raising_runtime_error(F&& f) {
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
   }
 }
 
@@ -70,6 +75,9 @@ PyObject* side_stream_py(PyObject* /*self*/, PyObject* args) {
   }
 #ifdef DQN_OPS_WITH_CUDA
   return raising_runtime_error([&] {
+    const int count = static_cast<int>(c10::cuda::device_count());
+    DQN_CHECK(device >= 0 && device < count, "_side_stream: device index ", device, " is not one of the ", count,
+              " CUDA devices");
     const dqn_ops::cuda::SideStreamSlot slot = dqn_ops::cuda::side_stream_slot(
         static_cast<c10::DeviceIndex>(device), reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(current)), lane);
     return PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(slot.stream)));
@@ -236,8 +244,9 @@ TORCH_LIBRARY(dqn_ops, m) {
   //     public ops' kernels in sequence. The same bits either way.
   //   _mixed_backward_from_head: mixed_backward from that head gradient (no dueling step). On
   //     CUDA the `bf16` GEMMs read grad_head_bf16; the CPU kernel reads grad_head and rounds it
-  //     itself, as mixed_backward's does. grad_head has params' dtype, grad_head_bf16 the
-  //     mirror's: BF16, or params' dtype on the CPU's float64 path (the mirror in params' dtype).
+  //     itself, as mixed_backward's does. grad_head has params' dtype, grad_head_bf16 is BF16
+  //     (as _dqn_loss_on_logits makes it) or, on the CPU, the mirror's dtype (an unrounded path:
+  //     a mirror in params' dtype, float64 or F32).
   m.def(
       "_online_and_target_logits(Tensor state_pairs, Tensor params, Tensor params_bf16, Tensor target_params, "
       "Tensor target_params_bf16, int[] layout, bool batch_networks) -> (Tensor logits, "

@@ -184,10 +184,11 @@ inline int64_t check_backward_from_head_args(const at::Tensor& grad_head, const 
   DQN_CHECK(!L.iqn(), op, ": IQN networks run the composed step (mixed_backward), not this op");
   const int64_t B = check_saved_activations(activations, params_bf16, L, op).B;
   check_tensor(grad_head, op, "grad_head", params.device(), params.scalar_type(), {B, L.head_out});
-  const at::ScalarType copy = params.is_cpu() && grad_head_bf16.scalar_type() == params_bf16.scalar_type()
-                                  ? params_bf16.scalar_type()
-                                  : at::kBFloat16;
-  check_tensor(grad_head_bf16, op, "grad_head_bf16", params.device(), copy, {B, L.head_ld});
+  DQN_CHECK(grad_head_bf16.scalar_type() == at::kBFloat16 ||
+                (params.is_cpu() && grad_head_bf16.scalar_type() == params_bf16.scalar_type()),
+            op, ": grad_head_bf16: expected dtype BFloat16", params.is_cpu() ? " (or params_bf16's)" : "", ", got ",
+            grad_head_bf16.scalar_type());
+  check_tensor(grad_head_bf16, op, "grad_head_bf16", params.device(), grad_head_bf16.scalar_type(), {B, L.head_ld});
   if (params.is_cuda()) check_aligned(grad_head_bf16, op, "grad_head_bf16", 16);
   return B;
 }

@@ -127,10 +127,11 @@ class DuelingBranchQNet(nn.Module):
         the CPU), params' own dtype otherwise (the exact CPU reference path)."""
         if params.dtype != torch.float32:
             return params.dtype
-        if self.mirror_dtype != torch.bfloat16 and params.device.type != "cpu":
+        mirror_dtype = getattr(self, "mirror_dtype", torch.bfloat16)  # a module pickled before the option
+        if mirror_dtype != torch.bfloat16 and params.device.type != "cpu":
             raise ValueError(f"DuelingBranchQNet: an F32 mirror (mirror_dtype=torch.float32) is the CPU's unrounded "
                              f"reference path; the {params.device.type} kernels read a BF16 mirror")
-        return self.mirror_dtype
+        return mirror_dtype
 
     def weight_matrices(self) -> Dict[str, Tensor]:
         """The weight matrices (10 for the reference config) as views of ``flat_params``."""

@@ -135,7 +135,8 @@ def bf16_dueling_forward(states: Tensor, params: Tensor, params_bf16: Tensor, la
     Args:
         states: [B, SD] float32 (float64 allowed on the CPU reference path).
         params: the flat F32 master parameters (biases are read from here).
-        params_bf16: the flat BF16 mirror of ``params`` (the GEMMs read the weights from here).
+        params_bf16: the flat BF16 mirror of ``params`` (the GEMMs read the weights from here; on the
+            CPU a mirror in params' dtype rounds nothing).
             On the CPU it may also have ``params``' dtype: then nothing is rounded.
         layout: ``ParamLayout(config).encode()``.
         backward_precision: the precision autograd's backward will use ('tf32', 'bf16', 'fp32').
@@ -285,7 +286,8 @@ def fused_adam_bf16(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: 
                     weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
                     max_grad_norm: Optional[float] = None, grad_norm: Optional[Tensor] = None,
                     found_inf: Optional[Tensor] = None) -> None:
-    """One Adam/AdamW step in place over flat F32 buffers, writing ``params_bf16`` too.
+    """One Adam/AdamW step in place over flat F32 buffers, writing ``params_bf16`` too (BF16, or on
+    the CPU F32: the unrounded path).
 
     ``step`` and ``lr`` are one-element F32 tensors on the params' device (a captured graph
     replays with their current values). ``grad_norm`` and ``found_inf`` (one-element F32,
@@ -316,7 +318,8 @@ def _(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, e
 # ema_update
 
 def ema_update(target: Tensor, target_bf16: Tensor, online: Tensor, tau: float) -> None:
-    """target = lerp(target, online, tau) in place, writing target_bf16 in the same pass."""
+    """target = lerp(target, online, tau) in place, writing target_bf16 (BF16, or F32 on the CPU) in
+    the same pass."""
     try:
         torch.ops.dqn_ops.ema_update.default(target, target_bf16, online, tau)
     except NotImplementedError as e:
@@ -380,7 +383,7 @@ def batched_spectral_norm(params: Tensor, params_bf16: Tensor, u: Tensor, v: Ten
 
     Args:
         params: flat F32 buffer holding the matrices (rescaled in place).
-        params_bf16: its BF16 mirror; the rescaled matrices' elements are rewritten.
+        params_bf16: its BF16 mirror (or F32 on the CPU); the rescaled matrices' elements are rewritten.
         u, v: flat F32 buffers of every matrix's left (rows) and right (cols) vector, one
             matrix after the other in the order of ``matrices``; updated in place.
         sigma: F32 [num_matrices], receives each matrix's sigma estimate (before the clamp).

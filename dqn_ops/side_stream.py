@@ -10,13 +10,18 @@ spectral norm and the EMA. Inside a CUDA-graph capture the fork and the join bec
 the graph. The results are the same bits with the side streams on or off.
 
 Off by default until measured on a GPU (``bench/NOTES.md``): ``DQN_OPS_SIDE_STREAM=1`` in the
-environment (read once) or ``set_enabled(True)`` turns them on for the process. A graph keeps
-the streams in force when it was captured.
+environment (read once) or ``set_enabled(True)`` turns them on for the process; set it before a
+trainer's first step (its graph keeps the streams in force when it was captured, and the side
+streams are best made before a capture: torch gives each stream a GEMM runs on a cuBLAS
+workspace of its own).
 
-The streams are the extension's own, one per (device, current stream, lane, host thread), never
-one of torch's pool streams: a tensor allocated in a branch returns, when freed, to its side
-stream's pool, and only the branch's next fork from the same stream uses that side stream
-again, ordered after everything the current stream did with the tensor.
+The streams are the extension's own, one per (device, current stream, lane, host thread), kept
+for the process, never one of torch's pool streams (which a caller could be using as its current
+stream). A tensor allocated in a branch returns, when freed, to its side stream's pool, which the
+side stream reuses only after a later fork of the same lane, ordered after everything the
+current stream did before that fork. So the current stream must be done with such a tensor before
+the lane's next fork, or keep it alive until that branch's join; the steps here do (a branch's
+outputs are read before the next fork of its lane, and freed after its join).
 """
 from __future__ import annotations
 

@@ -278,11 +278,12 @@ class GroupsStep:
                 raise ValueError(f"GroupsStep: {what} must have one entry per head group ({G}), got {len(given)}")
         # Group g >= 1 beside group 0 on a side stream of its own (dqn_ops.side_stream): the groups'
         # steps read the same inputs and write their own outputs.
-        branches = [side_stream.Branch(state_pairs.device, side_stream.group_lane(g)) for g in range(1, G)]
+        branches = []
         outs = [None] * G
         try:
             for g in range(1, G):
-                with branches[g - 1]:
+                branches.append(side_stream.Branch(state_pairs.device, side_stream.group_lane(g)))
+                with branches[-1]:
                     outs[g] = self.groups[g](state_pairs, actions, rewards, dones, weights, masks[g], fractions[g])
             outs[0] = self.groups[0](state_pairs, actions, rewards, dones, weights, masks[0], fractions[0])
         finally:

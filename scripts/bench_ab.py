@@ -63,9 +63,12 @@ print(json.dumps(dict(us=us, dqn_ops=dqn_ops.__file__)))
 """
 
 
-def time_tree(tree, B, iters, repeats, network="reference", extra_env=None):
-    # the tree's dqn_ops first; this tree's scripts/ for the timing helper both trees share
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), HERE]), **(extra_env or {}))
+def time_tree(tree, B, iters, repeats, network="reference", extra_env=None, unset=()):
+    # the tree's dqn_ops first; this tree's scripts/ for the timing helper both trees share; the
+    # variables either side sets are not inherited by the other (`unset`)
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(extra_env or {})
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree), HERE])
     out = subprocess.run([sys.executable, "-c", TIMING, str(B), str(iters), str(repeats), network], env=env,
                          cwd=tree, capture_output=True, text=True, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
@@ -113,7 +116,8 @@ def main():
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))  # neither always goes first
             for name in order:
-                times[name].append(time_tree(trees[name], B, args.iters, 3, args.network, env[name]))
+                times[name].append(time_tree(trees[name], B, args.iters, 3, args.network, env[name],
+                                             unset=set(env["base"]) | set(env["new"])))
         med = {name: statistics.median(v) for name, v in times.items()}
         rows.append(dict(batch=B, base_us=round(med["base"], 2), new_us=round(med["new"], 2),
                          ratio=round(med["new"] / med["base"], 4), base_all=times["base"], new_all=times["new"]))

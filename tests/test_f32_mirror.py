@@ -86,6 +86,8 @@ def test_an_f32_mirror_is_refused_off_the_cpu_and_other_dtypes_anywhere():
         Trainer(TINY_C51, TrainerConfig(mirror="f32"), device="cuda")
     with pytest.raises(ValueError, match=r"TrainerConfig: mirror must be 'bf16' or 'f32', got 'f64'"):
         TrainerConfig(mirror="f64")
+    with pytest.raises(ValueError, match=r"TorchTrainer: TrainerConfig.mirror is dqn_ops.Trainer's"):
+        TorchTrainer(TINY_C51, TrainerConfig(mirror="f32"), device="cpu")
 
 
 @requires_cuda
@@ -100,3 +102,10 @@ def test_a_cuda_network_and_ops_refuse_an_f32_mirror():
     a[4] = torch.zeros(100, device="cuda")
     with pytest.raises(RuntimeError, match=r"params_bf16: expected dtype BFloat16 \(or Float on the CPU\), got Float"):
         torch.ops.dqn_ops.fused_adam_bf16.default(*a)
+    with pytest.raises(RuntimeError, match=r"target_bf16: expected dtype BFloat16 \(or Float on the CPU\), got Float"):
+        ops.ema_update(torch.randn(64, device="cuda"), torch.zeros(64, device="cuda"), torch.randn(64, device="cuda"),
+                       0.1)
+    s = list(_spectral_args("cuda"))
+    s[1] = torch.zeros_like(s[0])
+    with pytest.raises(RuntimeError, match=r"params_bf16: expected dtype BFloat16 \(or Float on the CPU\), got Float"):
+        torch.ops.dqn_ops.batched_spectral_norm.default(*s)

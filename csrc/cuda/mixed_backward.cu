@@ -353,6 +353,11 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   // block of the layer read (the output heads with H = 0: every head reads all of h_L), adds
   // its product to them (beta 1). Blocks sharing an input within a group (in_col_stride 0)
   // therefore run one GEMM each: one batch cannot add into one matrix.
+  // The tensors the side stream reads live past the join: declared before `side`, they are
+  // destroyed after its destructor joins, should an exception leave this function early.
+  Grad d_out;                                  // the gradient flowing down the layers
+  std::vector<std::pair<Grad, int64_t>> d_z;   // each layer's dZ (and IQN's dP) with its bias offset
+  Tensor partial;                              // the column sums' chunks
   SideStream side(params.device());
   auto layer_backward = [&](const std::vector<HeadSlice>& blocks, const void* dy, int64_t dy_ld, int64_t in,
                             float* dx, const std::string& what) {
@@ -402,14 +407,13 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
 
   // Output heads: dY = d_head, into d(last hidden activation).
   const int64_t last = static_cast<int64_t>(L.num_activations()) - 1;
-  Grad d_out = make_grad(activations[last].size(0), L.head_in_width);
+  d_out = make_grad(activations[last].size(0), L.head_in_width);
   layer_backward(L.heads, bf16 ? d_head.low.data_ptr() : d_head.f32.data_ptr(), bf16 ? L.head_ld : L.head_out, last,
                  d_out.f32.data_ptr<float>(), "output heads");
 
   // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W. The BF16
   // copy of a dX is written by the next relu_backward, not by the GEMM. d_z keeps each layer's
   // dZ for its bias gradient (and IQN's dP for b_phi's), with its bias offset, last layer first.
-  std::vector<std::pair<Grad, int64_t>> d_z;
   for (int64_t i = M - 1; i >= 0; --i) {
     if (L.iqn() && i == L.trunk_layers - 1) {
       // d_out is d(z) on the B * N fraction rows: into d(h_L) [B, T] and phi's dP, dW_phi = dP^T c.
@@ -447,7 +451,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   // one more past kChunkRows rows; the first also zeroes the gaps.
   std::vector<std::pair<const Tensor*, int64_t>> bias_groups = {{&d_head.f32, L.b_out}};
   for (const auto& dz : d_z) bias_groups.emplace_back(&dz.first.f32, dz.second);
-  Tensor partial;  // reused by every launch: they run in stream order
+  // `partial` is reused by every launch: they run in stream order
   for (size_t first = 0, count = 0; first < bias_groups.size(); first += count) {
     const int64_t rows = bias_groups[first].first->size(0);
     count = 1;

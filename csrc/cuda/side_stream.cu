@@ -45,7 +45,8 @@ SideStream::SideStream(c10::Device device, int lane) {
 
 SideStream::~SideStream() {
   if (!open_) return;
-  // No throw from a destructor: a failure here leaves the error for the next CUDA call to report.
+  // No throw from a destructor: the error is cleared and the join skipped (CUDA is failing
+  // already; the next checked call reports a sticky error).
   if (cudaEventRecord(slot_.join, slot_.stream) != cudaSuccess ||
       cudaStreamWaitEvent(current_, slot_.join, 0) != cudaSuccess)
     (void)cudaGetLastError();

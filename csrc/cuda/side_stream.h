@@ -12,9 +12,10 @@
 // stream in place and fork() / join() do nothing.
 //
 // The side streams are the extension's own, one per (device, current stream, lane, host thread),
-// created at first use and kept for the process: never one of torch's pool streams, which a
-// caller could be using as its current stream (a tensor allocated in a branch is freed in that
-// stream's order, which must be ordered after the branch's next fork; dqn_ops/side_stream.py).
+// created at first use and kept for the process (with the cuBLAS workspace torch gives each
+// stream a GEMM runs on): never one of torch's pool streams, which a caller could be using as its
+// current stream (a tensor allocated in a branch is freed into its side stream's pool, reused
+// only after a later fork of the lane; dqn_ops/side_stream.py).
 // Lane 0 is the ops'; the Python steps take lanes >= 1, so an op inside a Python branch forks
 // onto yet another stream (its current stream is the branch's).
 //
@@ -32,6 +33,7 @@
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
 #include "../side_streams.h"
@@ -70,6 +72,7 @@ class SideStream {
       work();
       return;
     }
+    TORCH_INTERNAL_ASSERT(open_, "SideStream::run without a fork: the work would not wait for its inputs");
     const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(slot_.stream, device_));
     work();
   }

@@ -276,6 +276,9 @@ class TorchTrainer:
     def __init__(self, net_config=None, config=None, device="cuda", seed: int = 0, amp: bool = False):
         self.net_config = c = net_config or DQNConfig()
         self.config = cfg = config or TrainerConfig()
+        if cfg.mirror != "bf16":
+            raise ValueError(f"TorchTrainer: TrainerConfig.mirror is dqn_ops.Trainer's (plain PyTorch keeps no mirror: "
+                             f"F32, or BF16 autocast with amp=True), got {cfg.mirror!r}")
         self.device = torch.device(device)
         self.amp = amp
         self.seed = seed
