@@ -361,13 +361,16 @@ def test_the_captured_graph_is_a_chain_off_and_forks_and_joins_on(name, switch, 
     with torch.cuda.stream(stream):  # the warm-up: cuBLAS's lazy state and the side streams, outside the capture
         run()
     torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
+    # keep_graph: the captured graph stays for debug_dump (instantiated at the first replay); a
+    # graph instantiated at capture_end is freed there, and debug_dump then writes nothing
+    g = torch.cuda.CUDAGraph(keep_graph=True)
     g.enable_debug_mode()
     with torch.cuda.graph(g, stream=stream):
         out = run()
         marker.add_(1)  # after the op's joins: a join shows as a node with two predecessors
     path = tmp_path / "graph.dot"
     g.debug_dump(str(path))
+    assert path.exists(), "CUDAGraph.debug_dump wrote no file"
     g.replay()
     torch.cuda.synchronize()
     _assert_same_bits(want, _tensors(out), f"{name} replayed")
