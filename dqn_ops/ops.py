@@ -135,8 +135,7 @@ def bf16_dueling_forward(states: Tensor, params: Tensor, params_bf16: Tensor, la
     Args:
         states: [B, SD] float32 (float64 allowed on the CPU reference path).
         params: the flat F32 master parameters (biases are read from here).
-        params_bf16: the flat BF16 mirror of ``params`` (the GEMMs read the weights from here; on the
-            CPU a mirror in params' dtype rounds nothing).
+        params_bf16: the flat BF16 mirror of ``params`` (the GEMMs read the weights from here).
             On the CPU it may also have ``params``' dtype: then nothing is rounded.
         layout: ``ParamLayout(config).encode()``.
         backward_precision: the precision autograd's backward will use ('tf32', 'bf16', 'fp32').
