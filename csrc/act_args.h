@@ -82,4 +82,37 @@ DQN_OPS_HD int64_t act_random_action(uint64_t seed, uint64_t call, uint32_t row,
                        actions);
 }
 
+// Row `row`'s epsilon-greedy actions in place: actions[0..D) hold its greedy actions; when the
+// row explores, branch d's becomes act_random_action(..., d, sizes[d]). act's CPU kernel and
+// epsilon_greedy's kernels (both backends) apply it; act's CUDA epilogue makes the same two draws
+// per branch lane.
+template <typename Sizes>
+DQN_OPS_HD void explore_row(uint64_t seed, uint64_t call, uint32_t row, float epsilon, const Sizes& sizes, int64_t D,
+                            int64_t* actions) {
+  if (!act_explores(seed, call, row, epsilon)) return;
+  for (int64_t d = 0; d < D; ++d) actions[d] = act_random_action(seed, call, row, d, sizes[d]);
+}
+
+constexpr const char* kEpsilonGreedyOp = "dqn_ops.epsilon_greedy";
+
+// epsilon_greedy: greedy int64 [N, D] (any backend's greedy actions; passed through unread
+// where a row does not explore), branches: the D >= 1 branch sizes (each >= 1), epsilon and rng
+// as act takes them, all on greedy's device.
+inline void check_epsilon_greedy_args(const at::Tensor& greedy, c10::IntArrayRef branches, const at::Tensor& epsilon,
+                                      const at::Tensor& rng) {
+  const char* op = kEpsilonGreedyOp;
+  DQN_CHECK(!branches.empty(), op, ": branches: expected at least one branch size, got none");
+  for (size_t d = 0; d < branches.size(); ++d)
+    DQN_CHECK(branches[d] >= 1, op, ": branches: expected every branch size >= 1, got ", branches[d], " at branch ", d);
+  const int64_t D = static_cast<int64_t>(branches.size());
+  check_tensor(greedy, op, "greedy", greedy.device(), at::kLong, {-1, D});
+  DQN_CHECK(greedy.size(0) < kActMaxRows, op, ": greedy: at most ", kActMaxRows - 1,
+            " rows (philox's row is 32 bits), got ", greedy.size(0));
+  check_device(epsilon, op, "epsilon", greedy.device());
+  check_dtype(epsilon, op, "epsilon", at::kFloat);
+  DQN_CHECK(epsilon.numel() == 1, op, ": epsilon: expected one element, got shape ", shape_str(epsilon.sizes()));
+  check_tensor(rng, op, "rng", greedy.device(), at::kLong, {2});
+  check_no_overlap(rng, "rng", epsilon, "epsilon", op);
+}
+
 }  // namespace dqn_ops

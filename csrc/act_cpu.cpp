@@ -2,7 +2,8 @@
 // Q logits are its q_logits bit for bit), the expected Q of every action in double precision
 // (as the CPU loss's double-DQN choice computes it; QR: the quantiles' mean), an ensemble's
 // score of each action (mean + ucb * std over the members), the per-branch argmax (the first of
-// equal maxima; a NaN wins, as torch.argmax), and epsilon-greedy on csrc/philox.h's stream layout.
+// equal maxima; a NaN wins, as torch.argmax), and epsilon-greedy on csrc/philox.h's stream layout;
+// epsilon_greedy's CPU kernel (that exploration alone, over greedy actions given).
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -127,18 +128,32 @@ std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, c
   int64_t* r = rng.data_ptr<int64_t>();
   const uint64_t seed = static_cast<uint64_t>(r[0]), call = static_cast<uint64_t>(r[1]);
   const float eps = *epsilon.data_ptr<float>();
-  for (int64_t b = 0; b < N; ++b) {
-    const uint32_t row = static_cast<uint32_t>(b);
-    if (!act_explores(seed, call, row, eps)) continue;
-    for (int64_t d = 0; d < D; ++d) act[b * D + d] = act_random_action(seed, call, row, d, L.branch_sizes[d]);
-  }
+  for (int64_t b = 0; b < N; ++b) explore_row(seed, call, static_cast<uint32_t>(b), eps, L.branch_sizes, D, act + b * D);
   r[1] = static_cast<int64_t>(call + 1);  // wraps as the unsigned counter it is
   return {actions, greedy_q};
+}
+
+// epsilon_greedy: a copy of the greedy actions, each row explored as act explores it.
+Tensor epsilon_greedy_cpu(const Tensor& greedy, c10::IntArrayRef branches, const Tensor& epsilon, Tensor& rng) {
+  check_epsilon_greedy_args(greedy, branches, epsilon, rng);
+  Tensor actions = greedy.clone();
+  const int64_t N = greedy.size(0), D = static_cast<int64_t>(branches.size());
+  if (N == 0) return actions;  // no draws: rng unchanged
+  int64_t* r = rng.data_ptr<int64_t>();
+  const uint64_t seed = static_cast<uint64_t>(r[0]), call = static_cast<uint64_t>(r[1]);
+  const float eps = *epsilon.data_ptr<float>();
+  int64_t* act = actions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < N; ++b) explore_row(seed, call, static_cast<uint32_t>(b), eps, branches, D, act + b * D);
+  r[1] = static_cast<int64_t>(call + 1);
+  return actions;
 }
 
 }  // namespace
 }  // namespace cpu
 
-TORCH_LIBRARY_IMPL(dqn_ops, CPU, m) { m.impl("act", &cpu::act_cpu); }
+TORCH_LIBRARY_IMPL(dqn_ops, CPU, m) {
+  m.impl("act", &cpu::act_cpu);
+  m.impl("epsilon_greedy", &cpu::epsilon_greedy_cpu);
+}
 
 }  // namespace dqn_ops

@@ -285,6 +285,15 @@ TORCH_LIBRARY(dqn_ops, m) {
       "Tensor epsilon, Tensor(a!) rng, str loss_type=\"c51\", float ucb=0.0, Tensor? fractions=None) -> "
       "(Tensor actions, Tensor greedy_q)");
 
+  // act's exploration alone, for greedy actions chosen elsewhere (e.g. by a plain PyTorch
+  // network, so that a baseline explores with dqn_ops's draws): greedy [N, D] int64 (passed
+  // through unread where a row does not explore), branches: the D branch sizes n_d >= 1,
+  // epsilon and rng as act takes them, all on greedy's device. actions[n] = greedy[n] unless
+  // row n explores (the same draws as act with the same rng: uniform(draw(seed, call, n, 0)) <
+  // epsilon), then branch d takes below(draw(seed, call, n, 1 + d), n_d); rng advanced by one
+  // call when N > 0.
+  m.def("epsilon_greedy(Tensor greedy, int[] branches, Tensor epsilon, Tensor(a!) rng) -> Tensor");
+
   // Bootstrap masks of an ensemble (bootstrapped DQN, Osband et al. 2016; dqn_loss's masks):
   // indices [B] int64, the replay rows of a batch (any values: their 64 bits are the counter) ->
   // masks [B, members] F32 on indices' device, masks[b, e] = 1.0 iff

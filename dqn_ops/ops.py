@@ -705,6 +705,46 @@ def _(states, params, params_bf16, layout, v_min, v_max, epsilon, rng, loss_type
 
 
 # ---------------------------------------------------------------------------------------
+# epsilon_greedy
+
+def epsilon_greedy(greedy: Tensor, branches: Sequence[int], epsilon: Tensor, rng: Tensor) -> Tensor:
+    """``act``'s exploration alone, over greedy actions chosen by any code: [N, D] int64 on
+    ``greedy``'s device, a copy of ``greedy`` where row n explores iff
+    ``uniform(draw(seed, call, n, 0)) < epsilon``, and then branch d takes
+    ``below(draw(seed, call, n, 1 + d), n_d)`` (csrc/philox.h, stream kAct): the same draws as
+    ``act`` with the same ``rng``, so a network outside dqn_ops (``TorchTrainer``'s) explores as
+    ``Trainer`` does for the same seed. No host sync; graph-capturable.
+
+    Args:
+        greedy: int64 [N, D] (N >= 0), contiguous; passed through unread where a row does not explore.
+        branches: the D >= 1 branch sizes n_d >= 1.
+        epsilon: one float32 element on greedy's device, read there (<= 0: never explore,
+            >= 1: always, NaN: never).
+        rng: int64 [2] = (seed, call counter) on greedy's device; each call with N > 0 draws
+            from ``call`` and advances it by one, on the device (N = 0 leaves it).
+    """
+    try:
+        return torch.ops.dqn_ops.epsilon_greedy.default(greedy, [int(n) for n in branches], epsilon, rng)
+    except NotImplementedError as e:
+        _raise_missing_kernel("epsilon_greedy", e)
+        raise
+
+
+@torch.library.register_fake("dqn_ops::epsilon_greedy")
+def _(greedy, branches, epsilon, rng):
+    op = "dqn_ops.epsilon_greedy"
+    _check(len(branches) >= 1, f"{op}: branches: expected at least one branch size, got none")
+    _check(all(n >= 1 for n in branches), f"{op}: branches: expected every branch size >= 1, got {list(branches)}")
+    _check(greedy.dtype == torch.int64 and greedy.dim() == 2 and greedy.shape[1] == len(branches),
+           f"{op}: greedy: expected int64 [*, {len(branches)}], got {greedy.dtype} {list(greedy.shape)}")
+    _check(epsilon.dtype == torch.float32 and epsilon.numel() == 1,
+           f"{op}: epsilon: expected one float32 element, got {epsilon.dtype} {list(epsilon.shape)}")
+    _check(rng.shape == (2,) and rng.dtype == torch.int64,
+           f"{op}: rng: expected int64 [2] (seed, call), got {rng.dtype} {list(rng.shape)}")
+    return torch.empty_like(greedy)
+
+
+# ---------------------------------------------------------------------------------------
 # bootstrap_masks
 
 def bootstrap_masks(indices: Tensor, seed: int, members: int, p: float) -> Tensor:

@@ -1,9 +1,12 @@
 """Convergence parity: the BF16 dqn_ops path against the plain-PyTorch F32 path.
 
 Same task (scripts/train.py, one process per run), same seeds (so the same initial weights,
-spectral-norm vectors, markets and replay draws; the exploration draws differ: dqn_ops's come from
-its Philox stream, plain PyTorch's from torch's generator), `--epochs` epochs of 300 steps at B=256,
-for each of `--seeds`. `--f32-backend dqn_ops` (CPU only) makes the F32 side dqn_ops itself with
+spectral-norm vectors, markets, replay draws and exploration draws: `TorchTrainer` explores with
+dqn_ops's Philox stream for the seed, `ops.epsilon_greedy`; `--torch-exploration torch` gives
+the plain-PyTorch runs torch's generator instead, as the results before this option had), `--epochs`
+epochs of 300 steps at B=256, for each of `--seeds`. The shared draws are common random
+numbers: the two runs of a seed explore alike for as long as their greedy actions agree, so the
+per-seed differences measure the paths, not the luck of two exploration streams. `--f32-backend dqn_ops` (CPU only) makes the F32 side dqn_ops itself with
 nothing rounded (`train.py --mirror f32`): the same formulas and the same random streams on both
 sides, so the difference is BF16's own. Compared (docs/design.md's bars): final Sharpe within 5% relative, mean Q within 10%,
 grad-norm mean and max within 20%, no NaN/Inf, peak VRAM within 10%.
@@ -318,6 +321,9 @@ def main():
     ap.add_argument("--f32-backend", choices=("torch", "dqn_ops"), default="torch",
                     help="the F32 side: plain PyTorch (the check) or dqn_ops with nothing rounded (--mirror f32, "
                          "--device cpu only: BF16's own effect, the same formulas and random streams on both sides)")
+    ap.add_argument("--torch-exploration", choices=("philox", "torch"), default="philox",
+                    help="the plain-PyTorch runs' exploration draws: philox (dqn_ops's for the seed: common random "
+                         "numbers, the check) or torch (torch.rand: each path its own stream)")
     ap.add_argument("--reanalyze", metavar="FILE",
                     help="re-analyse an existing result file from its per-seed figures (no training) and rewrite "
                          "it and its .md")
@@ -332,9 +338,10 @@ def main():
         ap.error(f"--jobs: expected at least 1, got {args.jobs}")
     if args.f32_backend == "dqn_ops" and args.device != "cpu":
         ap.error("--f32-backend dqn_ops: dqn_ops's unrounded path (an F32 mirror) runs on the CPU only: --device cpu")
-    backends = dict(f32=["--backend", "torch"] if args.f32_backend == "torch" else ["--backend", "dqn_ops", "--mirror",
-                                                                                   "f32"],
-                    bf16=["--backend", args.bf16_backend])
+    torch_side = ["--exploration", args.torch_exploration]
+    backends = dict(f32=["--backend", "torch", *torch_side] if args.f32_backend == "torch"
+                    else ["--backend", "dqn_ops", "--mirror", "f32"],
+                    bf16=["--backend", args.bf16_backend] + (torch_side if args.bf16_backend == "torch-bf16" else []))
 
     def run(path: str, seed: int) -> dict:
         # One process per run: peak VRAM and every other figure measured from a clean start.
@@ -364,6 +371,7 @@ def main():
     today = datetime.date.today().isoformat()
     meta = dict(epochs=args.epochs, steps_per_epoch=args.steps, batch=256, seeds=seeds,
                 device=args.device, jobs=args.jobs, tiny_network=args.tiny, train_args=args.train_args,
+                torch_exploration=args.torch_exploration,
                 gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                 torch=torch.__version__, date=today,
                 final_sharpe_definition="mean of the last 5 epochs' held-out evaluations",

@@ -80,6 +80,9 @@ def parse_args(argv=None):
     ap.add_argument("--mirror", choices=("bf16", "f32"), default="bf16",
                     help="dqn_ops backend: the networks' mirror; f32 (--device cpu only) rounds nothing: the same "
                          "step in F32 (TrainerConfig.mirror)")
+    ap.add_argument("--exploration", choices=("philox", "torch"), default="philox",
+                    help="torch backends: act_explore's random numbers; philox (dqn_ops's draws for the seed, so both "
+                         "backends of one seed explore alike) | torch (torch.rand)")
     ap.add_argument("--act-ucb", type=float, default=0.0,
                     help="acting scores each action by mean + C * std over the ensemble's members")
     ap.add_argument("--distributed", action="store_true",
@@ -110,10 +113,13 @@ def make_trainer(args):
                         bootstrap_p=args.bootstrap_p, act_ucb=args.act_ucb, iqn_fractions=args.iqn_fractions,
                         mirror=args.mirror)
     if args.backend == "dqn_ops":
+        if args.exploration != "philox":
+            raise SystemExit("--exploration torch takes the torch backends only (dqn_ops draws from its Philox stream)")
         return Trainer(net, cfg, device=args.device, seed=args.seed)
     if args.distributed or args.mirror != "bf16":
         raise SystemExit("--distributed and --mirror take the dqn_ops backend only")
-    return TorchTrainer(net, cfg, device=args.device, seed=args.seed, amp=args.backend == "torch-bf16")
+    return TorchTrainer(net, cfg, device=args.device, seed=args.seed, amp=args.backend == "torch-bf16",
+                        exploration=args.exploration)
 
 
 def train(args) -> dict:
@@ -194,6 +200,7 @@ def train(args) -> dict:
     summary = dict(backend=args.backend, loss_type=args.loss_type, atoms=trainer.net_config.atoms,
                    ensemble=trainer.net_config.members, bootstrap_p=args.bootstrap_p, act_ucb=args.act_ucb,
                    seed=args.seed, mirror=args.mirror if args.backend == "dqn_ops" else None,
+                   exploration="philox" if args.backend == "dqn_ops" else args.exploration,
                    epochs=args.epochs, steps_per_epoch=args.steps,
                    world_size=trainer.world_size if isinstance(trainer, Trainer) else 1,
                    batch=args.batch, device=str(dev), torch=torch.__version__,

@@ -663,3 +663,168 @@ def test_cuda_runs_on_the_tensors_device_and_current_stream():
     torch.cuda.synchronize()
     assert torch.equal(out.actions, expected.actions) and torch.equal(out.greedy_q, expected.greedy_q)
     assert rng.tolist() == [0, 1]
+
+
+# ----------------------------------------------------------------------------------------
+# epsilon_greedy: act's exploration over greedy actions chosen elsewhere
+
+eg_op = torch.ops.dqn_ops.epsilon_greedy.default
+
+
+def random_greedy(c, N, device, generator=None):
+    """[N, D] int64 greedy actions, each in [0, n_d)."""
+    cols = [torch.randint(0, n, (N,), generator=generator) for n in c.branches]
+    return torch.stack(cols, 1).to(device) if cols else torch.zeros(N, 0, dtype=torch.int64, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("epsilon", [0.0, 0.3, 1.0])
+def test_epsilon_greedy_is_the_references_draws(device, epsilon):
+    c = CONFIGS["five_branches"]
+    N, seed, call = 1500, int(torch.randint(0, 2**62, ())), int(torch.randint(0, 2**40, ()))
+    greedy = random_greedy(c, N, device)
+    rng = rng_of(seed, call, device)
+    out = dqn_ops.epsilon_greedy(greedy, c.branches, eps_of(epsilon, device), rng)
+    explore = reference_explores(seed, call, N, epsilon)
+    expected = torch.where(explore[:, None], reference_random_actions(c, seed, call, N), greedy.cpu())
+    assert out.dtype == torch.int64 and out.device == greedy.device and out.data_ptr() != greedy.data_ptr()
+    assert torch.equal(out.cpu(), expected)
+    assert rng.tolist() == [seed, call + 1]
+    if 0 < epsilon < 1:  # not vacuous: both kinds of rows occur
+        assert 0 < explore.sum() < N and ((out.cpu() != greedy.cpu()).any(1) & explore).sum() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["five_branches", "odd_widths", "one_atom"])
+def test_epsilon_greedy_explores_as_act_does(device, name):
+    """act = epsilon_greedy(act's greedy actions) on the same rng: the same rows explore, the same
+    random actions, the counter advanced alike."""
+    c = CONFIGS[name]
+    net = make_net(c, device)
+    s = torch.randn(700, c.state_dim, device=device)
+    seed, call = 2026, 40
+    greedy = call_act(net, s, eps_of(0.0, device), rng_of(seed, call, device)).actions
+    rng_act, rng_eg = rng_of(seed, call, device), rng_of(seed, call, device)
+    for _ in range(3):  # consecutive calls draw from consecutive counters
+        eps = eps_of(0.4, device)
+        expected = call_act(net, s, eps, rng_act).actions
+        assert torch.equal(dqn_ops.epsilon_greedy(greedy, c.branches, eps, rng_eg), expected)
+        assert torch.equal(rng_eg, rng_act)
+    assert not torch.equal(expected, greedy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_epsilon_greedy_edges(device):
+    """epsilon <= 0 / NaN never explores (greedy passes through unread, even out of range),
+    >= 1 always; zero rows leave the rng."""
+    c = TINY
+    greedy = torch.full((50, c.num_branches), -7, dtype=torch.int64, device=device)
+    random = reference_random_actions(c, 5, 9, 50)
+    for value, expected in [(0.0, greedy.cpu()), (float("nan"), greedy.cpu()), (-1.0, greedy.cpu()), (1.0, random),
+                            (float("inf"), random)]:
+        out = dqn_ops.epsilon_greedy(greedy, c.branches, eps_of(value, device), rng_of(5, 9, device))
+        assert torch.equal(out.cpu(), expected), value
+    rng = rng_of(5, 9, device)
+    empty = dqn_ops.epsilon_greedy(greedy[:0], c.branches, eps_of(1.0, device), rng)
+    assert empty.shape == (0, c.num_branches) and rng.tolist() == [5, 9]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_epsilon_greedy_bad_input(device):
+    c = TINY
+    g = random_greedy(c, 6, device)
+    eps, rng = eps_of(0.5, device), rng_of(1, 0, device)
+    cases = [
+        ((g, [], eps, rng), "branches: expected at least one branch size, got none"),
+        ((g, [0] + list(c.branches[1:]), eps, rng), "branches: expected every branch size >= 1, got 0 at branch 0"),
+        ((g.float(), c.branches, eps, rng), "greedy: expected dtype Long"),
+        ((g[:, :1], c.branches, eps, rng), r"greedy: expected shape \[\*, %d\]" % c.num_branches),
+        ((g.t().contiguous().t(), c.branches, eps, rng), "greedy: expected a contiguous tensor"),
+        ((g, c.branches, eps.double(), rng), "epsilon: expected dtype Float"),
+        ((g, c.branches, torch.zeros(2, device=device), rng), "epsilon: expected one element"),
+        ((g, c.branches, eps, rng_of(1, 0, device)[:1]), r"rng: expected shape \[2\]"),
+        ((g, c.branches, eps, rng.int()), "rng: expected dtype Long"),
+    ]
+    if device == "cuda":
+        cases.append(((g, c.branches, eps.cpu(), rng), "epsilon: expected a tensor on cuda"))
+    for args, msg in cases:
+        with pytest.raises(RuntimeError, match="dqn_ops.epsilon_greedy: " + msg):
+            eg_op(*args)
+    assert rng.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_epsilon_greedy_opcheck(device):
+    c = CONFIGS["five_branches"]
+    g = random_greedy(c, 20, device)
+    for eps in (0.0, 0.5):
+        torch.library.opcheck(eg_op, (g, list(c.branches), eps_of(eps, device), rng_of(3, 1, device)))
+    torch.library.opcheck(eg_op, (g[:0], list(c.branches), eps_of(0.5, device), rng_of(3, 1, device)))
+
+
+def test_epsilon_greedy_fake_and_compile():
+    c = CONFIGS["five_branches"]
+    with FakeTensorMode():
+        g, eps, rng = torch.empty(9, 5, dtype=torch.int64), torch.empty(1), torch.empty(2, dtype=torch.int64)
+        out = eg_op(g, list(c.branches), eps, rng)
+        assert out.shape == (9, 5) and out.dtype == torch.int64
+        with pytest.raises(RuntimeError, match=r"dqn_ops.epsilon_greedy: greedy: expected int64 \[\*, 5\]"):
+            eg_op(g[:, :4], list(c.branches), eps, rng)
+        with pytest.raises(RuntimeError, match="dqn_ops.epsilon_greedy: branches: expected every branch size >= 1"):
+            eg_op(g, [3, 0, 2, 2, 2], eps, rng)
+
+    def f(greedy, epsilon, rng):
+        return dqn_ops.epsilon_greedy(greedy, c.branches, epsilon, rng)
+
+    compiled = torch.compile(f, fullgraph=True)
+    g = random_greedy(c, 64, "cpu")
+    eps = eps_of(0.5, "cpu")
+    rng_c, rng_e = rng_of(6, 0, "cpu"), rng_of(6, 0, "cpu")
+    for _ in range(2):  # the rng's advance is part of the compiled graph
+        assert torch.equal(compiled(g, eps, rng_c), f(g, eps, rng_e))
+        assert torch.equal(rng_c, rng_e)
+    assert rng_c.tolist() == [6, 2]
+
+
+@requires_cuda
+def test_epsilon_greedy_cuda_graph_replays_draw_anew():
+    c = CONFIGS["five_branches"]
+    g = random_greedy(c, 300, "cuda")
+    eps, rng = eps_of(1.0, "cuda"), rng_of(12, 0, "cuda")
+    out = dqn_ops.epsilon_greedy(g, c.branches, eps, rng)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dqn_ops.epsilon_greedy(g, c.branches, eps, rng)
+    for call in (2, 3):
+        out.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), reference_random_actions(c, 12, call, 300))
+    assert rng.tolist() == [12, 4]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["five_branches", "one_atom"])
+def test_torch_trainer_explores_with_the_trainers_draws(device, name):
+    """TorchTrainer(exploration='philox') draws what Trainer(seed) draws: at epsilon 1 every
+    action is the same; at epsilon 0.5 the same rows explore (where the greedy actions agree,
+    the actions agree); 'torch' draws its own."""
+    from dqn_ops.rl.baseline import TorchTrainer
+    c = CONFIGS[name]
+    cfg = TrainerConfig(batch_size=8, use_cuda_graph=False)
+    ours = Trainer(c, cfg, device=device, seed=31)
+    plain = TorchTrainer(c, cfg, device=device, seed=31)
+    s = torch.randn(400, c.state_dim, device=device)
+    a_ours, _ = ours.act_explore(s, eps_of(1.0, device))
+    a_plain, _ = plain.act_explore(s, eps_of(1.0, device))
+    assert torch.equal(a_plain, a_ours)
+    assert torch.equal(a_plain.cpu(), reference_random_actions(c, 31, 0, 400))
+    a_ours, _ = ours.act_explore(s, eps_of(0.5, device))
+    a_plain, _ = plain.act_explore(s, eps_of(0.5, device))
+    explore = reference_explores(31, 1, 400, 0.5).to(device)
+    assert torch.equal(a_plain[explore], a_ours[explore])
+    assert torch.equal(plain.explore_rng, ours.explore_rng)
+    other = TorchTrainer(c, cfg, device=device, seed=31, exploration="torch")
+    assert not torch.equal(other.act_explore(s, eps_of(1.0, device))[0].cpu(), reference_random_actions(c, 31, 0, 400))
+    with pytest.raises(ValueError, match="TorchTrainer: exploration: expected 'philox'"):
+        TorchTrainer(c, cfg, device=device, seed=31, exploration="numpy")

@@ -23,5 +23,5 @@ def test_every_public_name_exists_and_the_ops_are_exported():
     missing = [name for name in dqn_ops.__all__ if not hasattr(dqn_ops, name)]
     assert not missing, f"in __all__ but not exported: {missing}"
     for name in ("bf16_dueling_forward", "mixed_backward", "fused_adam_bf16", "ema_update", "batched_spectral_norm",
-                 "dqn_loss", "act", "bootstrap_masks", "iqn_fractions"):
+                 "dqn_loss", "act", "epsilon_greedy", "bootstrap_masks", "iqn_fractions"):
         assert name in dqn_ops.__all__ and getattr(dqn_ops, name) is getattr(dqn_ops.ops, name), name

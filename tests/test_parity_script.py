@@ -25,6 +25,7 @@ def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
     assert result["pass"] == (result["verdict"] == "pass")
     assert result["meta"]["jobs"] == 4 and result["meta"]["seeds"] == [0, 1] and result["meta"]["tiny_network"]
     assert result["meta"]["train_args"] == "--prioritized --n-step 2"
+    assert result["meta"]["torch_exploration"] == "philox"
     assert set(result["runs"]) == {"f32", "bf16"}
     for path, backend in (("f32", "torch"), ("bf16", "dqn_ops")):
         # each run's own summary, keyed by its seed (the jobs finish in any order)
@@ -32,6 +33,7 @@ def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
             summary = loads_strict_json((tmp_path / "runs" / f"{path}-seed{seed}" / "summary.json").read_text())
             assert summary["seed"] == seed and summary["backend"] == backend
             assert summary["prioritized"] and summary["n_step"] == 2  # --train-args reached every run
+            assert summary["exploration"] == "philox"  # both paths explore with the seed's Philox draws
             assert result["runs"][path][str(seed)]["mean_q"] == summary["mean_q"]
     figures = result["figures"]
     assert figures["peak_vram_bytes"]["passed"] is None  # no VRAM on the CPU: not compared
@@ -58,6 +60,18 @@ def test_parity_script_takes_dqn_ops_unrounded_as_its_f32_side(tmp_path):
         assert summary["backend"] == "dqn_ops" and summary["mirror"] == mirror
     refused = subprocess.run(args + ["--device", "cuda"], cwd=ROOT, capture_output=True, text=True)
     assert refused.returncode == 2 and "runs on the CPU only" in refused.stderr
+
+
+def test_parity_script_gives_plain_pytorch_its_own_exploration_on_request(tmp_path):
+    """--torch-exploration torch: the plain-PyTorch runs draw with torch.rand, dqn_ops's with Philox."""
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "parity.py"), "--epochs", "1", "--steps", "4",
+                    "--tiny", "--device", "cpu", "--seeds", "0", "--jobs", "2", "--out", str(tmp_path / "out"),
+                    "--runs", str(tmp_path / "runs"), "--torch-exploration", "torch"], check=True, cwd=ROOT,
+                   capture_output=True)
+    assert loads_strict_json((tmp_path / "out" / "parity.json").read_text())["meta"]["torch_exploration"] == "torch"
+    for path, exploration in (("f32", "torch"), ("bf16", "philox")):
+        summary = loads_strict_json((tmp_path / "runs" / f"{path}-seed0" / "summary.json").read_text())
+        assert summary["exploration"] == exploration
 
 
 def _synthetic_runs(bf16_vram: float, growth: float = 0.0) -> dict:

@@ -24,6 +24,9 @@
 // (quantiles.cuh: the loss's double-DQN choice computes it so too). Either may differ from the
 // CPU reference's (double precision) or torch's in the last bits, so a near-tie of two actions
 // may break differently; the logits do not differ.
+//
+// epsilon_greedy (act's exploration alone, over greedy actions any code chose) is here too:
+// one kernel, a thread per row, and the counter's launch.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -267,9 +270,44 @@ std::tuple<Tensor, Tensor> act_cuda(const Tensor& states, const Tensor& params, 
   return {actions, greedy_q};
 }
 
+// epsilon_greedy: a thread per row, explore_row over a copy of the greedy actions (act's
+// draws: csrc/act_args.h); the branch sizes by value, in a BranchTable of one member.
+__global__ void epsilon_greedy_kernel(const int64_t* __restrict__ greedy, int64_t rows, const float* epsilon,
+                                      const int64_t* rng, const BranchTable br, int64_t* __restrict__ actions) {
+  pdl_enter();
+  const uint64_t seed = static_cast<uint64_t>(rng[0]), call = static_cast<uint64_t>(rng[1]);
+  const float eps = *epsilon;
+  const int64_t D = br.per_member;
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < rows; b += int64_t(gridDim.x) * blockDim.x) {
+    int64_t* out = actions + b * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = greedy[b * D + d];
+    explore_row(seed, call, static_cast<uint32_t>(b), eps, br.size, D, out);
+  }
+}
+
+Tensor epsilon_greedy_cuda(const Tensor& greedy, c10::IntArrayRef branches, const Tensor& epsilon, Tensor& rng) {
+  const char* op = kEpsilonGreedyOp;
+  check_epsilon_greedy_args(greedy, branches, epsilon, rng);
+  const BranchTable br = make_branch_table(branches, 1, op);
+  const c10::cuda::CUDAGuard guard(greedy.device());
+  const int64_t N = greedy.size(0);
+  Tensor actions = at::empty_like(greedy);
+  if (N == 0) return actions;  // no launch: rng unchanged
+  constexpr int kThreads = 128;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((N + kThreads - 1) / kThreads, int64_t(1) << 16));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  launch(epsilon_greedy_kernel, blocks, kThreads, 0, stream, greedy.data_ptr<int64_t>(), N,
+         epsilon.data_ptr<float>(), rng.data_ptr<int64_t>(), br, actions.data_ptr<int64_t>());
+  advance_call(rng.data_ptr<int64_t>(), stream);
+  return actions;
+}
+
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) { m.impl("act", &cuda::act_cuda); }
+TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {
+  m.impl("act", &cuda::act_cuda);
+  m.impl("epsilon_greedy", &cuda::epsilon_greedy_cuda);
+}
 
 }  // namespace dqn_ops

@@ -271,17 +271,29 @@ class TorchTrainer:
     autocast BF16. On CUDA with ``use_cuda_graph`` the step is captured after warm-up like
     the dqn_ops one (``torch.optim.Adam(capturable=True)``). Ensembles as ``Trainer``: the same
     bootstrap masks (``ops.bootstrap_masks`` of the batch's ``indices``, keyed by the seed) and
-    the same acting scores (exploring: mean + ``act_ucb`` * std over the members; ``act``: the mean)."""
+    the same acting scores (exploring: mean + ``act_ucb`` * std over the members; ``act``: the mean).
 
-    def __init__(self, net_config=None, config=None, device="cuda", seed: int = 0, amp: bool = False):
+    ``exploration`` says where ``act_explore``'s random numbers come from: ``"philox"`` (the
+    default) draws them with ``ops.epsilon_greedy`` from ``explore_rng`` = (the seed's Philox key,
+    a call counter), exactly as ``dqn_ops.Trainer(seed=seed).act_explore`` draws its own, so the
+    two trainers of one seed explore alike wherever their greedy actions agree (a comparison of
+    the two then pairs their runs: common random numbers); ``"torch"`` draws them with
+    ``torch.rand`` (torch's generator; no dqn_ops op in acting)."""
+
+    def __init__(self, net_config=None, config=None, device="cuda", seed: int = 0, amp: bool = False,
+                 exploration: str = "philox"):
         self.net_config = c = net_config or DQNConfig()
         self.config = cfg = config or TrainerConfig()
         if cfg.mirror != "bf16":
             raise ValueError(f"TorchTrainer: TrainerConfig.mirror is dqn_ops.Trainer's (plain PyTorch keeps no mirror: "
                              f"F32, or BF16 autocast with amp=True), got {cfg.mirror!r}")
+        if exploration not in ("philox", "torch"):
+            raise ValueError(f"TorchTrainer: exploration: expected 'philox' (dqn_ops.Trainer's draws) or 'torch' "
+                             f"(torch.rand), got {exploration!r}")
         self.device = torch.device(device)
         self.amp = amp
         self.seed = seed
+        self.exploration = exploration
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "TorchTrainer", c.iqn)
         self.group_loss_types = group_loss_types(c, self.loss_type, cfg.aux_loss_types, "TorchTrainer")
         self._groups = [c.group_config(g) for g in range(c.num_groups)]
@@ -315,6 +327,8 @@ class TorchTrainer:
         # act_explore's constant, made before any capture (a host-to-device copy cannot be captured)
         self._branch_sizes = torch.tensor(c.branches, device=dev)
         self._branch_offsets = torch.tensor([sum(c.branches[:d]) for d in range(D)], device=dev)
+        # act_explore's draws with exploration='philox': dqn_ops.Trainer's explore_rng for this seed.
+        self.explore_rng = torch.tensor([ops.philox_seed(seed), 0], dtype=torch.long, device=dev)
         # IQN: the K = N midpoints every row acts and picks the next action at (as Trainer's)
         self._midpoints = quantile_midpoints(cfg.iqn_fractions, torch.empty(0, device=dev))[None]
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
@@ -343,17 +357,20 @@ class TorchTrainer:
 
     @torch.no_grad()
     def act_explore(self, states, epsilon):
-        """Epsilon-greedy in plain PyTorch: the greedy action of each branch, or with probability
-        `epsilon` (a one-element device tensor) a uniform random action for every branch; random
-        numbers from torch's generator (graph-safe on CUDA). Returns (actions, greedy expected Q).
-        An ensemble's greedy action maximises mean + ``act_ucb`` * std over the members, its
-        greedy Q the mean."""
+        """Epsilon-greedy: the greedy action of each branch, or with probability `epsilon` (a
+        one-element device tensor) a uniform random action for every branch; the random numbers
+        ``dqn_ops.Trainer``'s (``exploration='philox'``: ``ops.epsilon_greedy`` on ``explore_rng``)
+        or torch's generator's (``'torch'``); both graph-safe on CUDA. Returns (actions, greedy
+        expected Q). An ensemble's greedy action maximises mean + ``act_ucb`` * std over the
+        members, its greedy Q the mean."""
         c = self.net_config
         q = expected_q(self._forward_q(self.online, states, self._at_midpoints(states))[0].float(), self.config.v_min,
                        self.config.v_max, self.loss_type)
         score, mean = ensemble_score(q, c.members, self.config.act_ucb)
         greedy = torch.stack([b.argmax(1) for b in torch.split(score, list(c.branches), dim=1)], 1)
         greedy_q = mean.gather(1, greedy + self._branch_offsets)
+        if self.exploration == "philox":
+            return ops.epsilon_greedy(greedy, c.branches, epsilon, self.explore_rng), greedy_q
         n = self._branch_sizes
         random = torch.minimum((torch.rand(states.shape[0], c.num_branches, device=q.device) * n).long(), n - 1)
         explore = torch.rand(states.shape[0], 1, device=q.device) < epsilon
