@@ -791,16 +791,16 @@ def test_epsilon_greedy_cuda_graph_replays_draw_anew():
     c = CONFIGS["five_branches"]
     g = random_greedy(c, 300, "cuda")
     eps, rng = eps_of(1.0, "cuda"), rng_of(12, 0, "cuda")
-    out = dqn_ops.epsilon_greedy(g, c.branches, eps, rng)  # warm-up outside the capture
+    out = dqn_ops.epsilon_greedy(g, c.branches, eps, rng)  # warm-up outside the capture: call 0
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):  # recorded, not run: the counter stays at 1
         out = dqn_ops.epsilon_greedy(g, c.branches, eps, rng)
-    for call in (2, 3):
+    for call in (1, 2):
         out.fill_(-1)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), reference_random_actions(c, 12, call, 300))
-    assert rng.tolist() == [12, 4]
+    assert rng.tolist() == [12, 3]
 
 
 @pytest.mark.parametrize("device", DEVICES)
