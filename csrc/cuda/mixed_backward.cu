@@ -109,14 +109,18 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
   }
 }
 
-// In place: d = (h > 0) ? d : 0, the ReLU mask read off the saved BF16 activation (BF16 keeps
-// F32's exponent range, so h > 0 exactly where the F32 pre-activation was). Writes the BF16
-// copy for the `bf16` GEMMs when d_bf16 is not null.
+// The ReLU's backward: dZ = (h > 0) ? dH : 0, the mask read off the saved BF16 activation h
+// (BF16 keeps F32's exponent range, so h > 0 exactly where the F32 pre-activation was). The
+// relu_backward kernels and the column sums' masked jobs (column_sum_kernel) both take it here.
+__device__ __forceinline__ float relu_grad(float d, float h) { return h > 0.f ? d : 0.f; }
+
+// In place: d = relu_grad(d, h). Writes the BF16 copy for the `bf16` GEMMs when d_bf16 is not
+// null.
 __global__ void relu_backward_kernel(float* __restrict__ d, const __nv_bfloat16* __restrict__ h,
                                      __nv_bfloat16* __restrict__ d_bf16, int64_t n) {
   pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float g = __bfloat162float(h[i]) > 0.f ? d[i] : 0.f;
+    const float g = relu_grad(d[i], __bfloat162float(h[i]));
     d[i] = g;
     if (d_bf16) d_bf16[i] = __float2bfloat16_rn(g);
   }
@@ -127,8 +131,7 @@ __global__ void relu_backward_x4_kernel(float4* __restrict__ d, const uint2* __r
   pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
     const float4 m = unpack_bf16x4(h[i]), v = d[i];
-    const float4 g = make_float4(m.x > 0.f ? v.x : 0.f, m.y > 0.f ? v.y : 0.f, m.z > 0.f ? v.z : 0.f,
-                                 m.w > 0.f ? v.w : 0.f);
+    const float4 g = make_float4(relu_grad(v.x, m.x), relu_grad(v.y, m.y), relu_grad(v.z, m.z), relu_grad(v.w, m.w));
     d[i] = g;
     if (d_bf16) d_bf16[i] = pack_bf16x4(g.x, g.y, g.z, g.w);
   }
@@ -185,12 +188,20 @@ __global__ void upcast_kernel(UpcastJobs jobs) {
 // column_sum_chunks_kernel adds the chunks in order. Deterministic: the order depends only
 // on `rows`. Chunking the rows gives large batches enough blocks: one block per column tile
 // over all rows leaves most of the GPU idle (48 blocks for the reference network).
+//
+// A job with a mask (a hidden layer's saved activation h) is a ReLU backward too: the thread
+// that reads an element of dH replaces it in place by dZ = relu_grad(dH, h), writes dZ's BF16
+// copy (low, when not null) and sums dZ, so the layer needs no relu_backward launch of its own.
+// Every element of [rows, cols] is read by exactly one thread, and the sum takes the same values
+// in the same order as a plain job over the finished dZ: the same bits either way.
 constexpr int kColTile = 32, kRowLanes = 16, kRowUnroll = 4;
 constexpr int64_t kChunkRows = 512;
 constexpr int kMaxZeroRanges = 32;
 constexpr int kMaxColumnSumJobs = 8;
 struct ColumnSumJobs {
-  const float* src[kMaxColumnSumJobs];
+  float* src[kMaxColumnSumJobs];                 // written only by a masked job (in place)
+  const __nv_bfloat16* mask[kMaxColumnSumJobs];  // null: a plain column sum
+  __nv_bfloat16* low[kMaxColumnSumJobs];         // a masked job's BF16 copy of dZ, or null
   float* dst[kMaxColumnSumJobs];
   int64_t cols[kMaxColumnSumJobs];
   int64_t first_block[kMaxColumnSumJobs + 1];  // job j owns column tiles [first_block[j], first_block[j+1])
@@ -225,13 +236,32 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnS
   const int64_t r_end = std::min<int64_t>(jobs.rows, (blockIdx.y + 1) * kChunkRows);
   float s = 0.f;
   if (c < cols) {
-    const float* src = jobs.src[j] + c;
+    float* src = jobs.src[j] + c;
+    const __nv_bfloat16* mask = jobs.mask[j] ? jobs.mask[j] + c : nullptr;
+    __nv_bfloat16* low = jobs.low[j] ? jobs.low[j] + c : nullptr;
+    // Element k of this thread's column, v = src[k] and h = mask[k] loaded: v, or made dZ in
+    // place (the ReLU backward).
+    auto take = [&](int64_t k, float v, float h) {
+      if (!mask) return v;
+      const float g = relu_grad(v, h);
+      src[k] = g;
+      if (low) low[k] = __float2bfloat16_rn(g);
+      return g;
+    };
+    auto h_at = [&](int64_t k) { return mask ? __bfloat162float(mask[k]) : 0.f; };
     float acc[kRowUnroll] = {};
     int64_t r = blockIdx.y * kChunkRows + threadIdx.y;
-    for (; r + (kRowUnroll - 1) * kRowLanes < r_end; r += kRowUnroll * kRowLanes)
+    for (; r + (kRowUnroll - 1) * kRowLanes < r_end; r += kRowUnroll * kRowLanes) {
+      float x[kRowUnroll], h[kRowUnroll];  // every load before the first in-place store
 #pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) acc[u] += src[(r + u * kRowLanes) * cols];
-    for (; r < r_end; r += kRowLanes) acc[0] += src[r * cols];
+      for (int u = 0; u < kRowUnroll; ++u) {
+        x[u] = src[(r + u * kRowLanes) * cols];
+        h[u] = h_at((r + u * kRowLanes) * cols);
+      }
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) acc[u] += take((r + u * kRowLanes) * cols, x[u], h[u]);
+    }
+    for (; r < r_end; r += kRowLanes) acc[0] += take(r * cols, src[r * cols], h_at(r * cols));
 #pragma unroll
     for (int u = 0; u < kRowUnroll; ++u) s += acc[u];
   }
@@ -355,9 +385,15 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   // therefore run one GEMM each: one batch cannot add into one matrix.
   // The tensors the side stream reads live past the join: declared before `side`, they are
   // destroyed after its destructor joins, should an exception leave this function early.
-  Grad d_out;                                  // the gradient flowing down the layers
-  std::vector<std::pair<Grad, int64_t>> d_z;   // each layer's dZ (and IQN's dP) with its bias offset
-  Tensor partial;                              // the column sums' chunks
+  // A layer's dZ (or IQN's dP) with its bias offset; summed: its bias gradient already written.
+  struct SavedDz {
+    Grad grad;
+    int64_t b_off;
+    bool summed;
+  };
+  Grad d_out;                 // the gradient flowing down the layers
+  std::vector<SavedDz> d_z;   // each layer's dZ (and IQN's dP), last layer first
+  Tensor partial;             // the column sums' chunks
   SideStream side(params.device());
   auto layer_backward = [&](const std::vector<HeadSlice>& blocks, const void* dy, int64_t dy_ld, int64_t in,
                             float* dx, const std::string& what) {
@@ -405,6 +441,56 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
               " input columns (the layout should have been rejected)");
   };
 
+  // Bias gradients: column sums of up to kMaxColumnSumJobs gradients of equal row counts in one
+  // launch, plus one more past kChunkRows rows. A job with a mask is also its layer's ReLU
+  // backward (column_sum_kernel). The first launch zeroes the gaps.
+  struct BiasJob {
+    const Grad* dz;
+    int64_t b_off;
+    const __nv_bfloat16* mask;  // the layer's saved activation, or null
+  };
+  bool gaps_zeroed = !zero_in_column_sums;
+  auto column_sums = [&](const BiasJob* bias, size_t count) {
+    const int64_t rows = bias[0].dz->f32.size(0);
+    const int64_t chunks = std::max<int64_t>(1, (rows + kChunkRows - 1) / kChunkRows);
+    DQN_CHECK(chunks <= 65535, op, ": batch too large for the bias-gradient kernel (", rows, " rows)");
+    ColumnSumJobs jobs{};
+    jobs.count = static_cast<int>(count);
+    jobs.rows = rows;
+    jobs.zero_base = g;
+    jobs.zero_count = gaps_zeroed ? 0 : static_cast<int>(gaps.size());
+    gaps_zeroed = true;
+    for (int r = 0; r < jobs.zero_count; ++r) {
+      jobs.zero_begin[r] = gaps[r].first;
+      jobs.zero_end[r] = gaps[r].second;
+    }
+    jobs.first_block[0] = jobs.first_col[0] = 0;
+    for (int j = 0; j < jobs.count; ++j) {
+      const Grad& dz = *bias[j].dz;
+      DQN_CHECK(dz.f32.size(0) == rows && (bias[j].mask == nullptr || chunks == 1), op,
+                ": internal: a column-sum launch of mixed row counts, or a masked job over several chunks");
+      jobs.src[j] = dz.f32.data_ptr<float>();
+      jobs.mask[j] = bias[j].mask;
+      jobs.low[j] = bias[j].mask ? dz.low_ptr() : nullptr;
+      jobs.cols[j] = dz.f32.size(1);
+      jobs.dst[j] = g + bias[j].b_off;
+      jobs.first_block[j + 1] = jobs.first_block[j] + (jobs.cols[j] + kColTile - 1) / kColTile;
+      jobs.first_col[j + 1] = jobs.first_col[j] + jobs.cols[j];
+    }
+    const int64_t cols = jobs.first_col[jobs.count];
+    if (chunks > 1) {  // `partial` is reused by every launch: they run in stream order
+      if (!partial.defined() || partial.numel() < chunks * cols) partial = at::empty({chunks * cols}, f32);
+      jobs.partial = partial.data_ptr<float>();
+    }
+    launch(column_sum_kernel,
+           dim3(static_cast<unsigned>(jobs.first_block[jobs.count]), static_cast<unsigned>(chunks)),
+           dim3(kColTile, kRowLanes), 0, stream, jobs);
+    if (chunks > 1)
+      launch(column_sum_chunks_kernel, blocks_for(cols, kThreads), kThreads, 0, stream, jobs,
+             static_cast<int>(chunks));
+  };
+  bool head_summed = false;  // b_out's column sum (of d_head) launched
+
   // Output heads: dY = d_head, into d(last hidden activation).
   const int64_t last = static_cast<int64_t>(L.num_activations()) - 1;
   d_out = make_grad(activations[last].size(0), L.head_in_width);
@@ -412,8 +498,13 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
                  d_out.f32.data_ptr<float>(), "output heads");
 
   // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W. The BF16
-  // copy of a dX is written by the next relu_backward, not by the GEMM. d_z keeps each layer's
+  // copy of a dX is written by the next ReLU backward, not by the GEMM. d_z keeps each layer's
   // dZ for its bias gradient (and IQN's dP for b_phi's), with its bias offset, last layer first.
+  // A layer of at most kChunkRows rows (one chunk) has its ReLU backward done by its own
+  // column-sum launch, a masked job (the first such launch also sums b_out's d_head where the
+  // rows match): one launch for both, where a relu_backward launch and a share of the final
+  // column sums would be. Past one chunk the masked job would need the chunk kernel's launch of
+  // its own: relu_backward runs, and the column sums run after the chain.
   for (int64_t i = M - 1; i >= 0; --i) {
     if (L.iqn() && i == L.trunk_layers - 1) {
       // d_out is d(z) on the B * N fraction rows: into d(h_L) [B, T] and phi's dP, dW_phi = dP^T c.
@@ -424,7 +515,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       launch(iqn_backward_kernel, blocks_for(B * T, kThreads), kThreads, 0, stream, d_out.f32.data_ptr<float>(), h_L,
              phi, dh.f32.data_ptr<float>(), dP.f32.data_ptr<float>(), dP.low_ptr(), B, T, rows / B);
       layer_backward(L.phi.blocks, dP.operand(bf16), T, static_cast<int64_t>(L.cos_activation()), nullptr, "phi");
-      d_z.emplace_back(std::move(dP), L.phi.b_off);
+      d_z.push_back({std::move(dP), L.phi.b_off, false});
       d_out = std::move(dh);
     }
     const HiddenLayer& layer = L.hidden[i];
@@ -433,7 +524,17 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     float* d = d_out.f32.data_ptr<float>();
     const auto* h = static_cast<const __nv_bfloat16*>(activations[out].data_ptr());
     __nv_bfloat16* d_low = d_out.low_ptr();
-    if (n % 4 == 0 && aligned16(d, h, d_low))
+    const bool fused = rows <= kChunkRows;
+    if (fused) {
+      BiasJob bias[2];
+      size_t count = 0;
+      if (!head_summed && d_head.f32.size(0) == rows) {
+        bias[count++] = {&d_head, L.b_out, nullptr};
+        head_summed = true;
+      }
+      bias[count++] = {&d_out, layer.b_off, h};
+      column_sums(bias, count);
+    } else if (n % 4 == 0 && aligned16(d, h, d_low))
       launch(relu_backward_x4_kernel, blocks_for(n / 4, kThreads), kThreads, 0, stream, reinterpret_cast<float4*>(d),
              reinterpret_cast<const uint2*>(h), reinterpret_cast<uint2*>(d_low), n / 4);
     else
@@ -442,54 +543,26 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     Grad d_in = need_dx ? make_grad(rows, layer.in_width) : Grad{};
     layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, out - 1,
                    need_dx ? d_in.f32.data_ptr<float>() : nullptr, hidden_layer_name(L, static_cast<size_t>(i)));
-    d_z.emplace_back(std::move(d_out), layer.b_off);
+    d_z.push_back({std::move(d_out), layer.b_off, fused});
     d_out = std::move(d_in);
   }
 
-  // Bias gradients, column sums of b_out's dY and each hidden layer's dZ (last layer first):
-  // kMaxColumnSumJobs of equal row counts per launch (IQN's fraction rows, then the trunk's), plus
-  // one more past kChunkRows rows; the first also zeroes the gaps.
-  std::vector<std::pair<const Tensor*, int64_t>> bias_groups = {{&d_head.f32, L.b_out}};
-  for (const auto& dz : d_z) bias_groups.emplace_back(&dz.first.f32, dz.second);
-  // `partial` is reused by every launch: they run in stream order
-  for (size_t first = 0, count = 0; first < bias_groups.size(); first += count) {
-    const int64_t rows = bias_groups[first].first->size(0);
+  // The bias gradients not summed along the chain: b_out's and each remaining dZ's (last layer
+  // first), kMaxColumnSumJobs of equal row counts per launch (IQN's fraction rows, then the
+  // trunk's).
+  std::vector<BiasJob> rest;
+  if (!head_summed) rest.push_back({&d_head, L.b_out, nullptr});
+  for (const SavedDz& dz : d_z)
+    if (!dz.summed) rest.push_back({&dz.grad, dz.b_off, nullptr});
+  for (size_t first = 0, count = 0; first < rest.size(); first += count) {
+    const int64_t rows = rest[first].dz->f32.size(0);
     count = 1;
-    while (count < static_cast<size_t>(kMaxColumnSumJobs) && first + count < bias_groups.size() &&
-           bias_groups[first + count].first->size(0) == rows)
+    while (count < static_cast<size_t>(kMaxColumnSumJobs) && first + count < rest.size() &&
+           rest[first + count].dz->f32.size(0) == rows)
       ++count;
-    const int64_t chunks = std::max<int64_t>(1, (rows + kChunkRows - 1) / kChunkRows);
-    DQN_CHECK(chunks <= 65535, op, ": batch too large for the bias-gradient kernel (", rows, " rows)");
-    ColumnSumJobs jobs{};
-    jobs.count = static_cast<int>(count);
-    jobs.rows = rows;
-    jobs.zero_base = g;
-    jobs.zero_count = first == 0 && zero_in_column_sums ? static_cast<int>(gaps.size()) : 0;
-    for (int r = 0; r < jobs.zero_count; ++r) {
-      jobs.zero_begin[r] = gaps[r].first;
-      jobs.zero_end[r] = gaps[r].second;
-    }
-    jobs.first_block[0] = jobs.first_col[0] = 0;
-    for (int j = 0; j < jobs.count; ++j) {
-      const auto& bias = bias_groups[first + j];
-      jobs.src[j] = bias.first->data_ptr<float>();
-      jobs.cols[j] = bias.first->size(1);
-      jobs.dst[j] = g + bias.second;
-      jobs.first_block[j + 1] = jobs.first_block[j] + (jobs.cols[j] + kColTile - 1) / kColTile;
-      jobs.first_col[j + 1] = jobs.first_col[j] + jobs.cols[j];
-    }
-    const int64_t cols = jobs.first_col[jobs.count];
-    if (chunks > 1) {
-      if (!partial.defined() || partial.numel() < chunks * cols) partial = at::empty({chunks * cols}, f32);
-      jobs.partial = partial.data_ptr<float>();
-    }
-    launch(column_sum_kernel,
-           dim3(static_cast<unsigned>(jobs.first_block[jobs.count]), static_cast<unsigned>(chunks)),
-           dim3(kColTile, kRowLanes), 0, stream, jobs);
-    if (chunks > 1)
-      launch(column_sum_chunks_kernel, blocks_for(cols, kThreads), kThreads, 0, stream, jobs,
-             static_cast<int>(chunks));
+    column_sums(rest.data() + first, count);
   }
+  DQN_CHECK(gaps_zeroed, op, ": internal: no column-sum launch zeroed the gradient's gaps");
 
   side.join();  // the dW GEMMs
   // d_out is now d(states) (undefined without need_grad_states).
