@@ -3,7 +3,7 @@
 // loss/projection.cuh (the C51 projection) and loss/quantile.cuh (the QR loss);
 // loss/params.cuh has the parameter block.
 //
-// dqn_loss: one launch (and a 4-byte memset).
+// dqn_loss: one launch (and, outside a graph capture, a 4-byte memset: captured_counter).
 // C51: a warp per (sample, branch): the double-DQN choice (the expected Q of up to 4 actions
 // reduced together), the projection of the target distribution onto the support, the
 // cross-entropy and its gradient. Two versions of the branch, chosen at launch (two kernel
@@ -91,6 +91,45 @@ int resident_blocks_per_sm(void (*kernel)(const BranchTable, const LossParams), 
   return resident;
 }
 
+// The block counters of captured launches. The kernel's counter resets itself (the last block's
+// atomicInc wraps it to 0), so a counter that is 0 before a launch is 0 after it, and a graph
+// node that owns one needs no memset before it (a node of its own, which also breaks the
+// programmatic edge into the kernel). A counter is shared with nothing that may run at the same
+// time: each launch captured into a graph takes a fresh one, never given back (the graph may be
+// replayed for as long as the process lives, and CUDA orders a graph's launches one after
+// another, so a node never runs beside itself); an eager launch keeps the 4-byte memset on its
+// own partials, as do captures once every counter is taken. Static device memory: zero at module
+// load, with no allocation at capture time.
+constexpr int kCapturedCounters = 4096;
+__device__ unsigned captured_counters[kCapturedCounters];
+
+struct CapturedCounters {
+  unsigned* base = nullptr;  // captured_counters on the device; resolved by an eager launch
+  int taken = 0;
+};
+
+// A fresh counter for a launch being captured on `stream`, or null: not capturing (the launch's
+// own memset), every counter taken, or no eager launch on this device yet to have resolved the
+// symbol (cudaGetSymbolAddress may load the module, which a capture must not see).
+unsigned* captured_counter(cudaStream_t stream) {
+  static std::mutex mutex;
+  static std::map<int, CapturedCounters> devices;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  const std::lock_guard<std::mutex> lock(mutex);
+  CapturedCounters& d = devices[static_cast<int>(c10::cuda::current_device())];
+  if (status == cudaStreamCaptureStatusNone) {
+    if (d.base == nullptr) {
+      void* base = nullptr;
+      C10_CUDA_CHECK(cudaGetSymbolAddress(&base, captured_counters));
+      d.base = static_cast<unsigned*>(base);
+    }
+    return nullptr;
+  }
+  if (status != cudaStreamCaptureStatusActive || d.base == nullptr || d.taken == kCapturedCounters) return nullptr;
+  return d.base + d.taken++;
+}
+
 struct LossResults {
   Tensor loss, td_error, mean_q;
 };
@@ -157,13 +196,14 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
                                                       std::max(resident, 1) * sms));
 
   LossResults out{at::empty({}, f32), at::empty({batch}, f32), at::empty({}, f32)};
-  Tensor partials = at::empty({2 * grid + 1}, f32);  // and the counter, zeroed below
+  unsigned* const counter = captured_counter(stream);
+  Tensor partials = at::empty({2 * grid + (counter ? 0 : 1)}, f32);  // and, eagerly, the counter, zeroed below
   P.td_error = out.td_error.data_ptr<float>();
   P.loss = out.loss.data_ptr<float>();
   P.mean_q = out.mean_q.data_ptr<float>();
   P.partials = partials.data_ptr<float>();
-  P.counter = reinterpret_cast<unsigned*>(P.partials + 2 * grid);
-  C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
+  P.counter = counter ? counter : reinterpret_cast<unsigned*>(P.partials + 2 * grid);
+  if (!counter) C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
   P.batch = static_cast<int>(batch);
   P.atoms = static_cast<int>(atoms);
   P.warps_per_sample = warps_per_sample;

@@ -1,0 +1,127 @@
+"""The loss kernel's block counter under CUDA graphs (csrc/cuda/loss.cu, captured_counter): a
+captured launch owns a counter that the kernel resets itself, with no memset in the graph, so
+every replay must find it at 0 again, and no two launches that can run at the same time may
+share one. Each case compares replays with eager calls (which zero their own counter): the
+same bits, and no replay that skipped writing the loss (outputs are poisoned before each)."""
+import math
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from dqn_ops import dqn_loss
+from test_loss import sample_batch
+
+BRANCHES = (3, 3, 3)
+
+
+def _loss(args, loss_type="c51"):
+    q, qo, qt, actions, rewards, dones, weights = args
+    return dqn_loss(q, qo, qt, actions, rewards, dones, BRANCHES, weights=weights, loss_type=loss_type)
+
+
+def _batch(B, atoms=51, seed=0):
+    return sample_batch(B, BRANCHES, atoms, "cuda", seed=seed)
+
+
+def _poison(out):
+    for t in out:
+        t.fill_(math.nan)
+
+
+def _assert_same(replayed, eager, what):
+    for x, y in zip(replayed, eager):
+        assert torch.equal(x, y), what
+
+
+def _warm_up(*fns):
+    """Eager calls on a side stream before a capture (the counters' symbol is resolved eagerly)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+@requires_cuda
+@pytest.mark.parametrize("B", [3, 1000, 20000])  # one block; several; more than are resident at once
+@pytest.mark.parametrize("loss_type", ["c51", "mse"])
+def test_many_replays_equal_eager_calls(B, loss_type):
+    args = _batch(B, 51 if loss_type == "c51" else 1)
+    _warm_up(lambda: _loss(args, loss_type))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static = _loss(args, loss_type)
+    for i in range(20):
+        args[0].normal_()
+        args[4].uniform_(-12, 12)
+        _poison(static)
+        g.replay()
+        _assert_same(static, _loss(args, loss_type), f"replay {i}")
+
+
+@requires_cuda
+def test_two_graphs_replayed_side_by_side_on_two_streams():
+    a, b = _batch(4000, seed=1), _batch(3000, seed=2)
+    _warm_up(lambda: _loss(a), lambda: _loss(b))
+    want_a, want_b = _loss(a), _loss(b)
+    ga, gb = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(ga):
+        static_a = _loss(a)
+    with torch.cuda.graph(gb):
+        static_b = _loss(b)
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    got = ([], [])
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for _ in range(30):  # no synchronisation between the two streams: the replays overlap
+        for s, g, static, out in zip(streams, (ga, gb), (static_a, static_b), got):
+            with torch.cuda.stream(s):
+                _poison(static)
+                g.replay()
+                out.append([t.clone() for t in static])
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    for i, (x, y) in enumerate(zip(*got)):
+        _assert_same(x, want_a, f"graph a, replay {i}")
+        _assert_same(y, want_b, f"graph b, replay {i}")
+
+
+@requires_cuda
+def test_two_losses_on_two_streams_in_one_graph():
+    a, b = _batch(4000, seed=3), _batch(2000, seed=4)
+    _warm_up(lambda: _loss(a), lambda: _loss(b))
+    want_a, want_b = _loss(a), _loss(b)
+    g, fork = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(g):
+        fork.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(fork):
+            static_b = _loss(b)
+        static_a = _loss(a)
+        torch.cuda.current_stream().wait_stream(fork)
+    for i in range(20):
+        _poison(static_a)
+        _poison(static_b)
+        g.replay()
+        _assert_same(static_a, want_a, f"main stream, replay {i}")
+        _assert_same(static_b, want_b, f"forked stream, replay {i}")
+
+
+@requires_cuda
+def test_captures_past_the_last_counter_fall_back_to_the_memset():
+    # More captured launches than the extension has counters (kCapturedCounters = 4096): the
+    # later ones zero a counter of their own in the graph; every launch stays right.
+    args = _batch(8, seed=5)
+    _warm_up(lambda: _loss(args))
+    want = _loss(args)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [_loss(args) for _ in range(4200)]
+    for _ in range(2):
+        for out in outs:
+            _poison(out)
+        g.replay()
+        for i, out in enumerate(outs):
+            _assert_same(out, want, f"launch {i}")
