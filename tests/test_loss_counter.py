@@ -134,12 +134,13 @@ def test_a_captured_loss_has_no_memset_node(tmp_path):
     assert "KERNEL" in dot and "MEMSET" not in dot, dot
 
 
-# Run in a process of its own: it takes every counter of the process it runs in.
-_EXHAUST = textwrap.dedent("""
-    import math, sys
+# Run in a process of its own: it takes every counter of the process it runs in (or, "recycle",
+# more than there are, over graphs it destroys).
+_SCRIPT = textwrap.dedent("""
+    import math, sys, time
     import torch
     from dqn_ops import dqn_loss
-    dump = sys.argv[1]
+    mode, dump = sys.argv[1], sys.argv[2]
     g0 = torch.Generator().manual_seed(0)
     q, qo, qt = (torch.randn(8, 9, 51, generator=g0).cuda() for _ in range(3))
     actions = torch.randint(0, 3, (8, 3), generator=g0).cuda()
@@ -147,6 +148,13 @@ _EXHAUST = textwrap.dedent("""
     run = lambda: dqn_loss(q, qo, qt, actions, rewards, dones, (3, 3, 3), weights=weights)
     want = run()  # eager: resolves the counters
     torch.cuda.synchronize()
+    def capture(n, keep=False):
+        g = torch.cuda.CUDAGraph(keep_graph=keep)
+        if keep and dump:
+            g.enable_debug_mode()
+        with torch.cuda.graph(g):
+            outs = [run() for _ in range(n)]
+        return g, outs
     def check(g, outs):
         for _ in range(2):
             for out in outs:
@@ -155,15 +163,17 @@ _EXHAUST = textwrap.dedent("""
             g.replay()
             for i, out in enumerate(outs):
                 assert all(torch.equal(x, y) for x, y in zip(out, want)), i
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = [run() for _ in range(4200)]  # past kCapturedCounters (4096)
-    check(g, outs)
-    g = torch.cuda.CUDAGraph(keep_graph=True)  # every counter taken: the memset again
-    if dump:
-        g.enable_debug_mode()
-    with torch.cuda.graph(g):
-        outs = [run()]
+    if mode == "exhaust":
+        kept = capture(4200)  # past kCapturedCounters (4096): the last launches zero their own
+        check(*kept)
+    else:
+        for _ in range(4):  # 6000 counters in all, each graph destroyed before the next
+            g, outs = capture(1500)
+            check(g, outs)
+            del g, outs
+            torch.cuda.synchronize()
+        time.sleep(1)  # CUDA's destructor thread gives the counters back
+    g, outs = capture(1, keep=True)
     if dump:
         g.debug_dump(dump)
     check(g, outs)
@@ -171,20 +181,35 @@ _EXHAUST = textwrap.dedent("""
 """)
 
 
-@requires_cuda
-def test_captures_past_the_last_counter_fall_back_to_the_memset(tmp_path):
-    # More captured launches than the extension has counters: the later ones zero a counter of
-    # their own in the graph (a memset node, which the dump shows: the other test's control);
-    # every launch stays right.
+def _run_script(mode, tmp_path):
+    """The script's graph dump of one more captured loss after `mode` (None without
+    cuda-bindings)."""
     try:
         import cuda.bindings  # noqa: F401
-        dump = str(tmp_path / "fallback.dot")
+        dump = str(tmp_path / f"{mode}.dot")
     except ImportError:
         dump = ""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(dqn_ops.__file__)))  # where this process found dqn_ops
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    r = subprocess.run([sys.executable, "-c", _EXHAUST, dump], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _SCRIPT, mode, dump], env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
-    if dump:
-        assert "MEMSET" in open(dump).read()
+    return open(dump).read() if dump else None
+
+
+@requires_cuda
+def test_captures_past_the_last_counter_fall_back_to_the_memset(tmp_path):
+    # More captured launches alive than the extension has counters: the later ones zero a
+    # counter of their own in the graph (a memset node, which the dump shows: the control of
+    # test_a_captured_loss_has_no_memset_node); every launch stays right.
+    dot = _run_script("exhaust", tmp_path)
+    assert dot is None or "MEMSET" in dot
+
+
+@requires_cuda
+def test_a_destroyed_graph_gives_its_counters_back(tmp_path):
+    # More captured launches over a process's life than there are counters, in graphs destroyed
+    # one after another: a later capture still gets a counter (no memset node).
+    dot = _run_script("recycle", tmp_path)
+    assert dot is None or "MEMSET" not in dot

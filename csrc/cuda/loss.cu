@@ -38,17 +38,19 @@
 //   fused (C51, atoms <= kFusedLossMaxAtoms, branches <= kFusedLossMaxBranches): the same
 //     kernel reads the three passes' raw head logits, adding the output bias and (with
 //     dueling) aggregating them as it reads them, and writes d(loss)/d(head logits) itself:
-//     one launch (and the memset), the logits one trip through memory (LossRows::kHeadDueling,
-//     or kHeadPlain for a network without a value head);
+//     one launch (and, outside a capture, the memset), the logits one trip through memory
+//     (LossRows::kHeadDueling, or kHeadPlain for a network without a value head);
 //   composed (every other configuration, QR's included): the public ops' kernels in sequence:
 //     the forward's bias (+ dueling aggregation) of each pass, dqn_loss's kernel,
-//     mixed_backward's dueling backward (without dueling: d(head) = grad_q); 5 launches (and
-//     the memset).
+//     mixed_backward's dueling backward (without dueling: d(head) = grad_q); 5 launches (and,
+//     outside a capture, the memset).
 // Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh).
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -95,39 +97,85 @@ int resident_blocks_per_sm(void (*kernel)(const BranchTable, const LossParams), 
 // atomicInc wraps it to 0), so a counter that is 0 before a launch is 0 after it, and a graph
 // node that owns one needs no memset before it (a node of its own, which also breaks the
 // programmatic edge into the kernel). A counter is shared with nothing that may run at the same
-// time: each launch captured into a graph takes a fresh one, never given back (the graph may be
-// replayed for as long as the process lives, and CUDA orders a graph's launches one after
-// another, so a node never runs beside itself); an eager launch keeps the 4-byte memset on its
-// own partials, as do captures once every counter is taken. Static device memory: zero at module
-// load, with no allocation at capture time.
+// time: each launch captured into a graph takes a counter of its own, and a CUDA user object the
+// graph retains gives it back when the graph and its executable copies are destroyed, which CUDA
+// does only after their launches have completed (so it is 0 again). CUDA orders the launches of
+// one executable graph, so a node never runs beside itself. An eager launch keeps the 4-byte
+// memset on its own partials, as does a capture while every counter is taken. Static device
+// memory: zero at module load, with no allocation at capture time.
 constexpr int kCapturedCounters = 4096;
 __device__ unsigned captured_counters[kCapturedCounters];
 
-struct CapturedCounters {
+struct CounterPool {
   unsigned* base = nullptr;  // captured_counters on the device; resolved by an eager launch
-  int taken = 0;
+  int fresh = 0;             // counters [fresh, kCapturedCounters) never taken
+  std::vector<int> returned;
 };
+// Never destroyed: a graph may give its counters back while the process exits.
+std::mutex& counter_mutex() {
+  static auto* mutex = new std::mutex;
+  return *mutex;
+}
+std::map<int, CounterPool>& counter_pools() {
+  static auto* pools = new std::map<int, CounterPool>;
+  return *pools;
+}
 
-// A fresh counter for a launch being captured on `stream`, or null: not capturing (the launch's
-// own memset), every counter taken, or no eager launch on this device yet to have resolved the
+struct TakenCounter {
+  int device, index;
+};
+// The user object's destructor, on CUDA's internal thread (no CUDA calls there).
+void give_back_counter(void* p) {
+  const std::unique_ptr<TakenCounter> taken(static_cast<TakenCounter*>(p));
+  const std::lock_guard<std::mutex> lock(counter_mutex());
+  counter_pools()[taken->device].returned.push_back(taken->index);
+}
+
+// A counter for a launch being captured on `stream`, or null: not capturing (the launch's own
+// memset), every counter taken, or no eager launch on this device yet to have resolved the
 // symbol (cudaGetSymbolAddress may load the module, which a capture must not see).
 unsigned* captured_counter(cudaStream_t stream) {
-  static std::mutex mutex;
-  static std::map<int, CapturedCounters> devices;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  const std::lock_guard<std::mutex> lock(mutex);
-  CapturedCounters& d = devices[static_cast<int>(c10::cuda::current_device())];
-  if (status == cudaStreamCaptureStatusNone) {
-    if (d.base == nullptr) {
-      void* base = nullptr;
-      C10_CUDA_CHECK(cudaGetSymbolAddress(&base, captured_counters));
-      d.base = static_cast<unsigned*>(base);
+  cudaGraph_t graph = nullptr;
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph));
+  const int device = static_cast<int>(c10::cuda::current_device());
+  unsigned* base = nullptr;
+  int index = -1;
+  {
+    const std::lock_guard<std::mutex> lock(counter_mutex());
+    CounterPool& pool = counter_pools()[device];
+    if (status == cudaStreamCaptureStatusNone) {
+      if (pool.base == nullptr) {
+        void* symbol = nullptr;
+        C10_CUDA_CHECK(cudaGetSymbolAddress(&symbol, captured_counters));
+        pool.base = static_cast<unsigned*>(symbol);
+      }
+      return nullptr;
     }
-    return nullptr;
+    if (status != cudaStreamCaptureStatusActive || pool.base == nullptr) return nullptr;
+    if (!pool.returned.empty()) {
+      index = pool.returned.back();
+      pool.returned.pop_back();
+    } else if (pool.fresh < kCapturedCounters) {
+      index = pool.fresh++;
+    } else {
+      return nullptr;
+    }
+    base = pool.base;
   }
-  if (status != cudaStreamCaptureStatusActive || d.base == nullptr || d.taken == kCapturedCounters) return nullptr;
-  return d.base + d.taken++;
+  // The graph owns the counter from here: its user object gives it back (also if a call below
+  // fails: the object's release runs the destructor).
+  auto taken = std::make_unique<TakenCounter>(TakenCounter{device, index});
+  cudaUserObject_t object = nullptr;
+  const cudaError_t created =
+      cudaUserObjectCreate(&object, taken.get(), give_back_counter, 1, cudaUserObjectNoDestructorSync);
+  if (created != cudaSuccess) give_back_counter(taken.release());
+  C10_CUDA_CHECK(created);
+  taken.release();  // the object's now
+  const cudaError_t retained = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
+  if (retained != cudaSuccess) C10_CUDA_CHECK_WARN(cudaUserObjectRelease(object, 1));
+  C10_CUDA_CHECK(retained);
+  return base + index;
 }
 
 struct LossResults {

@@ -181,8 +181,10 @@ struct ColumnSumJobs {
   __nv_bfloat16* low[kMaxColumnSumJobs];         // a masked job's BF16 copy of dZ, or null
   float* dst[kMaxColumnSumJobs];
   int64_t cols[kMaxColumnSumJobs];
-  int64_t first_block[kMaxColumnSumJobs + 1];  // column_sum_kernel: job j owns column tiles [first_block[j], first_block[j+1])
-  int64_t first_col[kMaxColumnSumJobs + 1];    // column_sum_chunks_kernel: job j owns [first_col[j], first_col[j+1])
+  // Job j owns column tiles [first_block[j], first_block[j+1]) in column_sum_kernel and indices
+  // [first_col[j], first_col[j+1]) in column_sum_chunks_kernel.
+  int64_t first_block[kMaxColumnSumJobs + 1];
+  int64_t first_col[kMaxColumnSumJobs + 1];
   int count;
   int64_t rows;  // column_sum_kernel: every job's
   // With more than one chunk of rows: job j's chunk sums, [chunks[j], cols[j]] (chunk k's row
