@@ -205,6 +205,52 @@ __device__ __forceinline__ int column_sum_job(const int64_t* first, int count, i
   return j;
 }
 
+// One thread's share of a column in column_sum_kernel: rows r, r + kRowLanes, ... below r_end
+// (the elements at p, p + kRowLanes * cols, ...) into kRowUnroll accumulators, then their sum.
+// kMasked: each element is dH, made dZ = relu_grad(dH, h) in place (and its BF16 copy at low,
+// when not null) before it is summed; every load of a round comes before its stores. Two
+// instantiations: the plain sum keeps the registers it had, and the masked one pays for its own.
+template <bool kMasked>
+__device__ __forceinline__ float column_lane_sum(float* p, const __nv_bfloat16* m, __nv_bfloat16* low, int64_t r,
+                                                 int64_t r_end, int64_t cols) {
+  const int64_t step = kRowLanes * cols;  // between two of the thread's rows
+  auto take = [&](int64_t k, float v, float h) {
+    if (!kMasked) return v;
+    const float g = relu_grad(v, h);
+    p[k] = g;
+    if (low) low[k] = __float2bfloat16_rn(g);
+    return g;
+  };
+  float acc[kRowUnroll] = {};
+  for (; r + (kRowUnroll - 1) * kRowLanes < r_end; r += kRowUnroll * kRowLanes) {
+    float x[kRowUnroll], h[kRowUnroll];
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      x[u] = p[u * step];
+      h[u] = kMasked ? __bfloat162float(m[u * step]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) acc[u] += take(u * step, x[u], h[u]);
+    p += kRowUnroll * step;
+    if (kMasked) {
+      m += kRowUnroll * step;
+      if (low) low += kRowUnroll * step;
+    }
+  }
+  for (; r < r_end; r += kRowLanes) {
+    acc[0] += take(0, p[0], kMasked ? __bfloat162float(m[0]) : 0.f);
+    p += step;
+    if (kMasked) {
+      m += step;
+      if (low) low += step;
+    }
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int u = 0; u < kRowUnroll; ++u) s += acc[u];
+  return s;
+}
+
 __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnSumJobs jobs) {
   pdl_enter();
   if (blockIdx.x == 0 && blockIdx.y == 0) {
@@ -218,34 +264,12 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnS
   const int64_t r_end = std::min<int64_t>(jobs.rows, (blockIdx.y + 1) * kChunkRows);
   float s = 0.f;
   if (c < cols) {
-    float* src = jobs.src[j] + c;
-    const __nv_bfloat16* mask = jobs.mask[j] ? jobs.mask[j] + c : nullptr;
-    __nv_bfloat16* low = jobs.low[j] ? jobs.low[j] + c : nullptr;
-    // Element k of this thread's column, v = src[k] and h = mask[k] loaded: v, or made dZ in
-    // place (the ReLU backward).
-    auto take = [&](int64_t k, float v, float h) {
-      if (!mask) return v;
-      const float g = relu_grad(v, h);
-      src[k] = g;
-      if (low) low[k] = __float2bfloat16_rn(g);
-      return g;
-    };
-    auto h_at = [&](int64_t k) { return mask ? __bfloat162float(mask[k]) : 0.f; };
-    float acc[kRowUnroll] = {};
-    int64_t r = blockIdx.y * kChunkRows + threadIdx.y;
-    for (; r + (kRowUnroll - 1) * kRowLanes < r_end; r += kRowUnroll * kRowLanes) {
-      float x[kRowUnroll], h[kRowUnroll];  // every load before the first in-place store
-#pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
-        x[u] = src[(r + u * kRowLanes) * cols];
-        h[u] = h_at((r + u * kRowLanes) * cols);
-      }
-#pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) acc[u] += take((r + u * kRowLanes) * cols, x[u], h[u]);
-    }
-    for (; r < r_end; r += kRowLanes) acc[0] += take(r * cols, src[r * cols], h_at(r * cols));
-#pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) s += acc[u];
+    const int64_t r = blockIdx.y * kChunkRows + threadIdx.y, at = r * cols + c;
+    if (jobs.mask[j])
+      s = column_lane_sum<true>(jobs.src[j] + at, jobs.mask[j] + at, jobs.low[j] ? jobs.low[j] + at : nullptr, r,
+                                r_end, cols);
+    else
+      s = column_lane_sum<false>(jobs.src[j] + at, nullptr, nullptr, r, r_end, cols);
   }
   __shared__ float part[kRowLanes][kColTile];
   part[threadIdx.y][threadIdx.x] = s;
