@@ -400,9 +400,9 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     int64_t b_off;
     bool summed;
   };
-  Grad d_out;                 // the gradient flowing down the layers
-  std::vector<SavedDz> d_z;   // each layer's dZ (and IQN's dP), last layer first
-  std::vector<Tensor> partials;  // the column sums' chunks, read by the final chunk launches
+  Grad d_out;                    // the gradient flowing down the layers
+  std::vector<SavedDz> d_z;      // each layer's dZ (and IQN's dP), last layer first
+  std::vector<Tensor> partials;  // the column sums' chunks, read by the chunk launches
   SideStream side(params.device());
   auto layer_backward = [&](const std::vector<HeadSlice>& blocks, const void* dy, int64_t dy_ld, int64_t in,
                             float* dx, const std::string& what) {
