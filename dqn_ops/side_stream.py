@@ -25,8 +25,7 @@ outputs are read before the next fork of its lane, and freed after its join).
 """
 from __future__ import annotations
 
-import threading
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -34,9 +33,6 @@ from . import _C
 
 LANE_STEP = 1    # a step's own branch (the public-ops step's target pass, the trainer's tail)
 LANE_GROUPS = 2  # head group g >= 1 of GroupsStep runs on lane LANE_GROUPS + g - 1
-
-_streams: Dict[Tuple[int, int, int, int], torch.cuda.ExternalStream] = {}
-
 
 def enabled() -> bool:
     """Whether the side streams are on (the process-wide switch; CUDA devices only)."""
@@ -56,14 +52,11 @@ def group_lane(group: int) -> int:
 
 
 def _side_stream(device: torch.device, lane: int) -> torch.cuda.ExternalStream:
+    """The extension's side stream of (device, current stream, lane, this thread), made and kept
+    by the C++ registry (csrc/cuda/side_stream.h), wrapped for torch."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     current = torch.cuda.current_stream(index).cuda_stream
-    key = (index, current, lane, threading.get_ident())
-    stream = _streams.get(key)
-    if stream is None:
-        stream = torch.cuda.ExternalStream(_C._side_stream(index, current, lane), device=torch.device("cuda", index))
-        _streams[key] = stream
-    return stream
+    return torch.cuda.ExternalStream(_C._side_stream(index, current, lane), device=torch.device("cuda", index))
 
 
 class Branch:

@@ -49,6 +49,17 @@ def pytest_collection_modifyitems(config, items):
     items[:] = keep
 
 
+def pytest_runtest_logreport(report):
+    """DQN_OPS_FAILURE_LOG=<file>: each failing test's id (and phase) appended to the file as it
+    fails, so that a run cut short by the GPU machine's time limit still names its failures
+    (pytest prints them only in its final summary). Under xdist the controller writes it (the
+    workers' reports reach it; PYTEST_XDIST_WORKER is set in the workers only)."""
+    path = os.environ.get("DQN_OPS_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid} ({report.when})\n")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
