@@ -84,8 +84,8 @@ DQN_OPS_HD int64_t act_random_action(uint64_t seed, uint64_t call, uint32_t row,
 
 // Row `row`'s epsilon-greedy actions in place: actions[0..D) hold its greedy actions; when the
 // row explores, branch d's becomes act_random_action(..., d, sizes[d]). act's CPU kernel and
-// epsilon_greedy's kernels (both backends) apply it; act's CUDA epilogue makes the same two draws
-// per branch lane.
+// epsilon_greedy's kernels (both backends) apply it; act's CUDA epilogue calls the same two
+// functions (act_explores, then act_random_action per branch).
 template <typename Sizes>
 DQN_OPS_HD void explore_row(uint64_t seed, uint64_t call, uint32_t row, float epsilon, const Sizes& sizes, int64_t D,
                             int64_t* actions) {
@@ -94,6 +94,10 @@ DQN_OPS_HD void explore_row(uint64_t seed, uint64_t call, uint32_t row, float ep
 }
 
 constexpr const char* kEpsilonGreedyOp = "dqn_ops.epsilon_greedy";
+// The CUDA kernels' branch table holds 256 branches (csrc/cuda/branch_table.cuh); both backends
+// take the same inputs. philox::below reaches at most 2^24 distinct actions (a 24-bit uniform).
+constexpr int64_t kEpsilonGreedyMaxBranches = 256;
+constexpr int64_t kEpsilonGreedyMaxActions = int64_t(1) << 24;
 
 // epsilon_greedy: greedy int64 [N, D] (any backend's greedy actions; passed through unread
 // where a row does not explore), branches: the D >= 1 branch sizes (each >= 1), epsilon and rng
@@ -101,9 +105,12 @@ constexpr const char* kEpsilonGreedyOp = "dqn_ops.epsilon_greedy";
 inline void check_epsilon_greedy_args(const at::Tensor& greedy, c10::IntArrayRef branches, const at::Tensor& epsilon,
                                       const at::Tensor& rng) {
   const char* op = kEpsilonGreedyOp;
-  DQN_CHECK(!branches.empty(), op, ": branches: expected at least one branch size, got none");
+  DQN_CHECK(!branches.empty() && static_cast<int64_t>(branches.size()) <= kEpsilonGreedyMaxBranches, op,
+            ": branches: expected 1 to ", kEpsilonGreedyMaxBranches, " branch sizes, got ", branches.size());
   for (size_t d = 0; d < branches.size(); ++d)
-    DQN_CHECK(branches[d] >= 1, op, ": branches: expected every branch size >= 1, got ", branches[d], " at branch ", d);
+    DQN_CHECK(branches[d] >= 1 && branches[d] <= kEpsilonGreedyMaxActions, op,
+              ": branches: expected every branch size in [1, ", kEpsilonGreedyMaxActions, "], got ", branches[d],
+              " at branch ", d);
   const int64_t D = static_cast<int64_t>(branches.size());
   check_tensor(greedy, op, "greedy", greedy.device(), at::kLong, {-1, D});
   DQN_CHECK(greedy.size(0) < kActMaxRows, op, ": greedy: at most ", kActMaxRows - 1,

@@ -42,6 +42,13 @@ def philox_seed(seed: int) -> int:
     return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
+def philox_rng(seed: int, device) -> Tensor:
+    """A fresh rng tensor for the ops that draw from one (act, epsilon_greedy, iqn_fractions, the
+    replay's sampling): int64 [2] = (philox_seed(seed), call 0) on ``device``. Two rngs made from
+    one seed draw the same numbers call for call (how ``TorchTrainer`` explores as ``Trainer``)."""
+    return torch.tensor([philox_seed(seed), 0], dtype=torch.long, device=device)
+
+
 def _check(cond, msg: str):
     torch._check(cond, lambda: msg)
 
@@ -732,15 +739,25 @@ def epsilon_greedy(greedy: Tensor, branches: Sequence[int], epsilon: Tensor, rng
 
 @torch.library.register_fake("dqn_ops::epsilon_greedy")
 def _(greedy, branches, epsilon, rng):
+    # csrc/act_args.h's check_epsilon_greedy_args, in its order and words
     op = "dqn_ops.epsilon_greedy"
-    _check(len(branches) >= 1, f"{op}: branches: expected at least one branch size, got none")
-    _check(all(n >= 1 for n in branches), f"{op}: branches: expected every branch size >= 1, got {list(branches)}")
-    _check(greedy.dtype == torch.int64 and greedy.dim() == 2 and greedy.shape[1] == len(branches),
-           f"{op}: greedy: expected int64 [*, {len(branches)}], got {greedy.dtype} {list(greedy.shape)}")
-    _check(epsilon.dtype == torch.float32 and epsilon.numel() == 1,
-           f"{op}: epsilon: expected one float32 element, got {epsilon.dtype} {list(epsilon.shape)}")
-    _check(rng.shape == (2,) and rng.dtype == torch.int64,
-           f"{op}: rng: expected int64 [2] (seed, call), got {rng.dtype} {list(rng.shape)}")
+    max_branches, max_actions = 256, 1 << 24
+    _check(1 <= len(branches) <= max_branches,
+           f"{op}: branches: expected 1 to {max_branches} branch sizes, got {len(branches)}")
+    for d, n in enumerate(branches):
+        _check(1 <= n <= max_actions, f"{op}: branches: expected every branch size in [1, {max_actions}], got {n} "
+                                      f"at branch {d}")
+    _check(greedy.dtype == torch.int64, f"{op}: greedy: expected dtype Long, got {greedy.dtype}")
+    _check(greedy.dim() == 2 and greedy.shape[1] == len(branches),
+           f"{op}: greedy: expected shape [*, {len(branches)}], got {list(greedy.shape)}")
+    _check(greedy.is_contiguous(), f"{op}: greedy: expected a contiguous tensor")
+    _check(epsilon.device == greedy.device, f"{op}: epsilon: expected a tensor on {greedy.device}, got one on "
+                                            f"{epsilon.device}")
+    _check(epsilon.dtype == torch.float32, f"{op}: epsilon: expected dtype Float, got {epsilon.dtype}")
+    _check(epsilon.numel() == 1, f"{op}: epsilon: expected one element, got shape {list(epsilon.shape)}")
+    _check(rng.device == greedy.device, f"{op}: rng: expected a tensor on {greedy.device}, got one on {rng.device}")
+    _check(rng.dtype == torch.int64, f"{op}: rng: expected dtype Long, got {rng.dtype}")
+    _check(rng.shape == (2,), f"{op}: rng: expected shape [2], got {list(rng.shape)}")
     return torch.empty_like(greedy)
 
 

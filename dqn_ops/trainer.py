@@ -274,10 +274,10 @@ class Trainer:
         # act_explore() draws from explore_rng = (seed, call), which each call advances on the device.
         self._act_epsilon0 = torch.zeros(1, device=dev)
         self._act_greedy_rng = torch.zeros(2, dtype=torch.long, device=dev)
-        self.explore_rng = torch.tensor([ops.philox_seed(seed), 0], dtype=torch.long, device=dev)
+        self.explore_rng = ops.philox_rng(seed, dev)
         # IQN: the step draws tau and tau' from fraction_rng = (seed, step) on the device
         # (ops.iqn_fractions, advanced by one per step); acting reads the K midpoints.
-        self.fraction_rng = torch.tensor([ops.philox_seed(seed), 0], dtype=torch.long, device=dev)
+        self.fraction_rng = ops.philox_rng(seed, dev)
         self._act_fractions = quantile_midpoints(cfg.iqn_fractions, self._act_epsilon0) if c.iqn else None
         self._fraction_row_offset = (torch.distributed.get_rank(self.process_group) * B if self.world_size > 1
                                      else 0)  # each rank's samples draw fractions of their own

@@ -250,7 +250,8 @@ def write_result(result: dict, stem: str) -> list:
     lines = [f"# Convergence parity, BF16 ({bf16_side}) vs F32 (PyTorch) — {meta.get('gpu') or meta['device']}, "
              f"torch {meta['torch']}, {meta['date']}", "",
              f"{meta['epochs']} epochs x {meta['steps_per_epoch']} steps, B={meta['batch']}, seeds {seeds}, "
-             f"{meta['jobs']} run(s) at a time{' (tiny network: a smoke test)' if meta.get('tiny_network') else ''}. "
+             f"{meta['jobs']} run(s) at a time{' (tiny network: a smoke test)' if meta.get('tiny_network') else ''}"
+             f"{exploration_note(meta)}. "
              f"**verdict: {result['verdict']}** (pass: {result['pass']}; no NaN/Inf: {result['no_nan_or_inf']})", "",
              f"Each figure: the mean of the paired per-seed differences BF16 - F32 (same seed, same data), "
              f"relative to the F32 mean, with its {analysis.get('confidence', CONFIDENCE):.0%} t-interval over "
@@ -297,6 +298,16 @@ def reanalyze(path: str, confidence: float = CONFIDENCE) -> tuple[dict, list]:
     result = analyse(runs, seeds, meta, confidence)
     stem = path[:-len(".json")] if path.endswith(".json") else path
     return result, write_result(result, stem)
+
+
+def exploration_note(meta: dict) -> str:
+    """The plain-PyTorch runs' exploration draws, as the .md's header says them (older files: not recorded)."""
+    mode = meta.get("torch_exploration", "unrecorded")
+    if mode == "philox":
+        return "; plain PyTorch explores with dqn_ops's Philox draws (paired exploration)"
+    if mode == "torch":
+        return "; plain PyTorch explores with torch.rand (each path its own exploration stream)"
+    return "" if mode is None else "; exploration draws not recorded (before parity.py recorded them: separate streams)"
 
 
 def main():
@@ -371,7 +382,9 @@ def main():
     today = datetime.date.today().isoformat()
     meta = dict(epochs=args.epochs, steps_per_epoch=args.steps, batch=256, seeds=seeds,
                 device=args.device, jobs=args.jobs, tiny_network=args.tiny, train_args=args.train_args,
-                torch_exploration=args.torch_exploration,
+                # the plain-PyTorch runs' exploration draws (None: no plain-PyTorch run)
+                torch_exploration=(args.torch_exploration
+                                   if args.f32_backend == "torch" or args.bf16_backend == "torch-bf16" else None),
                 gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                 torch=torch.__version__, date=today,
                 final_sharpe_definition="mean of the last 5 epochs' held-out evaluations",

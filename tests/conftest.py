@@ -17,7 +17,12 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON)
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 
+_XDIST_WORKER = False  # this process is an xdist worker (its reports also reach the controller)
+
+
 def pytest_configure(config):
+    global _XDIST_WORKER
+    _XDIST_WORKER = hasattr(config, "workerinput")
     config.addinivalue_line("markers", "slow: long-running (training parity)")
 
 
@@ -52,10 +57,10 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_logreport(report):
     """DQN_OPS_FAILURE_LOG=<file>: each failing test's id (and phase) appended to the file as it
     fails, so that a run cut short by the GPU machine's time limit still names its failures
-    (pytest prints them only in its final summary). Under xdist the controller writes it (the
-    workers' reports reach it; PYTEST_XDIST_WORKER is set in the workers only)."""
+    (pytest prints them only in its final summary). Under xdist the controller writes it, once
+    (the workers' reports reach it)."""
     path = os.environ.get("DQN_OPS_FAILURE_LOG")
-    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+    if path and report.failed and not _XDIST_WORKER:
         with open(path, "a") as f:
             f.write(f"{report.nodeid} ({report.when})\n")
 

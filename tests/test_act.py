@@ -735,8 +735,13 @@ def test_epsilon_greedy_bad_input(device):
     g = random_greedy(c, 6, device)
     eps, rng = eps_of(0.5, device), rng_of(1, 0, device)
     cases = [
-        ((g, [], eps, rng), "branches: expected at least one branch size, got none"),
-        ((g, [0] + list(c.branches[1:]), eps, rng), "branches: expected every branch size >= 1, got 0 at branch 0"),
+        ((g, [], eps, rng), "branches: expected 1 to 256 branch sizes, got 0"),
+        ((torch.zeros(6, 257, dtype=torch.int64, device=device), [2] * 257, eps, rng),
+         "branches: expected 1 to 256 branch sizes, got 257"),
+        ((g, [0] + list(c.branches[1:]), eps, rng), r"branches: expected every branch size in \[1, 16777216\], got 0 "
+                                                    "at branch 0"),
+        ((g, [c.branches[0], 2 ** 24 + 1], eps, rng), r"branches: expected every branch size in \[1, 16777216\], "
+                                                       "got 16777217 at branch 1"),
         ((g.float(), c.branches, eps, rng), "greedy: expected dtype Long"),
         ((g[:, :1], c.branches, eps, rng), r"greedy: expected shape \[\*, %d\]" % c.num_branches),
         ((g.t().contiguous().t(), c.branches, eps, rng), "greedy: expected a contiguous tensor"),
@@ -744,9 +749,11 @@ def test_epsilon_greedy_bad_input(device):
         ((g, c.branches, torch.zeros(2, device=device), rng), "epsilon: expected one element"),
         ((g, c.branches, eps, rng_of(1, 0, device)[:1]), r"rng: expected shape \[2\]"),
         ((g, c.branches, eps, rng.int()), "rng: expected dtype Long"),
+        ((g, c.branches, rng.view(torch.float32)[:1], rng), "rng and epsilon must not share memory"),
     ]
     if device == "cuda":
         cases.append(((g, c.branches, eps.cpu(), rng), "epsilon: expected a tensor on cuda"))
+        cases.append(((g, c.branches, eps, rng.cpu()), "rng: expected a tensor on cuda"))
     for args, msg in cases:
         with pytest.raises(RuntimeError, match="dqn_ops.epsilon_greedy: " + msg):
             eg_op(*args)
@@ -768,10 +775,15 @@ def test_epsilon_greedy_fake_and_compile():
         g, eps, rng = torch.empty(9, 5, dtype=torch.int64), torch.empty(1), torch.empty(2, dtype=torch.int64)
         out = eg_op(g, list(c.branches), eps, rng)
         assert out.shape == (9, 5) and out.dtype == torch.int64
-        with pytest.raises(RuntimeError, match=r"dqn_ops.epsilon_greedy: greedy: expected int64 \[\*, 5\]"):
-            eg_op(g[:, :4], list(c.branches), eps, rng)
-        with pytest.raises(RuntimeError, match="dqn_ops.epsilon_greedy: branches: expected every branch size >= 1"):
-            eg_op(g, [3, 0, 2, 2, 2], eps, rng)
+        for args, msg in [((g[:, :4], list(c.branches), eps, rng), r"greedy: expected shape \[\*, 5\]"),
+                          ((g.float(), list(c.branches), eps, rng), "greedy: expected dtype Long"),
+                          ((g, [3, 0, 2, 2, 2], eps, rng), r"branches: expected every branch size in \[1, 16777216\], "
+                                                           "got 0 at branch 1"),
+                          ((g, list(c.branches), torch.empty(2), rng), "epsilon: expected one element"),
+                          ((g, list(c.branches), eps, torch.empty(3, dtype=torch.int64)),
+                           r"rng: expected shape \[2\]")]:
+            with pytest.raises(RuntimeError, match="dqn_ops.epsilon_greedy: " + msg):
+                eg_op(*args)
 
     def f(greedy, epsilon, rng):
         return dqn_ops.epsilon_greedy(greedy, c.branches, epsilon, rng)

@@ -55,6 +55,7 @@ def test_parity_script_takes_dqn_ops_unrounded_as_its_f32_side(tmp_path):
     subprocess.run(args + ["--device", "cpu"], check=True, cwd=ROOT, capture_output=True)
     result = loads_strict_json((tmp_path / "out" / "parity.json").read_text())
     assert "F32 mirror" in result["meta"]["f32_path"]
+    assert result["meta"]["torch_exploration"] is None  # no plain-PyTorch run
     for path, mirror in (("f32", "f32"), ("bf16", "bf16")):
         summary = loads_strict_json((tmp_path / "runs" / f"{path}-seed0" / "summary.json").read_text())
         assert summary["backend"] == "dqn_ops" and summary["mirror"] == mirror
@@ -69,6 +70,7 @@ def test_parity_script_gives_plain_pytorch_its_own_exploration_on_request(tmp_pa
                     "--runs", str(tmp_path / "runs"), "--torch-exploration", "torch"], check=True, cwd=ROOT,
                    capture_output=True)
     assert loads_strict_json((tmp_path / "out" / "parity.json").read_text())["meta"]["torch_exploration"] == "torch"
+    assert "plain PyTorch explores with torch.rand" in (tmp_path / "out" / "parity.md").read_text()
     for path, exploration in (("f32", "torch"), ("bf16", "philox")):
         summary = loads_strict_json((tmp_path / "runs" / f"{path}-seed0" / "summary.json").read_text())
         assert summary["exploration"] == exploration

@@ -285,6 +285,8 @@ __global__ void epsilon_greedy_kernel(const int64_t* __restrict__ greedy, int64_
   }
 }
 
+static_assert(kEpsilonGreedyMaxBranches <= kMaxBranches, "epsilon_greedy's branches must fit the branch table");
+
 Tensor epsilon_greedy_cuda(const Tensor& greedy, c10::IntArrayRef branches, const Tensor& epsilon, Tensor& rng) {
   const char* op = kEpsilonGreedyOp;
   check_epsilon_greedy_args(greedy, branches, epsilon, rng);

@@ -328,7 +328,7 @@ class TorchTrainer:
         self._branch_sizes = torch.tensor(c.branches, device=dev)
         self._branch_offsets = torch.tensor([sum(c.branches[:d]) for d in range(D)], device=dev)
         # act_explore's draws with exploration='philox': dqn_ops.Trainer's explore_rng for this seed.
-        self.explore_rng = torch.tensor([ops.philox_seed(seed), 0], dtype=torch.long, device=dev)
+        self.explore_rng = ops.philox_rng(seed, dev)
         # IQN: the K = N midpoints every row acts and picks the next action at (as Trainer's)
         self._midpoints = quantile_midpoints(cfg.iqn_fractions, torch.empty(0, device=dev))[None]
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)

@@ -119,7 +119,7 @@ class ReplayBuffer:
         self.dones = torch.zeros(capacity, device=dev)
         self._storage = [self.states, self.actions, self.rewards, self.next_states, self.dones]
         self.cursor = torch.zeros(2, dtype=torch.long, device=dev)  # (next row written, size)
-        self.rng = torch.tensor([ops.philox_seed(seed), 0], dtype=torch.long, device=dev)
+        self.rng = ops.philox_rng(seed, dev)
         self.beta = torch.full((1,), float(beta), device=dev)
         self._counters = torch.zeros(4, dtype=torch.int32, device=dev)  # last-block-done tickets: add, steps (2), sample
         self.skipped_priority_updates = torch.zeros(1, dtype=torch.long, device=dev)
