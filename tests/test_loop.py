@@ -244,6 +244,8 @@ def test_cuda_plain_pytorch_learner_graphs_with_the_loop():
     loop.run(150)
     assert loop.graphed and t.steps == 150
     assert all(v == v for v in t.readback().values())
+    # its exploration (ops.epsilon_greedy on explore_rng) drew anew in every iteration, replays included
+    assert t.explore_rng[1].item() >= 150
 
 
 def test_bench_loop_script_runs_on_the_cpu(tmp_path, monkeypatch):
