@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Kernel-level profile of one dqn_ops training step: every GPU kernel of the step, in order,
 with its duration, for the eager step and for a replay of the captured graph (torch profiler /
-CUPTI). This is where the launch counts and per-kernel times of bench/NOTES.md come from.
+CUPTI). This is where the launch counts and per-kernel times of bench/NOTES.md come from. For
+the graph it also gives the host's own time per step (enqueued while the GPU sleeps): the floor
+a step timed back to back cannot go under, whatever its kernels take.
 
     python3 scripts/profile_step.py --batches 256 4096 --out bench/results
     python3 scripts/profile_step.py --network cleanrl_c51 --batches 256   # a network of bench_networks.py
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -37,6 +40,26 @@ def kernel_trace(fn, repeats: int = 5):
     events.sort(key=lambda e: e.time_range.start)
     span = (events[-1].time_range.end - events[0].time_range.start) if events else 0.0
     return [(e.name, e.time_range.end - e.time_range.start) for e in events], span
+
+
+def host_us(fn, calls: int = 200, sleep_ms: float = 100.0) -> float:
+    """Wall-clock µs the host takes to enqueue one call of fn while the GPU is held busy (a sleep
+    kernel ahead of the calls), so that no call waits for the device: the host's own cost per
+    step, which bounds a step timed back to back from below however fast its kernels get."""
+    fn()
+    torch.cuda.synchronize()
+    # the rated SM clock in kHz (torch builds without the field: 2 GHz, the H200's ~1.98)
+    clock_khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 2_000_000)
+    torch.cuda._sleep(int(sleep_ms * clock_khz))  # cycles at the rated clock: at least sleep_ms
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e6 / calls
+    torch.cuda.synchronize()
+    if host * calls > 0.8e3 * sleep_ms:
+        print(f"host_us: {calls} calls took {host * calls / 1e3:.1f} ms, near the GPU's {sleep_ms} ms sleep: "
+              "some calls may have waited for the device", flush=True)
+    return host
 
 
 def short(name: str, width: int = 110) -> str:
@@ -75,8 +98,12 @@ def main():
                 replay, span = kernel_trace(t._runner)
                 busy = sum(us for _, us in replay)
                 back_to_back = time_us(t._runner, 300, 3)
+                step_back_to_back = time_us(t.step, 300, 3)
                 note = (f"B = {B}, graph replay alone: {len(replay)} kernels, sum {busy:.1f} µs, first start to last "
-                        f"end {span:.1f} µs (gaps {span - busy:.1f}); replays back to back {back_to_back:.1f} µs each")
+                        f"end {span:.1f} µs (gaps {span - busy:.1f}); replays back to back {back_to_back:.1f} µs each; "
+                        f"Trainer.step() back to back {step_back_to_back:.1f} µs; host time to enqueue one step with "
+                        f"the GPU busy: Trainer.step() {host_us(t.step):.1f} µs, the replay alone "
+                        f"{host_us(t._runner):.1f} µs")
                 print(note, flush=True)
                 lines += [f"## {note}", ""]
     name = "profile.txt" if args.network == "reference" else f"profile-{args.network}.txt"
