@@ -128,7 +128,8 @@ std::tuple<Tensor, Tensor> act_cpu(const Tensor& states, const Tensor& params, c
   int64_t* r = rng.data_ptr<int64_t>();
   const uint64_t seed = static_cast<uint64_t>(r[0]), call = static_cast<uint64_t>(r[1]);
   const float eps = *epsilon.data_ptr<float>();
-  for (int64_t b = 0; b < N; ++b) explore_row(seed, call, static_cast<uint32_t>(b), eps, L.branch_sizes, D, act + b * D);
+  for (int64_t b = 0; b < N; ++b)
+    explore_row(seed, call, static_cast<uint32_t>(b), eps, L.branch_sizes, D, act + b * D);
   r[1] = static_cast<int64_t>(call + 1);  // wraps as the unsigned counter it is
   return {actions, greedy_q};
 }

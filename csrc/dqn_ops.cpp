@@ -13,6 +13,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "act_args.h"
 #include "fused_loss_limits.h"
 #include "iqn_fractions_args.h"
 #include "loss_args.h"
@@ -30,6 +31,7 @@
 //     _dqn_loss_on_logits runs as the single fused kernel on CUDA (csrc/fused_loss_limits.h);
 //   LOSS_CUDA_MAX_ATOMS: the most atoms (C51) or quantiles (QR) the CUDA loss takes (csrc/loss_args.h);
 //   IQN_MAX_FRACTIONS: the most fractions per row of each set iqn_fractions draws (csrc/iqn_fractions_args.h);
+//   EPSILON_GREEDY_MAX_BRANCHES, EPSILON_GREEDY_MAX_ACTIONS: epsilon_greedy's limits (csrc/act_args.h);
 // the side streams (csrc/side_streams.h; dqn_ops/side_stream.py wraps them):
 //   _side_streams_enabled() -> bool, _set_side_streams(bool) -> the previous setting;
 //   _side_stream(device index, current stream as an int, lane >= 1) -> the side stream of that
@@ -121,7 +123,9 @@ PyObject* PyInit__C(void) {
   if (PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_ATOMS", dqn_ops::kFusedLossMaxAtoms) < 0 ||
       PyModule_AddIntConstant(module, "FUSED_LOSS_MAX_BRANCHES", dqn_ops::kFusedLossMaxBranches) < 0 ||
       PyModule_AddIntConstant(module, "LOSS_CUDA_MAX_ATOMS", dqn_ops::kLossCudaMaxAtoms) < 0 ||
-      PyModule_AddIntConstant(module, "IQN_MAX_FRACTIONS", dqn_ops::kIqnMaxFractions) < 0) {
+      PyModule_AddIntConstant(module, "IQN_MAX_FRACTIONS", dqn_ops::kIqnMaxFractions) < 0 ||
+      PyModule_AddIntConstant(module, "EPSILON_GREEDY_MAX_BRANCHES", dqn_ops::kEpsilonGreedyMaxBranches) < 0 ||
+      PyModule_AddIntConstant(module, "EPSILON_GREEDY_MAX_ACTIONS", dqn_ops::kEpsilonGreedyMaxActions) < 0) {
     Py_DECREF(module);
     return nullptr;
   }

@@ -46,6 +46,6 @@ __all__ = ["DQNConfig", "HeadGroup", "ParamLayout", "DuelingBranchQNet", "bf16_d
            "ops", "step", "cuda_kernels_built", "build_info",
            "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_",
            "SpectralNorm", "batched_spectral_norm", "spectral_norm_", "dqn_loss", "LossOutput", "bootstrap_masks",
-           "iqn_fractions", "act", "ActOutput", "epsilon_greedy", "from_torch", "to_torch", "Trainer", "TrainerConfig", "NonFiniteError",
-           "greedy_actions"]
+           "iqn_fractions", "act", "ActOutput", "epsilon_greedy", "from_torch", "to_torch", "Trainer", "TrainerConfig",
+           "NonFiniteError", "greedy_actions"]
 __version__ = "0.1.0"

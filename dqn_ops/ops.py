@@ -33,6 +33,8 @@ FUSED_LOSS_MAX_ATOMS: int = _C.FUSED_LOSS_MAX_ATOMS
 LOSS_CUDA_MAX_ATOMS: int = _C.LOSS_CUDA_MAX_ATOMS  # atoms (C51) or quantiles (QR; IQN's N and N') the CUDA loss takes
 FUSED_LOSS_MAX_BRANCHES: int = _C.FUSED_LOSS_MAX_BRANCHES
 IQN_MAX_FRACTIONS: int = _C.IQN_MAX_FRACTIONS  # iqn_fractions' n and n_target: each set's slots lie below 2^17
+EPSILON_GREEDY_MAX_BRANCHES: int = _C.EPSILON_GREEDY_MAX_BRANCHES  # the CUDA kernels' branch table
+EPSILON_GREEDY_MAX_ACTIONS: int = _C.EPSILON_GREEDY_MAX_ACTIONS  # a branch's size: a 24-bit uniform's reach
 
 
 def philox_seed(seed: int) -> int:
@@ -741,7 +743,7 @@ def epsilon_greedy(greedy: Tensor, branches: Sequence[int], epsilon: Tensor, rng
 def _(greedy, branches, epsilon, rng):
     # csrc/act_args.h's check_epsilon_greedy_args, in its order and words
     op = "dqn_ops.epsilon_greedy"
-    max_branches, max_actions = 256, 1 << 24
+    max_branches, max_actions = EPSILON_GREEDY_MAX_BRANCHES, EPSILON_GREEDY_MAX_ACTIONS
     _check(1 <= len(branches) <= max_branches,
            f"{op}: branches: expected 1 to {max_branches} branch sizes, got {len(branches)}")
     for d, n in enumerate(branches):

@@ -1,8 +1,9 @@
 // The device-side call counter of an rng tensor (int64 [2] = seed, call; csrc/philox.h): the ops
-// that draw from it (act, epsilon_greedy, iqn_fractions) advance it by one launch of their own after their
-// draws. Every block of a drawing kernel reads rng[1], so no block may advance it before all
-// have read it; stream order (and, under PDL, its pdl_enter: pdl.cuh) makes a one-thread kernel
-// after the drawing one race-free, with no host sync (capturable in a CUDA graph).
+// that draw from it (act, epsilon_greedy, iqn_fractions) advance it by one launch of their own
+// after their draws. Every block of a drawing kernel reads rng[1], so no block may advance it
+// before all have read it; stream order (and, under PDL, its pdl_enter: pdl.cuh) makes a
+// one-thread kernel after the drawing one race-free, with no host sync (capturable in a CUDA
+// graph).
 #pragma once
 
 #include <cstdint>
