@@ -67,7 +67,8 @@ echo "== tests"
 # named in pytest-failures.log as they fail (tests/conftest.py), so a run cut short by the
 # device call's limit still says which.
 : > "$OUT/pytest-failures.log"
-DQN_OPS_FAILURE_LOG="$OUT/pytest-failures.log" $PY -m pytest -rs -p no:cacheprovider ${PYTEST_ARGS:--q tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+DQN_OPS_FAILURE_LOG="$OUT/pytest-failures.log" $PY -m pytest -rs -p no:cacheprovider ${PYTEST_ARGS:--q tests} 2>&1 \
+  | tee "$OUT/pytest.log" | tail -40
 test_rc=${PIPESTATUS[0]}
 
 if [ -z "${SKIP_BENCH:-}" ]; then

@@ -3,13 +3,14 @@
 Same task (scripts/train.py, one process per run), same seeds (so the same initial weights,
 spectral-norm vectors, markets, replay draws and exploration draws: `TorchTrainer` explores with
 dqn_ops's Philox stream for the seed, `ops.epsilon_greedy`; `--torch-exploration torch` gives
-the plain-PyTorch runs torch's generator instead, as the results before this option had), `--epochs`
-epochs of 300 steps at B=256, for each of `--seeds`. The shared draws are common random
-numbers: the two runs of a seed explore alike for as long as their greedy actions agree, so the
-per-seed differences measure the paths, not the luck of two exploration streams. `--f32-backend dqn_ops` (CPU only) makes the F32 side dqn_ops itself with
-nothing rounded (`train.py --mirror f32`): the same formulas and the same random streams on both
-sides, so the difference is BF16's own. Compared (docs/design.md's bars): final Sharpe within 5% relative, mean Q within 10%,
-grad-norm mean and max within 20%, no NaN/Inf, peak VRAM within 10%.
+the plain-PyTorch runs torch's generator instead, as the results before this option had),
+`--epochs` epochs of 300 steps at B=256, for each of `--seeds`. The shared draws are common
+random numbers: the two runs of a seed explore alike for as long as their greedy actions agree,
+so the per-seed differences measure the paths, not the luck of two exploration streams.
+`--f32-backend dqn_ops` (CPU only) makes the F32 side dqn_ops itself with nothing rounded
+(`train.py --mirror f32`): the same formulas and the same random streams on both sides, so the
+difference is BF16's own. Compared (docs/design.md's bars): final Sharpe within 5% relative,
+mean Q within 10%, grad-norm mean and max within 20%, no NaN/Inf, peak VRAM within 10%.
 
 Peak VRAM is checked as what the spec's criterion names it ("zero regression: no new CUDA errors,
 no memory leaks (same peak VRAM +/- 10%)"): a regression check, so one-sided — the BF16 path's
