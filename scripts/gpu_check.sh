@@ -4,6 +4,9 @@
 #
 #   bash scripts/gpu_check.sh            # everything
 #   SKIP_BENCH=1 bash scripts/gpu_check.sh
+#   DQN_OPS_TEST_CUDA_ONLY=1 PYTEST_ARGS="-q -n 15 -p xdist tests" SKIP_BENCH=1 bash scripts/gpu_check.sh
+#       # only the tests that touch CUDA (tests/conftest.py; CI runs every CPU test): the suite's
+#       # GPU part in one device call
 #   DQN_OPS_TEST_SHARD=0/2 PYTEST_ARGS="-q -n 15 -p xdist tests" SKIP_BENCH=1 bash scripts/gpu_check.sh
 #       # half the suite (tests/conftest.py); the whole suite and the build exceed one device call,
 #       # so the other half (1/2) in a second call, SKIP_BUILD=1 while the machine is still warm

@@ -42,16 +42,35 @@ def _test_shard() -> tuple[int, int] | None:
     return i, n
 
 
+def touches_cuda(item) -> bool:
+    """Whether a collected test runs anything on a GPU: it carries a skip-unless-CUDA (or -GPUs)
+    marker (requires_cuda, DEVICES' cuda parameter, a module's pytestmark, the multi-GPU marks),
+    its id names cuda, or it is a README block (the README picks cuda when there is one)."""
+    if "cuda" in item.nodeid.lower() or item.nodeid.startswith("tests/test_readme.py"):
+        return True
+    for mark in item.iter_markers("skipif"):
+        reason = str(mark.kwargs.get("reason", ""))
+        if "CUDA" in reason or "GPU" in reason:
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
+    deselected = []
+    if os.environ.get("DQN_OPS_TEST_CUDA_ONLY") == "1":
+        # The GPU machine's calls are short and CI runs every CPU test: there, only the tests
+        # that touch CUDA.
+        deselected += [item for item in items if not touches_cuda(item)]
+        items[:] = [item for item in items if touches_cuda(item)]
     shard = _test_shard()
-    if shard is None:
-        return
-    i, n = shard
-    # Interleaved by position in the collection order (the same on every xdist worker), so
-    # each part takes a share of every file.
-    keep = [item for k, item in enumerate(items) if k % n == i]
-    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i])
-    items[:] = keep
+    if shard is not None:
+        i, n = shard
+        # Interleaved by position in the collection order (the same on every xdist worker), so
+        # each part takes a share of every file.
+        deselected += [item for k, item in enumerate(items) if k % n != i]
+        items[:] = [item for k, item in enumerate(items) if k % n == i]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
 
 
 def pytest_runtest_logreport(report):
