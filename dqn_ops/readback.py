@@ -125,8 +125,10 @@ class DeferredReadback:
             self._enqueue_copy()
         self._collect(block=False)
         if not self._pin:
-            return bool(self.flag[0] > 0)
-        seen = bool(self._host_flag[0] > 0)  # a copy from a step or two ago: no sync
+            return self.flag.item() > 0
+        # a copy from a step or two ago: no sync; read with .item(), not an indexing and a
+        # comparison (two tensor ops on every step's host path)
+        seen = self._host_flag.item() > 0
         # The copy goes on a side stream, after this step (an event) but beside the next one: in
         # the step's own stream the device-to-host copy would sit between every two steps and
         # delay the next (bench/NOTES.md has the measurements). The flag only rises until
