@@ -66,7 +66,8 @@ def make_step(mode: str, c: DQNConfig, B: int, device, **trainer_kw):
     if mode.startswith("dqn_ops"):
         trainer = Trainer(c, cfg, device=device, seed=0)
     else:
-        trainer = TorchTrainer(c, cfg, device=device, seed=0, amp=mode.endswith("bf16"))
+        # plain PyTorch throughout: IQN's fractions by torch.rand (not dqn_ops's iqn_fractions)
+        trainer = TorchTrainer(c, cfg, device=device, seed=0, amp=mode.endswith("bf16"), fractions="torch")
         if "compile" in mode:
             # Each network and batch compiles afresh, as in a process that trains one network:
             # compiles of the same code for earlier networks would otherwise make the config's

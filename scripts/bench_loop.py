@@ -66,8 +66,9 @@ def make(args, loop_kind, envs, batch, seed=0):
     if args.tiny:
         net = DQNConfig(state_dim=STATE_DIM, trunk_hidden=(32, 32), value_hidden=(16,), adv_hidden=(16,), atoms=11,
                         branches=BRANCHES)
-    # the plain-PyTorch learner acts in plain PyTorch too (torch.rand, not dqn_ops's epsilon_greedy)
-    trainer = (TorchTrainer(net, cfg, device=dev, seed=seed, exploration="torch") if loop_kind == "pytorch"
+    # the plain-PyTorch learner draws in plain PyTorch too (torch.rand, not dqn_ops's epsilon_greedy)
+    trainer = (TorchTrainer(net, cfg, device=dev, seed=seed, exploration="torch", fractions="torch")
+               if loop_kind == "pytorch"
                else Trainer(net, cfg, device=dev, seed=seed))
     env = FuturesTradingEnv(envs, device=dev, seed=seed + 1)
     replay = ReplayBuffer(args.capacity, STATE_DIM, len(BRANCHES), device=dev, seed=seed + 2, num_envs=envs,

@@ -840,3 +840,5 @@ def test_torch_trainer_explores_with_the_trainers_draws(device, name):
     assert not torch.equal(other.act_explore(s, eps_of(1.0, device))[0].cpu(), reference_random_actions(c, 31, 0, 400))
     with pytest.raises(ValueError, match="TorchTrainer: exploration: expected 'philox'"):
         TorchTrainer(c, cfg, device=device, seed=31, exploration="numpy")
+    with pytest.raises(ValueError, match="TorchTrainer: fractions: expected 'philox'"):
+        TorchTrainer(c, cfg, device=device, seed=31, fractions="numpy")

@@ -8,20 +8,25 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from dqn_ops import DQNConfig, DuelingBranchQNet, Trainer, TrainerConfig, ops, to_torch
+from dqn_ops import DQNConfig, DuelingBranchQNet, HeadGroup, Trainer, TrainerConfig, ops, to_torch
 from dqn_ops.rl.baseline import TorchTrainer
 from test_optim import _adam_args
 from test_spectral_norm import _op_args as _spectral_args
 from test_trainer import TINY_C51, TINY_Q, batch_for
 
 # network, trainer settings: the fused-loss path's C51, the composed path's QR (with clipping
-# and the spectral clamp binding), one-atom Huber, an ensemble without dueling
+# and the spectral clamp binding), one-atom Huber, an ensemble without dueling, IQN, head groups
 CASES = {
     "c51": (TINY_C51, {}),
     "qr": (dataclasses.replace(TINY_C51, atoms=16), dict(loss_type="qr", max_grad_norm=0.5, sigma_max=0.8)),
     "huber": (TINY_Q, {}),
     "ensemble": (DQNConfig(state_dim=6, trunk_hidden=(16,), value_hidden=(), adv_hidden=(8,), atoms=11,
                            branches=(2, 3), dueling=False, ensemble=3), dict(sigma_max=None)),
+    # both trainers draw the same fractions (TorchTrainer(fractions="philox"): ops.iqn_fractions),
+    # an IQN network's, and each IQN head group's in group order
+    "iqn": (dataclasses.replace(TINY_C51, atoms=1, iqn_embedding=8), dict(loss_type="iqn", iqn_fractions=6)),
+    "groups": (dataclasses.replace(TINY_C51, aux=(HeadGroup("iqn", iqn_embedding=8),
+                                                  HeadGroup("iqn", iqn_embedding=4))), dict(iqn_fractions=5)),
 }
 
 

@@ -278,22 +278,27 @@ class TorchTrainer:
     a call counter), exactly as ``dqn_ops.Trainer(seed=seed).act_explore`` draws its own, so the
     two trainers of one seed explore alike wherever their greedy actions agree (a comparison of
     the two then pairs their runs: common random numbers); ``"torch"`` draws them with
-    ``torch.rand`` (torch's generator; no dqn_ops op in acting)."""
+    ``torch.rand`` (torch's generator; no dqn_ops op in acting). ``fractions`` says the same of
+    an IQN step's quantile fractions: ``"philox"`` draws tau and tau' with ``ops.iqn_fractions``
+    from ``fraction_rng``, as ``dqn_ops.Trainer(seed=seed)`` draws them (one draw per IQN head
+    group per step, in group order), ``"torch"`` with ``torch.rand``."""
 
     def __init__(self, net_config=None, config=None, device="cuda", seed: int = 0, amp: bool = False,
-                 exploration: str = "philox"):
+                 exploration: str = "philox", fractions: str = "philox"):
         self.net_config = c = net_config or DQNConfig()
         self.config = cfg = config or TrainerConfig()
         if cfg.mirror != "bf16":
             raise ValueError(f"TorchTrainer: TrainerConfig.mirror is dqn_ops.Trainer's (plain PyTorch keeps no mirror: "
                              f"F32, or BF16 autocast with amp=True), got {cfg.mirror!r}")
-        if exploration not in ("philox", "torch"):
-            raise ValueError(f"TorchTrainer: exploration: expected 'philox' (dqn_ops.Trainer's draws) or 'torch' "
-                             f"(torch.rand), got {exploration!r}")
+        for name, value in (("exploration", exploration), ("fractions", fractions)):
+            if value not in ("philox", "torch"):
+                raise ValueError(f"TorchTrainer: {name}: expected 'philox' (dqn_ops.Trainer's draws) or 'torch' "
+                                 f"(torch.rand), got {value!r}")
         self.device = torch.device(device)
         self.amp = amp
         self.seed = seed
         self.exploration = exploration
+        self.fractions = fractions
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "TorchTrainer", c.iqn)
         self.group_loss_types = group_loss_types(c, self.loss_type, cfg.aux_loss_types, "TorchTrainer")
         self._groups = [c.group_config(g) for g in range(c.num_groups)]
@@ -327,8 +332,9 @@ class TorchTrainer:
         # act_explore's constant, made before any capture (a host-to-device copy cannot be captured)
         self._branch_sizes = torch.tensor(c.branches, device=dev)
         self._branch_offsets = torch.tensor([sum(c.branches[:d]) for d in range(D)], device=dev)
-        # act_explore's draws with exploration='philox': dqn_ops.Trainer's explore_rng for this seed.
+        # The draws with 'philox': dqn_ops.Trainer's explore_rng and fraction_rng for this seed.
         self.explore_rng = ops.philox_rng(seed, dev)
+        self.fraction_rng = ops.philox_rng(seed, dev)
         # IQN: the K = N midpoints every row acts and picks the next action at (as Trainer's)
         self._midpoints = quantile_midpoints(cfg.iqn_fractions, torch.empty(0, device=dev))[None]
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
@@ -382,9 +388,15 @@ class TorchTrainer:
         return [self._midpoints.expand(states.shape[0], -1) if gc.iqn else None for gc in self._groups]
 
     def _draw_fractions(self):
-        """Each head group's fractions for the batch: torch.rand [B, N] for an IQN group, else None."""
+        """Each head group's (tau, tau') for the batch, [B, N] each for an IQN group (None for any
+        other): ``ops.iqn_fractions`` on ``fraction_rng`` (fractions='philox', Trainer's draws)
+        or torch.rand."""
         B, N = self.config.batch_size, self.config.iqn_fractions
-        return [torch.rand(B, N, device=self.device) if gc.iqn else None for gc in self._groups]
+        if self.fractions == "philox":
+            draws = [ops.iqn_fractions(self.fraction_rng, B, N, N) if gc.iqn else None for gc in self._groups]
+            return [None if d is None else d.tau for d in draws], [None if d is None else d.tau_target for d in draws]
+        return ([torch.rand(B, N, device=self.device) if gc.iqn else None for gc in self._groups],
+                [torch.rand(B, N, device=self.device) if gc.iqn else None for gc in self._groups])
 
     def _forward_q(self, net, states, fractions):
         """Each head group's q on `states` at its `fractions` (one entry per group), group 0's first."""
@@ -395,13 +407,13 @@ class TorchTrainer:
     def _loss_part(self):
         """Forwards (online on s and s', target on s') and the loss (with an ensemble's bootstrap
         masks when bootstrap_p < 1: ``dqn_ops.Trainer``'s, the same op on the same key). IQN: s
-        at tau, s' at the midpoints (the next action), the target at tau', both drawn here by
-        torch.rand (not Trainer's Philox stream: a comparison sees distributions, not bits)."""
+        at tau, s' at the midpoints (the next action), the target at tau', both drawn here
+        (``_draw_fractions``)."""
         cfg, x, c = self.config, self.inputs, self.net_config
         masks = ([ops.bootstrap_masks(x["indices"], group_mask_seed(self.seed, g), gc.members, cfg.bootstrap_p)
                   if gc.members > 1 or not c.aux else None for g, gc in enumerate(self._groups)]
                  if cfg.uses_masks else [None] * c.num_groups)
-        tau, tau_target = self._draw_fractions(), self._draw_fractions()
+        tau, tau_target = self._draw_fractions()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             with torch.no_grad():
                 qo = [q.float() for q in self._forward_q(self.online, x["next_states"],
