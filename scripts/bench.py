@@ -40,7 +40,8 @@ from dqn_ops import DQNConfig, Trainer, TrainerConfig  # noqa: E402
 from dqn_ops.rl.baseline import TorchTrainer  # noqa: E402
 from dqn_ops.step import InternalOpsStep, PublicOpsStep  # noqa: E402
 
-from bench_common import graphed, headless_pyplot, kernels_per_call, run_meta, time_us, write_results  # noqa: E402
+from bench_common import (graphed, headless_pyplot, kernels_per_call, run_meta, switches_note, time_us,  # noqa: E402
+                          write_results)
 
 MODES = ("torch_eager_f32", "torch_eager_bf16", "torch_graph_f32", "torch_graph_bf16", "torch_compile_graph_f32",
          "torch_compile_graph_bf16", "torch_compile_reduce_overhead", "dqn_ops_eager", "dqn_ops_graph")
@@ -194,7 +195,8 @@ def main():
     op_rows = [r for B in (256, 4096) if device.type == "cuda" for r in per_op_rows(c, B, device)]
 
     meta = run_meta(device, config="reference (287,998 parameters)", tf32=False)
-    lines = [f"# Training step, side by side — {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
+    lines = [f"# Training step, side by side — {meta['device']}, torch {meta['torch']}, {meta['date']}"
+             + (f"; dqn_ops: {switches_note(meta['switches'])}" if "switches" in meta else ""), "",
              "µs per step (median of 3 timings of back-to-back steps); kernels per step from the torch profiler.", "",
              "| B | " + " | ".join(args.modes) + " |", "|---|" + "---|" * len(args.modes)]
     for B in args.batches:

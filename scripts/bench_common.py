@@ -58,16 +58,33 @@ def kernels_per_call(fn):
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def code_path_switches() -> dict:
+    """dqn_ops's run-time switches that change which CUDA code a step runs (not its numbers):
+    the side streams (``dqn_ops.side_stream``, env DQN_OPS_SIDE_STREAM) and programmatic
+    dependent launch (env DQN_OPS_PDL; on unless "0"), as this process has them."""
+    import os
+
+    from dqn_ops import side_stream
+
+    return dict(side_streams=side_stream.enabled(), pdl=os.environ.get("DQN_OPS_PDL", "1") != "0")
+
+
+def switches_note(switches: dict) -> str:
+    """The switches as a result file's markdown says them: "side streams on, PDL on"."""
+    return (f"side streams {'on' if switches['side_streams'] else 'off'}, "
+            f"PDL {'on' if switches['pdl'] else 'off'}")
+
+
 def run_meta(device="cuda", **extra):
-    """What every result file records: date, device, torch and CUDA versions, plus `extra`
-    (on the CPU: date, "cpu", torch)."""
+    """What every result file records: date, device, torch and CUDA versions and dqn_ops's
+    code-path switches, plus `extra` (on the CPU: date, "cpu", torch)."""
     import datetime
 
     date = datetime.date.today().isoformat()
     if torch.device(device).type == "cpu":
         return dict(date=date, device="cpu", torch=torch.__version__, **extra)
     return dict(date=date, device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                **extra)
+                switches=code_path_switches(), **extra)
 
 
 def result_path(out_dir, meta, name):

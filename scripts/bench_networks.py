@@ -34,7 +34,7 @@ import dqn_ops  # noqa: E402
 from dqn_ops import DQNConfig, HeadGroup  # noqa: E402
 
 from bench import MODES, make_step  # noqa: E402
-from bench_common import kernels_per_call, run_meta, time_us, write_results  # noqa: E402
+from bench_common import kernels_per_call, run_meta, switches_note, time_us, write_results  # noqa: E402
 
 # name -> (network, TrainerConfig fields beside the defaults; no loss_type: C51 for atoms > 1)
 NETWORKS = {
@@ -58,6 +58,17 @@ def describe(name: str) -> str:
     return f"`{name}` = `{c}`" + "".join(f", {k} {v}" for k, v in kw.items())
 DEFAULT_MODES = ("dqn_ops_graph", "torch_compile_graph_bf16")
 TARGET_SPEEDUP = 4.0
+
+
+def switches_sentence(rows) -> str:
+    """What the markdown says of dqn_ops's code-path switches over `rows` (bench_common.switches_note)."""
+    notes = sorted({switches_note(r["switches"]) if "switches" in r else "not recorded" for r in rows})
+    if notes == ["not recorded"]:
+        return ""
+    if len(notes) == 1:
+        return f" dqn_ops: {notes[0]}."
+    return (" dqn_ops's switches differ between the merged runs (each row's in networks.json): " + "; ".join(notes)
+            + ".")
 
 
 def main():
@@ -105,6 +116,8 @@ def main():
     meta = run_meta(device, modes=args.modes, tf32=False, target_speedup=TARGET_SPEEDUP)
     for r in rows:
         r["date"] = meta["date"]
+        if "switches" in meta:  # each row's own: --merge keeps rows of runs with other switches
+            r["switches"] = meta["switches"]
     if args.merge:
         rows = merged_rows(args.merge, meta, args.networks) + rows
     names = [n for n in NETWORKS if any(r["network"] == n for r in rows)]
@@ -122,7 +135,7 @@ def main():
              f"µs per step (median of 3 timings of {args.iters} back-to-back steps); kernels per step from the "
              f"torch profiler; speedup = {theirs} / {ours} (target >= {TARGET_SPEEDUP:g}x)." +
              (" Rows of several runs (--merge; each row's date in networks.json); a network's modes are from one run."
-              if args.merge else ""), "",
+              if args.merge else "") + switches_sentence(rows), "",
              "| network | parameters | B | " + " | ".join(args.modes) + " | speedup |",
              "|---|---|---|" + "---|" * len(args.modes) + "---|"]
     for name in names:
