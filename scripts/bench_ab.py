@@ -9,8 +9,9 @@ names, so each timing runs in a process of its own, with that tree first on ``PY
     (cd .base && python3 setup.py build_ext --inplace)
     python3 scripts/bench_ab.py --base .base --out gpu_out
 
-Writes ``<out>/step-ab.{json,md}``: per batch size, the median over the rounds of each tree's
-µs per step (``Trainer.step()`` replaying its CUDA graph on a fixed batch), and new / base.
+Writes ``<out>/step-ab.{json,md}``: per network and batch size, the median over the rounds of
+each tree's µs per step (``Trainer.step()`` replaying its CUDA graph on a fixed batch), and new /
+base. The files are rewritten after every row, so a run cut short keeps the rows it finished.
 
 The base may be this tree itself under other environment variables (a switch read at run time),
 and the new tree's processes may take some of their own (a switch that is off by default):
@@ -18,8 +19,9 @@ and the new tree's processes may take some of their own (a switch that is off by
     python3 scripts/bench_ab.py --base . --base-env DQN_OPS_PDL=0 --name step-ab-pdl --out bench/results
     python3 scripts/bench_ab.py --base . --new-env DQN_OPS_SIDE_STREAM=1 --name step-ab-side-stream
 
-``--network`` times another network of scripts/bench_networks.py (its trainer settings
-included) than the reference one; the base must have the features that network uses.
+``--networks`` times other networks of scripts/bench_networks.py (their trainer settings
+included) than the reference one, one after the other into the same files; the base must have
+the features those networks use.
 """
 import argparse
 import json
@@ -88,8 +90,8 @@ def main():
                     help="environment variables of the base's processes only")
     ap.add_argument("--new-env", nargs="+", default=[], metavar="KEY=VALUE",
                     help="environment variables of the new tree's processes only")
-    ap.add_argument("--network", default="reference",
-                    help="a network of scripts/bench_networks.py (default: the reference one)")
+    ap.add_argument("--networks", "--network", nargs="+", default=["reference"],
+                    help="networks of scripts/bench_networks.py (default: the reference one)")
     ap.add_argument("--name", default="step-ab", help="the result files' stem")
     ap.add_argument("--out", default=os.path.join(ROOT, "gpu_out"))
     args = ap.parse_args()
@@ -97,46 +99,56 @@ def main():
         bad = [kv for kv in pairs if "=" not in kv or kv.startswith("=")]
         if bad:
             ap.error(f"{flag} takes KEY=VALUE pairs, got {bad}")
-    if args.network != "reference":
+    if args.networks != ["reference"]:
         sys.path.insert(0, HERE)
         from bench_networks import NETWORKS
-        if args.network not in NETWORKS:
-            ap.error(f"--network: one of {sorted(NETWORKS)}, got {args.network!r}")
+        unknown = [n for n in args.networks if n not in NETWORKS]
+        if unknown:
+            ap.error(f"--networks: each one of {sorted(NETWORKS)}, got {unknown}")
     env = dict(base=dict(kv.split("=", 1) for kv in args.base_env), new=dict(kv.split("=", 1) for kv in args.new_env))
     sys.path.insert(0, ROOT)
     import torch
 
     from bench_common import run_meta
-    from dqn_ops.rl.results import dump_json
 
     trees = dict(base=args.base, new=ROOT)
-    rows = []
-    for B in args.batches:
-        times = {name: [] for name in trees}
-        for r in range(args.rounds):
-            order = list(trees) if r % 2 == 0 else list(reversed(trees))  # neither always goes first
-            for name in order:
-                times[name].append(time_tree(trees[name], B, args.iters, 3, args.network, env[name],
-                                             unset=set(env["base"]) | set(env["new"])))
-        med = {name: statistics.median(v) for name, v in times.items()}
-        rows.append(dict(batch=B, base_us=round(med["base"], 2), new_us=round(med["new"], 2),
-                         ratio=round(med["new"] / med["base"], 4), base_all=times["base"], new_all=times["new"]))
-        print(f"B={B:6d}  base {med['base']:8.1f} us  new {med['new']:8.1f} us  new/base {med['new'] / med['base']:.3f}",
-              flush=True)
     meta = run_meta("cuda" if torch.cuda.is_available() else "cpu", base=os.path.abspath(args.base),
                     base_env=env["base"], new_env=env["new"], rounds=args.rounds, iters=args.iters,
-                    network=args.network)
+                    networks=args.networks)
+    rows = []
+    for network in args.networks:
+        for B in args.batches:
+            times = {name: [] for name in trees}
+            for r in range(args.rounds):
+                order = list(trees) if r % 2 == 0 else list(reversed(trees))  # neither always goes first
+                for name in order:
+                    times[name].append(time_tree(trees[name], B, args.iters, 3, network, env[name],
+                                                 unset=set(env["base"]) | set(env["new"])))
+            med = {name: statistics.median(v) for name, v in times.items()}
+            rows.append(dict(network=network, batch=B, base_us=round(med["base"], 2), new_us=round(med["new"], 2),
+                             ratio=round(med["new"] / med["base"], 4), base_all=times["base"], new_all=times["new"]))
+            print(f"{network:16s} B={B:6d}  base {med['base']:8.1f} us  new {med['new']:8.1f} us  "
+                  f"new/base {med['new'] / med['base']:.3f}", flush=True)
+            write(args, meta, rows)  # after every row: a run cut short keeps what it measured
+
+
+def write(args, meta, rows):
+    """<out>/<name>.json (meta + rows) and .md: the rows so far."""
+    from dqn_ops.rl.results import dump_json
+
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, args.name + ".json"), "w") as f:
         dump_json(dict(meta=meta, rows=rows), f)
+
     def named(name, pairs):
         return name + (" (" + ", ".join(pairs) + ")" if pairs else "")
-    lines = [f"# Graphed step of the {args.network} network, {named('base', args.base_env)} vs "
-             f"{named('new tree', args.new_env)} — {meta['device']}, "
-             f"torch {meta['torch']}, {meta['date']}", "",
-             f"Median of {args.rounds} alternating rounds (each the median of 3 x {args.iters} steps).", "",
-             "| B | base µs | new µs | new / base |", "|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['base_us']} | {r['new_us']} | {r['ratio']:.3f} |" for r in rows]
+    done = len(rows) == len(args.networks) * len(args.batches)
+    lines = [f"# Graphed step, {named('base', args.base_env)} vs {named('new tree', args.new_env)} — "
+             f"{meta['device']}, torch {meta['torch']}, {meta['date']}", "",
+             f"Median of {args.rounds} alternating rounds (each the median of 3 x {args.iters} steps)."
+             + ("" if done else f" Unfinished: {len(rows)} of {len(args.networks) * len(args.batches)} rows."), "",
+             "| network | B | base µs | new µs | new / base |", "|---|---|---|---|---|"]
+    lines += [f"| {r['network']} | {r['batch']} | {r['base_us']} | {r['new_us']} | {r['ratio']:.3f} |" for r in rows]
     with open(os.path.join(args.out, args.name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
