@@ -87,6 +87,8 @@ def main():
     if device.type == "cuda" and not (torch.cuda.is_available() and dqn_ops.cuda_kernels_built()):
         raise SystemExit("bench_networks.py on cuda needs a CUDA device and dqn_ops built with its CUDA kernels")
     torch.backends.cuda.matmul.allow_tf32 = False  # an F32 baseline is F32
+    meta = run_meta(device, modes=args.modes, tf32=False, target_speedup=TARGET_SPEEDUP)
+    merged = merged_rows(args.merge, meta, args.networks) if args.merge else []
     rows = []
     for name in args.networks:
         c, trainer_kw = NETWORKS[name]
@@ -106,20 +108,23 @@ def main():
                 except Exception as e:  # reported; the run goes on
                     row = dict(network=name, loss=loss_type or "c51", params=c.num_parameters, batch=B, mode=mode,
                                status=f"failed: {type(e).__name__}: {str(e)[:300]}")
+                row["date"] = meta["date"]
+                if "switches" in meta:  # each row's own: --merge keeps rows of runs with other switches
+                    row["switches"] = meta["switches"]
                 rows.append(row)
                 print(f"{name:12s} B={B:5d}  {mode:26s}  " +
                       (f"{row['step_us']:9.1f} us/step  kernels {row['kernels']}" if row["status"] == "ok"
                        else row["status"]), flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+        if device.type == "cuda":  # after every network: a run cut short keeps the networks it finished
+            write_results(args.out, "networks", meta, merged + rows, report_lines(args, meta, merged + rows))
+    if device.type != "cuda":
+        print("\n".join(report_lines(args, meta, merged + rows)))
 
-    meta = run_meta(device, modes=args.modes, tf32=False, target_speedup=TARGET_SPEEDUP)
-    for r in rows:
-        r["date"] = meta["date"]
-        if "switches" in meta:  # each row's own: --merge keeps rows of runs with other switches
-            r["switches"] = meta["switches"]
-    if args.merge:
-        rows = merged_rows(args.merge, meta, args.networks) + rows
+
+def report_lines(args, meta, rows):
+    """The markdown of `rows` (this run's and the merged ones); sets each row's speedup."""
     names = [n for n in NETWORKS if any(r["network"] == n for r in rows)]
     dates = sorted({r["date"] for r in rows})
 
@@ -131,11 +136,13 @@ def main():
         return r["step_us"] if r is not None and r["status"] == "ok" else None
 
     ours, theirs = args.modes[0], args.modes[-1]
+    unfinished = [n for n in args.networks if not any(r["network"] == n for r in rows)]
     lines = [f"# Training step by network shape — {meta['device']}, torch {meta['torch']}, {', '.join(dates)}", "",
              f"µs per step (median of 3 timings of {args.iters} back-to-back steps); kernels per step from the "
              f"torch profiler; speedup = {theirs} / {ours} (target >= {TARGET_SPEEDUP:g}x)." +
              (" Rows of several runs (--merge; each row's date in networks.json); a network's modes are from one run."
-              if args.merge else "") + switches_sentence(rows), "",
+              if args.merge else "") + switches_sentence(rows) +
+             (f" Unfinished: {', '.join(unfinished)} not run yet." if unfinished else ""), "",
              "| network | parameters | B | " + " | ".join(args.modes) + " | speedup |",
              "|---|---|---|" + "---|" * len(args.modes) + "---|"]
     for name in names:
@@ -152,11 +159,7 @@ def main():
                     r["speedup"] = round(b / a, 2)
             lines.append(f"| {name} | {NETWORKS[name][0].num_parameters:,} | {B} | " + " | ".join(cells) +
                          f" | {speedup} |")
-    lines += ["", "Networks: " + "; ".join(describe(n) for n in names)]
-    if device.type == "cuda":
-        write_results(args.out, "networks", meta, rows, lines)
-    else:
-        print("\n".join(lines))
+    return lines + ["", "Networks: " + "; ".join(describe(n) for n in names)]
 
 
 def merged_rows(path, meta, networks):
