@@ -112,6 +112,7 @@ def main():
     from bench_common import run_meta
 
     trees = dict(base=args.base, new=ROOT)
+    unset = set(env["base"]) | set(env["new"])  # neither side inherits the other's variables
     meta = run_meta("cuda" if torch.cuda.is_available() else "cpu", base=os.path.abspath(args.base),
                     base_env=env["base"], new_env=env["new"], rounds=args.rounds, iters=args.iters,
                     networks=args.networks)
@@ -122,8 +123,7 @@ def main():
             for r in range(args.rounds):
                 order = list(trees) if r % 2 == 0 else list(reversed(trees))  # neither always goes first
                 for name in order:
-                    times[name].append(time_tree(trees[name], B, args.iters, 3, network, env[name],
-                                                 unset=set(env["base"]) | set(env["new"])))
+                    times[name].append(time_tree(trees[name], B, args.iters, 3, network, env[name], unset))
             med = {name: statistics.median(v) for name, v in times.items()}
             rows.append(dict(network=network, batch=B, base_us=round(med["base"], 2), new_us=round(med["new"], 2),
                              ratio=round(med["new"] / med["base"], 4), base_all=times["base"], new_all=times["new"]))
