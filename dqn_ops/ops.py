@@ -4,8 +4,9 @@ and, where the op is differentiable, its autograd formula. The twin of the schem
 is added in both (the checklist is at the top of csrc/dqn_ops.cpp). Modules, trainer, tests and
 benchmarks call the ops through these wrappers.
 
-Each wrapper calls ``torch.ops.dqn_ops.<op>.default``; the CPU kernels are in csrc/, the CUDA
-kernels in csrc/cuda/. The ops whose names start with ``_`` are internal (the trainer's): their
+Each wrapper calls ``torch.ops.dqn_ops.<op>.default`` through ``_call`` (which turns the
+dispatcher's error for a device without a kernel into ``MissingKernelError``); the CPU kernels
+are in csrc/, the CUDA kernels in csrc/cuda/. The ops whose names start with ``_`` are internal (the trainer's): their
 schemas may change; the public ops are the API. Fake kernels check what the shapes depend on
 and say, prefixed with the op's name, what was expected and what came; the kernels' own checks
 (csrc/*_args.h) cover the rest.
@@ -86,6 +87,16 @@ def _raise_missing_kernel(op: str, err: NotImplementedError) -> None:
     raise MissingKernelError(f"dqn_ops.{op} {what}.") from err
 
 
+def _call(op: str, *args):
+    """``torch.ops.dqn_ops.<op>.default(*args)``, its result returned; a call on tensors of a
+    device this build has no kernel for raises ``MissingKernelError`` (``_raise_missing_kernel``)."""
+    try:
+        return getattr(torch.ops.dqn_ops, op).default(*args)
+    except NotImplementedError as e:
+        _raise_missing_kernel(op, e)
+        raise
+
+
 def _check_loss_type(op: str, loss_type: str, takes_iqn: bool = False) -> None:
     """loss_type one of LOSS_TYPES ('iqn' only where the op takes it), as the kernels' parse_loss_type."""
     names = LOSS_TYPES if takes_iqn else tuple(t for t in LOSS_TYPES if t != "iqn")
@@ -152,12 +163,7 @@ def bf16_dueling_forward(states: Tensor, params: Tensor, params_bf16: Tensor, la
             config has ``iqn_embedding`` > 0; docs/iqn-design.md); not differentiated.
     """
     args = (states, params, params_bf16, list(layout), backward_precision)
-    try:
-        return ForwardOutput(*torch.ops.dqn_ops.bf16_dueling_forward.default(
-            *args, *(() if fractions is None else (fractions,))))
-    except NotImplementedError as e:
-        _raise_missing_kernel("bf16_dueling_forward", e)
-        raise
+    return ForwardOutput(*_call("bf16_dueling_forward", *args, *(() if fractions is None else (fractions,))))
 
 
 @torch.library.register_fake("dqn_ops::bf16_dueling_forward")
@@ -219,14 +225,9 @@ def _forward_backward(ctx, grad_q, grad_head, _grad_activations):
     passed = len(ctx.needs_input_grad)
     if grad_q is None and grad_head is None:
         return (None,) * passed
-    try:
-        grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
-            grad_q.contiguous() if grad_q is not None else None,
-            grad_head.contiguous() if grad_head is not None else None,
-            activations, params, params_bf16, ctx.layout, ctx.precision, need_states)
-    except NotImplementedError as e:
-        _raise_missing_kernel("mixed_backward", e)
-        raise
+    grad_params, grad_states = _call("mixed_backward", grad_q.contiguous() if grad_q is not None else None,
+                                     grad_head.contiguous() if grad_head is not None else None, activations, params,
+                                     params_bf16, ctx.layout, ctx.precision, need_states)
     grads = (grad_states if need_states else None), (grad_params if ctx.needs_input_grad[1] else None)
     return grads + (None,) * (passed - 2)
 
@@ -254,13 +255,8 @@ def mixed_backward(grad_q: Optional[Tensor], grad_head: Optional[Tensor], saved:
     Returns:
         (grad_params in params' layout, grad_states [B, SD] or None)
     """
-    try:
-        grad_params, grad_states = torch.ops.dqn_ops.mixed_backward.default(
-            grad_q, grad_head, _activations_of(saved), params, params_bf16, list(layout), precision,
-            need_grad_states)
-    except NotImplementedError as e:
-        _raise_missing_kernel("mixed_backward", e)
-        raise
+    grad_params, grad_states = _call("mixed_backward", grad_q, grad_head, _activations_of(saved), params, params_bf16,
+                                     list(layout), precision, need_grad_states)
     return grad_params, (grad_states if need_grad_states else None)
 
 
@@ -304,13 +300,8 @@ def fused_adam_bf16(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: 
     """
     grad_norm = params.new_empty(1) if grad_norm is None else grad_norm
     found_inf = params.new_empty(1) if found_inf is None else found_inf
-    try:
-        torch.ops.dqn_ops.fused_adam_bf16.default(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1,
-                                                  beta2, eps, weight_decay, decoupled_weight_decay, max_grad_norm,
-                                                  grad_norm, found_inf)
-    except NotImplementedError as e:
-        _raise_missing_kernel("fused_adam_bf16", e)
-        raise
+    _call("fused_adam_bf16", params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, eps, weight_decay,
+          decoupled_weight_decay, max_grad_norm, grad_norm, found_inf)
 
 
 @torch.library.register_fake("dqn_ops::fused_adam_bf16")
@@ -328,11 +319,7 @@ def _(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, e
 def ema_update(target: Tensor, target_bf16: Tensor, online: Tensor, tau: float) -> None:
     """target = lerp(target, online, tau) in place, writing target_bf16 (BF16, or F32 on the CPU) in
     the same pass."""
-    try:
-        torch.ops.dqn_ops.ema_update.default(target, target_bf16, online, tau)
-    except NotImplementedError as e:
-        _raise_missing_kernel("ema_update", e)
-        raise
+    _call("ema_update", target, target_bf16, online, tau)
 
 
 @torch.library.register_fake("dqn_ops::ema_update")
@@ -345,18 +332,17 @@ def _(target, target_bf16, online, tau):
 # ---------------------------------------------------------------------------------------
 # record_step
 
-def record_step(ring: Tensor, slot: Tensor, flag: Tensor, values: Sequence[Tensor], non_finite: Tensor) -> None:
+def record_step(ring: Tensor, slot: Tensor, flag: Tensor, values: Sequence[Tensor], non_finite: Tensor,
+                host_flag: Optional[Tensor] = None) -> None:
     """ring[slot] = values (one-element F32 tensors, one per ring column), slot = (slot + 1) %
-    rows, flag = max(flag, non_finite); all on the device (dqn_ops/readback.py)."""
-    try:
-        torch.ops.dqn_ops.record_step.default(ring, slot, flag, list(values), non_finite)
-    except NotImplementedError as e:
-        _raise_missing_kernel("record_step", e)
-        raise
+    rows, flag = max(flag, non_finite); all on the device (dqn_ops/readback.py). ``host_flag``
+    (one F32 element on the CPU, pinned when the others are on CUDA) receives the new flag too,
+    stored by the kernel itself: the host reads it without a copy."""
+    _call("record_step", ring, slot, flag, list(values), non_finite, host_flag)
 
 
 @torch.library.register_fake("dqn_ops::record_step")
-def _(ring, slot, flag, values, non_finite):
+def _(ring, slot, flag, values, non_finite, host_flag=None):
     _check(len(values) == ring.shape[1],
            f"dqn_ops.record_step: values: expected {ring.shape[1]} tensors, got {len(values)}")
     return None
@@ -367,11 +353,7 @@ def _(ring, slot, flag, values, non_finite):
 
 def _load_batch(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
     """dst[i] <- src[i] for up to 8 pairs of one dtype and size each, in one launch on CUDA."""
-    try:
-        torch.ops.dqn_ops._load_batch.default(list(dst), list(src))
-    except NotImplementedError as e:
-        _raise_missing_kernel("_load_batch", e)
-        raise
+    _call("_load_batch", list(dst), list(src))
 
 
 @torch.library.register_fake("dqn_ops::_load_batch")
@@ -401,13 +383,8 @@ def batched_spectral_norm(params: Tensor, params_bf16: Tensor, u: Tensor, v: Ten
         eps: floor of the norms when normalising u and v (as ``F.normalize``).
         one_launch_per_matrix: run the same kernel once per matrix (for comparisons).
     """
-    try:
-        torch.ops.dqn_ops.batched_spectral_norm.default(params, params_bf16, u, v, sigma, list(matrices),
-                                                        [float(s) for s in sigma_max], n_power_iterations, eps,
-                                                        one_launch_per_matrix)
-    except NotImplementedError as e:
-        _raise_missing_kernel("batched_spectral_norm", e)
-        raise
+    _call("batched_spectral_norm", params, params_bf16, u, v, sigma, list(matrices), [float(s) for s in sigma_max],
+          n_power_iterations, eps, one_launch_per_matrix)
 
 
 @torch.library.register_fake("dqn_ops::batched_spectral_norm")
@@ -485,13 +462,8 @@ def dqn_loss(q: Tensor, q_next_online: Tensor, q_next_target: Tensor, actions: T
     cannot be reported without a host sync, so it is treated the same way; on the CPU it raises
     (naming the sample and the branch, or the slot).
     """
-    try:
-        return LossOutput(*torch.ops.dqn_ops.dqn_loss.default(q, q_next_online, q_next_target, actions, rewards, dones,
-                                                              weights, list(branches), v_min, v_max, gamma, loss_type,
-                                                              masks, fractions))
-    except NotImplementedError as e:
-        _raise_missing_kernel("dqn_loss", e)
-        raise
+    return LossOutput(*_call("dqn_loss", q, q_next_online, q_next_target, actions, rewards, dones, weights,
+                             list(branches), v_min, v_max, gamma, loss_type, masks, fractions))
 
 
 @torch.library.register_fake("dqn_ops::dqn_loss")
@@ -563,12 +535,8 @@ def _online_and_target_logits(state_pairs: Tensor, params: Tensor, params_bf16: 
     ``state_pairs`` = [s; s'] and the target network on s'. ``batch_networks``: both networks'
     hidden layers as one batched GEMM each (fewer launches, the target also runs on s); the same
     results either way."""
-    try:
-        return Logits(*torch.ops.dqn_ops._online_and_target_logits.default(
-            state_pairs, params, params_bf16, target_params, target_params_bf16, list(layout), batch_networks))
-    except NotImplementedError as e:
-        _raise_missing_kernel("_online_and_target_logits", e)
-        raise
+    return Logits(*_call("_online_and_target_logits", state_pairs, params, params_bf16, target_params,
+                         target_params_bf16, list(layout), batch_networks))
 
 
 @torch.library.register_fake("dqn_ops::_online_and_target_logits")
@@ -600,13 +568,9 @@ def _dqn_loss_on_logits(logits: Tensor, logits_next_online: Tensor, logits_next_
     kernel on CUDA for C51 with at most FUSED_LOSS_MAX_ATOMS atoms and FUSED_LOSS_MAX_BRANCHES
     branches, one member and no masks; the public kernels' arithmetic otherwise. ``masks``:
     [B, E] bootstrap masks (E = the layout's ensemble members) or None, as for ``dqn_loss``."""
-    try:
-        return LossOnLogits(*torch.ops.dqn_ops._dqn_loss_on_logits.default(
-            logits, logits_next_online, logits_next_target, params, target_params, actions, rewards, dones, weights,
-            list(layout), v_min, v_max, gamma, loss_type, masks))
-    except NotImplementedError as e:
-        _raise_missing_kernel("_dqn_loss_on_logits", e)
-        raise
+    return LossOnLogits(*_call("_dqn_loss_on_logits", logits, logits_next_online, logits_next_target, params,
+                               target_params, actions, rewards, dones, weights, list(layout), v_min, v_max, gamma,
+                               loss_type, masks))
 
 
 @torch.library.register_fake("dqn_ops::_dqn_loss_on_logits")
@@ -627,12 +591,8 @@ def _mixed_backward_from_head(grad_head: Tensor, grad_head_bf16: Tensor, saved: 
                               params_bf16: Tensor, layout: Sequence[int], precision: str = "bf16") -> Tensor:
     """mixed_backward from _dqn_loss_on_logits' head gradient; ``saved``: the activation list of s
     (the states at the mirror's precision, then every hidden layer). Returns the flat gradient."""
-    try:
-        return torch.ops.dqn_ops._mixed_backward_from_head.default(grad_head, grad_head_bf16, _activations_of(saved),
-                                                                   params, params_bf16, list(layout), precision)
-    except NotImplementedError as e:
-        _raise_missing_kernel("_mixed_backward_from_head", e)
-        raise
+    return _call("_mixed_backward_from_head", grad_head, grad_head_bf16, _activations_of(saved), params, params_bf16,
+                 list(layout), precision)
 
 
 @torch.library.register_fake("dqn_ops::_mixed_backward_from_head")
@@ -685,12 +645,8 @@ def act(states: Tensor, params: Tensor, params_bf16: Tensor, layout: Sequence[in
             trainer passes the midpoints (2k + 1) / 2K; docs/iqn-design.md). None otherwise.
     """
     extra = () if fractions is None else (fractions,)
-    try:
-        return ActOutput(*torch.ops.dqn_ops.act.default(states, params, params_bf16, list(layout), float(v_min),
-                                                        float(v_max), epsilon, rng, loss_type, float(ucb), *extra))
-    except NotImplementedError as e:
-        _raise_missing_kernel("act", e)
-        raise
+    return ActOutput(*_call("act", states, params, params_bf16, list(layout), float(v_min), float(v_max), epsilon, rng,
+                            loss_type, float(ucb), *extra))
 
 
 @torch.library.register_fake("dqn_ops::act")
@@ -732,11 +688,7 @@ def epsilon_greedy(greedy: Tensor, branches: Sequence[int], epsilon: Tensor, rng
         rng: int64 [2] = (seed, call counter) on greedy's device; each call with N > 0 draws
             from ``call`` and advances it by one, on the device (N = 0 leaves it).
     """
-    try:
-        return torch.ops.dqn_ops.epsilon_greedy.default(greedy, [int(n) for n in branches], epsilon, rng)
-    except NotImplementedError as e:
-        _raise_missing_kernel("epsilon_greedy", e)
-        raise
+    return _call("epsilon_greedy", greedy, [int(n) for n in branches], epsilon, rng)
 
 
 @torch.library.register_fake("dqn_ops::epsilon_greedy")
@@ -784,11 +736,7 @@ def bootstrap_masks(indices: Tensor, seed: int, members: int, p: float) -> Tenso
         members: the ensemble's size E >= 1.
         p: the probability of a 1, 0 < p <= 1 (1: all ones).
     """
-    try:
-        return torch.ops.dqn_ops.bootstrap_masks.default(indices, philox_seed(seed), int(members), float(p))
-    except NotImplementedError as e:
-        _raise_missing_kernel("bootstrap_masks", e)
-        raise
+    return _call("bootstrap_masks", indices, philox_seed(seed), int(members), float(p))
 
 
 @torch.library.register_fake("dqn_ops::bootstrap_masks")
@@ -829,12 +777,7 @@ def iqn_fractions(rng: Tensor, batch: int, n: int, n_target: int, row_offset: in
         row_offset: the batch's first global row (``rank * batch`` under data parallelism, so that
             ranks draw different fractions), >= 0, with ``row_offset + batch <= 2^32``.
     """
-    try:
-        return IqnFractions(*torch.ops.dqn_ops.iqn_fractions.default(rng, int(batch), int(n), int(n_target),
-                                                                     int(row_offset)))
-    except NotImplementedError as e:
-        _raise_missing_kernel("iqn_fractions", e)
-        raise
+    return IqnFractions(*_call("iqn_fractions", rng, int(batch), int(n), int(n_target), int(row_offset)))
 
 
 @torch.library.register_fake("dqn_ops::iqn_fractions")
@@ -858,14 +801,6 @@ def _(rng, batch, n, n_target, row_offset):
 
 # ---------------------------------------------------------------------------------------
 # replay (internal: the device state of dqn_ops/rl/replay.py's ReplayBuffer; the schemas may change)
-
-def _call(op: str, *args) -> None:
-    try:
-        getattr(torch.ops.dqn_ops, op).default(*args)
-    except NotImplementedError as e:
-        _raise_missing_kernel(op, e)
-        raise
-
 
 def _replay_add(storage: Sequence[Tensor], cursor: Tensor, tree: Sequence[Tensor], counter: Tensor,
                 rows: Sequence[Tensor]) -> None:
@@ -932,13 +867,8 @@ def _futures_env_step(actions: Tensor, state: Tensor, counters: Tensor, returns:
                       info: Tensor, seed: int, episode_length: int, kappa: float, trend: float, sigma: float,
                       sigma_fair: float, switch_prob: float, cost: float) -> None:
     """One step of every environment of a FuturesTradingEnv, in place (one launch on CUDA)."""
-    try:
-        torch.ops.dqn_ops._futures_env_step.default(actions, state, counters, returns, observations, info, seed,
-                                                    episode_length, kappa, trend, sigma, sigma_fair, switch_prob,
-                                                    cost)
-    except NotImplementedError as e:
-        _raise_missing_kernel("_futures_env_step", e)
-        raise
+    _call("_futures_env_step", actions, state, counters, returns, observations, info, seed, episode_length, kappa,
+          trend, sigma, sigma_fair, switch_prob, cost)
 
 
 @torch.library.register_fake("dqn_ops::_futures_env_step")
@@ -953,11 +883,7 @@ def _(actions, state, counters, returns, observations, info, seed, episode_lengt
 def _futures_env_reset(state: Tensor, counters: Tensor, returns: Tensor, observations: Tensor, sigma: float,
                        episode_length: int) -> None:
     """Every environment starts an episode (position and clock 0); writes observations[1]."""
-    try:
-        torch.ops.dqn_ops._futures_env_reset.default(state, counters, returns, observations, sigma, episode_length)
-    except NotImplementedError as e:
-        _raise_missing_kernel("_futures_env_reset", e)
-        raise
+    _call("_futures_env_reset", state, counters, returns, observations, sigma, episode_length)
 
 
 @torch.library.register_fake("dqn_ops::_futures_env_reset")

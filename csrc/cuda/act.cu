@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActP
         for (int e = 0; e < E; ++e) {
           const int k = e * D + d;  // member e's entry of branch d
           const float* adv = in + br.pad_col[k];
-          const float* bias = P.b_out + int64_t(AC) * (value_heads + br.action_offset[k]);
+          const float* bias = P.b_out + head_col_of(br, k, value_heads, AC);
           for (int z = lane; z < NA; z += 32) {
             float sum = 0.f;
             for (int a = 0; a < n; ++a) sum += logit_at(adv, bias, a, z);
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kActWarps * 32) act_epilogue_kernel(const ActP
       auto member_q = [&](int e, int k0, int live, float (&qv)[kActChunk]) {
         const int k = e * D + d;
         const float* adv = in + br.pad_col[k];
-        const float* bias = P.b_out + int64_t(AC) * (value_heads + br.action_offset[k]);
+        const float* bias = P.b_out + head_col_of(br, k, value_heads, AC);
         auto q_at = [&](int a, int z) {
           const float x = logit_at(adv, bias, a, z);
           return value_heads ? dueling_q(v[e * NA + z], x, mean[e * NA + z]) : x;

@@ -41,6 +41,18 @@ struct BranchTable {
 __host__ __device__ inline int member_of(const BranchTable& t, int k) { return k / t.per_member; }
 __host__ __device__ inline int value_heads_of(const BranchTable& t) { return t.dueling ? t.count / t.per_member : 0; }
 
+// Entry k's first row among sample b's rows of q (total_actions = E * A of them).
+__host__ __device__ inline int64_t q_row_of(const BranchTable& t, int64_t b, int64_t total_actions, int k) {
+  return b * total_actions + t.action_offset[k];
+}
+
+// Entry k's first column of the compact head, where its output bias starts too: after the
+// `value_heads` value heads (value_heads_of, or a kernel's compile-time count), `atoms` columns
+// an action.
+__host__ __device__ inline int64_t head_col_of(const BranchTable& t, int k, int value_heads, int64_t atoms) {
+  return atoms * (value_heads + t.action_offset[k]);
+}
+
 // The action sample b took in entry k's branch: actions is [B, D], shared by the members.
 __device__ __forceinline__ int64_t taken_action(const BranchTable& t, const int64_t* actions, int b, int k) {
   return actions[int64_t(b) * t.per_member + k % t.per_member];

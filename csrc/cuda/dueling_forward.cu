@@ -130,7 +130,7 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
           row[e * atoms + z] = v;
         }
         const int size = branches.size[d], first = branches.action_offset[d];
-        const int64_t col = int64_t(atoms) * (value_heads + first) + z;  // branch d's compact column at atom z
+        const int64_t col = head_col_of(branches, d, value_heads, atoms) + z;  // branch d's compact column at atom z
         const float* adv = in + branches.pad_col[d] + z;
         const float* bias = b_out + col;
         float* out = row + col;

@@ -84,7 +84,7 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
         const float mean = branch_mean(sum, size);
 #pragma unroll 4
         for (int k = 0; k < size; ++k) {
-          const int64_t col = int64_t(atoms) * (value_heads + first + k) + z;
+          const int64_t col = head_col_of(branches, d, value_heads, atoms) + int64_t(atoms) * k + z;
           // Without grad_q: dq = 0 and mean = 0, so g = (0 - 0) + direct; without dueling
           // g = (dq - 0) + direct.
           const float g =

@@ -23,7 +23,7 @@ namespace {  // see loss/params.cuh
 __device__ float2 c51_branch(const BranchTable& br, const LossParams& P, int b, int d, float scale, float* work,
                              int lane) {
   const int NA = P.atoms, n = br.size[d];
-  const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
+  const int64_t row0 = q_row_of(br, b, P.total_actions, d);
   const float discount = P.gamma * (1.f - P.dones[b]);
   const float r = P.rewards[b];
   const int64_t a = taken_action(br, P.actions, b, d);
@@ -147,7 +147,7 @@ template <LossRows kRows, bool kRowsInRegisters>
 __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, int b, int d, float scale,
                                    float* work, float* branch_sum, int lane) {
   const int NA = P.atoms, n = br.size[d];
-  const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
+  const int64_t row0 = q_row_of(br, b, P.total_actions, d);
   const float discount = P.gamma * (1.f - P.dones[b]);
   const float r = P.rewards[b];
   const int64_t a = taken_action(br, P.actions, b, d);
@@ -298,41 +298,42 @@ __device__ __forceinline__ float member_mask(const BranchTable& br, const LossPa
 // returns (loss, |td| mean, Q mean) over the (member, branch) entries, the loss masked
 // (member_mask), the others not. scale: the gradient's w_b / (B E D), before the mask.
 __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, float scale, int lane) {
-  const int64_t row = int64_t(b) * P.total_actions;
   const int D = br.per_member;
   float loss = 0.f, td = 0.f, qsum = 0.f;
   for (int k0 = 0; k0 < br.count; k0 += D) {  // member k0 / D's entries k0 .. k0 + D - 1
     float target = 0.f;
     for (int k = k0; k < k0 + D; ++k) {  // every lane alike: the action counts are small
-      const int off = br.action_offset[k], n = br.size[k];
+      const int64_t first = q_row_of(br, b, P.total_actions, k);
+      const int n = br.size[k];
       int a_star = 0;
       float best = -INFINITY;
       for (int a = 0; a < n; ++a) {
-        const float qv = P.q_next_online[row + off + a];
+        const float qv = P.q_next_online[first + a];
         if (qv > best || qv != qv) {
           best = qv;
           a_star = a;
           if (qv != qv) break;
         }
       }
-      target += P.q_next_target[row + off + a_star];
+      target += P.q_next_target[first + a_star];
     }
     const float y = P.rewards[b] + P.gamma * (1.f - P.dones[b]) * (target / D);
     const float m = member_mask(br, P, b, k0);
     const float gscale = P.masks ? scale * m : scale;
     float member_loss = 0.f;
     for (int k = k0 + lane; k < k0 + D; k += 32) {
-      const int off = br.action_offset[k], n = br.size[k];
+      const int64_t first = q_row_of(br, b, P.total_actions, k);
+      const int n = br.size[k];
       const int64_t a = taken_action(br, P.actions, b, k);
       const bool valid = a >= 0 && a < n;
       if (!valid || !isfinite(y)) {  // poisoned sample: NaN loss and gradient (see c51_sample)
-        for (int j = 0; j < n; ++j) P.grad_q[row + off + j] = NAN;
+        for (int j = 0; j < n; ++j) P.grad_q[first + j] = NAN;
         member_loss = td = qsum = NAN;
         continue;
       }
       for (int j = 0; j < n; ++j)
-        if (j != a) P.grad_q[row + off + j] = 0.f;
-      const float qv = P.q[row + off + a];
+        if (j != a) P.grad_q[first + j] = 0.f;
+      const float qv = P.q[first + a];
       const float delta = y - qv;
       float l, dl;
       if (P.type == LossType::kMSE) {
@@ -346,7 +347,7 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
       member_loss += l;
       td += fabsf(delta);
       qsum += qv;
-      P.grad_q[row + off + a] = dl * gscale;
+      P.grad_q[first + a] = dl * gscale;
     }
     loss += P.masks ? m * member_loss : member_loss;
   }

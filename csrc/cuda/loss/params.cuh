@@ -35,7 +35,7 @@ enum class LossRows { kQ, kHeadDueling, kHeadPlain };
 constexpr bool reads_head(LossRows rows) { return rows != LossRows::kQ; }
 
 // The output heads before the branches' (the value head, with dueling): branch d's logits and
-// output bias start at atoms * (value_heads + action_offset[d]) of the compact head
+// output bias start at head_col_of(br, d, value_heads, atoms) of the compact head
 // (NetLayout::branch_head(d).out_col).
 constexpr int value_heads(LossRows rows) { return rows == LossRows::kHeadDueling ? 1 : 0; }
 

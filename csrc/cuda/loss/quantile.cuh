@@ -63,7 +63,7 @@ __host__ __device__ inline int64_t qr_floats_per_warp(int64_t quantiles, int64_t
 // the action is out of range (no row is taken), every action's.
 __device__ void qr_poison_rows(const BranchTable& br, const LossParams& P, int b, int d, int lane) {
   const int N = P.atoms, n = br.size[d];
-  const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
+  const int64_t row0 = q_row_of(br, b, P.total_actions, d);
   const int64_t a = taken_action(br, P.actions, b, d);
   const bool valid = a >= 0 && a < n;
   float* g = P.grad_q + (row0 + (valid ? a : 0)) * N;
@@ -275,7 +275,7 @@ template <bool kIqn>
 __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, int d, float scale, float* stage,
                             int lane) {
   const int N = P.atoms, K = kIqn ? P.next_atoms : N, N2 = kIqn ? P.target_atoms : N, n = br.size[d];
-  const int64_t row0 = int64_t(b) * P.total_actions + br.action_offset[d];
+  const int64_t row0 = q_row_of(br, b, P.total_actions, d);
   const int64_t a = taken_action(br, P.actions, b, d);
   if (!(a >= 0 && a < n)) {  // no host sync can report it (see c51_branch)
     qr_poison_rows(br, P, b, d, lane);

@@ -40,14 +40,14 @@ __device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, i
   if constexpr (kRows == LossRows::kQ) {
 #pragma unroll
     for (int p = 0; p < 3; ++p)
-      rows[p] = BranchRows{base[p] + (int64_t(b) * P.total_actions + br.action_offset[d]) * NA, nullptr, 0.f, 0.f,
+      rows[p] = BranchRows{base[p] + q_row_of(br, b, P.total_actions, d) * NA, nullptr, 0.f, 0.f,
                            0.f, 0.f};
   } else if constexpr (kRows == LossRows::kHeadPlain) {
     const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
 #pragma unroll
     for (int p = 0; p < 3; ++p)
       rows[p] = BranchRows{base[p] + int64_t(b) * P.head_ld + br.pad_col[d],
-                           b_out[p] + int64_t(NA) * (value_heads(kRows) + br.action_offset[d]), 0.f, 0.f, 0.f, 0.f};
+                           b_out[p] + head_col_of(br, d, value_heads(kRows), NA), 0.f, 0.f, 0.f, 0.f};
   } else {
     const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
     const int n = br.size[d];
@@ -56,7 +56,7 @@ __device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, i
     for (int p = 0; p < 3; ++p) {
       const float* in = base[p] + int64_t(b) * P.head_ld;  // the value head's logits at column 0
       rows[p].row = in + br.pad_col[d];
-      rows[p].bias = b_out[p] + int64_t(NA) * (value_heads(kRows) + br.action_offset[d]);
+      rows[p].bias = b_out[p] + head_col_of(br, d, value_heads(kRows), NA);
       rows[p].v0 = has0 ? biased_logit(in[j0], b_out[p][j0]) : 0.f;
       rows[p].v1 = has1 ? biased_logit(in[j1], b_out[p][j1]) : 0.f;
     }
@@ -113,7 +113,7 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
   if constexpr (kRows == LossRows::kQ) {
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
-      const float* row = base[p] + (int64_t(b) * P.total_actions + br.action_offset[d]) * NA;
+      const float* row = base[p] + q_row_of(br, b, P.total_actions, d) * NA;
 #pragma unroll
       for (int k = 0; k < kQChunk; ++k) {
         const bool live = k < n;
@@ -126,7 +126,7 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
       const float* row = base[p] + int64_t(b) * P.head_ld + br.pad_col[d];
-      const float* bias = b_out[p] + NA * (value_heads(kRows) + br.action_offset[d]);
+      const float* bias = b_out[p] + head_col_of(br, d, value_heads(kRows), NA);
 #pragma unroll
       for (int k = 0; k < kQChunk; ++k) {
         const bool live = k < n;
@@ -141,7 +141,7 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
     for (int p = 0; p < 3; ++p) {  // every load of the three passes issued before the first add
       const float* in = base[p] + int64_t(b) * P.head_ld;  // the value head's logits at column 0
       const float* row = in + br.pad_col[d];
-      const float* bias = b_out[p] + NA * (value_heads(kRows) + br.action_offset[d]);
+      const float* bias = b_out[p] + head_col_of(br, d, value_heads(kRows), NA);
       v0[p] = has0 ? biased_logit(in[j0], b_out[p][j0]) : 0.f;
       v1[p] = has1 ? biased_logit(in[j1], b_out[p][j1]) : 0.f;
 #pragma unroll
@@ -182,7 +182,7 @@ __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& b
                                        float g1, float* branch_sum, int lane) {
   static_assert(reads_head(kRows), "the head-logit gradient is the fused loss's");
   const int NA = P.atoms, n = br.size[d];
-  float* dh = P.grad_head + int64_t(b) * P.head_out + NA * (value_heads(kRows) + br.action_offset[d]);
+  float* dh = P.grad_head + int64_t(b) * P.head_out + head_col_of(br, d, value_heads(kRows), NA);
   __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld + br.pad_col[d];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
