@@ -279,8 +279,8 @@ class Trainer:
         # (ops.iqn_fractions, advanced by one per step); acting reads the K midpoints.
         self.fraction_rng = ops.philox_rng(seed, dev)
         self._act_fractions = quantile_midpoints(cfg.iqn_fractions, self._act_epsilon0) if c.iqn else None
-        self._fraction_row_offset = (torch.distributed.get_rank(self.process_group) * B if self.world_size > 1
-                                     else 0)  # each rank's samples draw fractions of their own
+        self.rank = torch.distributed.get_rank(self.process_group) if self.world_size > 1 else 0
+        self._fraction_row_offset = self.rank * B  # each rank's samples draw fractions of their own
         # Counts load_state_dict calls: a loop that captured device_step in its own graph
         # (dqn_ops.rl.loop) captures again when it changes (the optimizer's tensors are new).
         self.state_generation = 0
@@ -390,8 +390,8 @@ class Trainer:
         """The bootstrap masks [B, E] this trainer's loss takes for transitions at the replay rows
         ``indices`` (``ops.bootstrap_masks`` keyed by the trainer's seed, or the loaded checkpoint's,
         with p = ``TrainerConfig.bootstrap_p``; all ones for p = 1). ``group``: head group g's
-        ([B, E_g], keyed by the seed plus g * 2^32: the groups' members draw apart)."""
-        return ops.bootstrap_masks(indices, group_mask_seed(self.mask_seed, group),
+        ([B, E_g]). The key: ``group_mask_seed`` of the seed, the group and the data-parallel rank."""
+        return ops.bootstrap_masks(indices, group_mask_seed(self.mask_seed, group, self.rank),
                                    self.net_config.group_config(group).members, self.config.bootstrap_p)
 
     @torch.no_grad()
@@ -627,10 +627,11 @@ def group_loss_types(config: DQNConfig, loss_type: str, aux_loss_types: Sequence
     return tuple(types)
 
 
-def group_mask_seed(seed: int, group: int) -> int:
-    """The bootstrap masks' key of head group ``group`` (both trainers'): the seed plus g * 2^32,
-    so the ensemble groups' members draw apart."""
-    return seed + (group << 32)
+def group_mask_seed(seed: int, group: int, rank: int = 0) -> int:
+    """The bootstrap masks' key of head group ``group`` (both trainers') on data-parallel rank
+    ``rank``: the seed plus g * 2^32 plus rank * 2^48, so the ensemble groups' members draw apart,
+    and so do the ranks, whose replays hold different transitions at the same rows."""
+    return seed + (group << 32) + (rank << 48)
 
 
 def resolve_loss_type(loss_type: Optional[str], atoms: int, owner: str, iqn: bool = False) -> str:

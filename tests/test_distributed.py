@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dqn_ops import DQNConfig, Trainer, TrainerConfig
+from dqn_ops import DQNConfig, Trainer, TrainerConfig, ops
+from dqn_ops.trainer import group_mask_seed
 
 CONFIG = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3))
 B, STEPS = 32, 6
@@ -63,6 +64,34 @@ def test_two_gloo_ranks_equal_one_process_on_the_combined_batch(tmp_path):
     # the same mean gradient, summed in another order: Adam's normalised steps agree closely
     torch.testing.assert_close(r0["online"], single.online.flat_params.detach(), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(r0["target"], single.target.flat_params, rtol=1e-5, atol=1e-7)
+
+
+ENSEMBLE = DQNConfig(state_dim=6, trunk_hidden=(16,), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3),
+                    ensemble=4)
+MASK_ROWS = torch.arange(512)
+
+
+def _mask_worker(rank, world, port, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:  # the same seed on every rank, as scripts/train.py gives them
+        t = Trainer(ENSEMBLE, TrainerConfig(batch_size=8, bootstrap_p=0.5), device="cpu", seed=3)
+        torch.save(dict(rank=t.rank, masks=t.bootstrap_masks(MASK_ROWS)), os.path.join(out_dir, f"masks{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_each_rank_draws_bootstrap_masks_of_its_own(tmp_path):
+    """The ranks' replays hold different transitions at the same rows, so a row's masks differ by
+    rank (the key adds rank * 2^48); rank 0's are a single process's."""
+    mp.spawn(_mask_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"masks{r}.pt") for r in (0, 1))
+    assert (r0["rank"], r1["rank"]) == (0, 1)
+    single = Trainer(ENSEMBLE, TrainerConfig(batch_size=8, bootstrap_p=0.5), device="cpu", seed=3)
+    assert torch.equal(r0["masks"], single.bootstrap_masks(MASK_ROWS))
+    assert torch.equal(r1["masks"], ops.bootstrap_masks(MASK_ROWS, group_mask_seed(3, 0, rank=1), 4, 0.5))
+    agree = (r0["masks"] == r1["masks"]).float().mean().item()
+    assert 0.4 < agree < 0.6, f"rank 1's masks agree with rank 0's on {agree:.1%} of 2048 draws (independent: ~50%)"
 
 
 def test_train_script_under_torchrun_with_gloo(tmp_path):
