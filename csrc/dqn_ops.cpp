@@ -169,8 +169,10 @@ TORCH_LIBRARY(dqn_ops, m) {
   // Polyak averaging target = lerp(target, online, tau), writing the target's BF16 mirror in the same pass.
   m.def("ema_update(Tensor(a!) target, Tensor(b!) target_bf16, Tensor online, float tau) -> ()");
   // Deferred readback (dqn_ops/readback.py): ring[slot] = values (one-element F32 tensors, one
-  // per ring column), slot = (slot + 1) % rows, flag = max(flag, non_finite); all on the device.
-  m.def("record_step(Tensor(a!) ring, Tensor(b!) slot, Tensor(c!) flag, Tensor[] values, Tensor non_finite) -> ()");
+  // per ring column), slot = (slot + 1) % rows, flag = max(flag, non_finite); all on the device;
+  // host_flag (a CPU tensor, pinned for CUDA) receives the new flag too, written by the kernel.
+  m.def("record_step(Tensor(a!) ring, Tensor(b!) slot, Tensor(c!) flag, Tensor[] values, Tensor non_finite, "
+        "Tensor(d!)? host_flag=None) -> ()");
   // Internal (the trainer's load_batch): dst[i] <- src[i] for up to 8 pairs of one dtype and
   // size each, in one launch on CUDA.
   m.def("_load_batch(Tensor(a!)[] dst, Tensor[] src) -> ()");

@@ -11,9 +11,12 @@ constexpr const char* kRecordOp = "dqn_ops.record_step";
 constexpr int kMaxRecordValues = 8;
 
 // ring [interval, F] F32, slot [1] int64 (the next row), flag [1] F32 (sticky), values: F
-// one-element F32 tensors, non_finite: one element F32. All on one device.
+// one-element F32 tensors, non_finite: one element F32, all on one device; host_flag [1] F32 on
+// the CPU, pinned when the others are on CUDA (the kernel writes it through its mapping into the
+// device's address space, so the host reads the flag with no copy and no CUDA call).
 inline void check_record_args(const at::Tensor& ring, const at::Tensor& slot, const at::Tensor& flag,
-                              at::TensorList values, const at::Tensor& non_finite) {
+                              at::TensorList values, const at::Tensor& non_finite,
+                              const c10::optional<at::Tensor>& host_flag) {
   const char* op = kRecordOp;
   const at::Device dev = ring.device();
   check_tensor(ring, op, "ring", dev, at::kFloat, {-1, -1});
@@ -36,6 +39,16 @@ inline void check_record_args(const at::Tensor& ring, const at::Tensor& slot, co
   check_no_overlap(ring, "ring", slot, "slot", op);
   check_no_overlap(ring, "ring", flag, "flag", op);
   check_no_overlap(slot, "slot", flag, "flag", op);
+  if (host_flag.has_value()) {
+    check_tensor(*host_flag, op, "host_flag", at::Device(at::kCPU), at::kFloat, {1});
+    DQN_CHECK(dev.is_cpu() || host_flag->is_pinned(), op, ": host_flag: expected pinned memory (the ", dev,
+              " kernel writes it), got pageable memory: make it with torch.zeros(1, pin_memory=True)");
+    if (dev.is_cpu()) {
+      check_no_overlap(*host_flag, "host_flag", flag, "flag", op);
+      check_no_overlap(*host_flag, "host_flag", ring, "ring", op);
+      check_no_overlap(*host_flag, "host_flag", slot, "slot", op);
+    }
+  }
 }
 
 // torch.maximum's rule: NaN if either is NaN.

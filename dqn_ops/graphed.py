@@ -54,14 +54,12 @@ class CapturedStep:
         self._eager_calls = 0
 
     def __call__(self):
-        if self.device.type != "cuda":
-            self.body()
-            self._eager_calls += 1
-            return
-        with torch.cuda.device(self.device):
-            self._call_on_device()
+        with on_device(self.device):
+            self.run_with_device_current()
 
-    def _call_on_device(self):
+    def run_with_device_current(self):
+        """``self()`` for a caller that has made ``self.device`` current (``on_device``): one
+        device switch fewer on the host's path per call."""
         if self.graph is not None:
             self.graph.replay()  # on the current stream of self.device
         elif not self.use_graph:

@@ -5,9 +5,10 @@ The training step writes its scalars into a ring of ``interval`` rows on the dev
 not yet copied: ``make_room``) the host enqueues an asynchronous copy of the ring into pinned
 memory, in stream order, so the copy sees exactly the steps before it whatever the host has
 queued since; the host reads a copy once its event says it has landed (an event query, not a
-sync). A sticky device flag, copied to pinned memory after every enqueue (a step, or a replay
-of a graph of several steps; on a side stream, beside the next one), tells the host that a
-step was non-finite an enqueue or two after the GPU ran it (the
+sync). A sticky device flag, which the step's ``record_step`` kernel also stores into pinned
+host memory (on CUDA through the allocation's device mapping: no copy, no event, no CUDA call
+on the host's side), tells the host that a step was non-finite an enqueue or two after the GPU
+ran it (the
 host may have enqueued more steps by then: graph replays are one launch each, so a host ahead
 of the GPU is up to the CUDA launch queue ahead, and those steps are skipped by the optimizer
 too); the caller then forces an immediate, synchronising readback.
@@ -53,10 +54,9 @@ class DeferredReadback:
         self.ring = torch.zeros(self.interval, len(self.fields), device=self.device)
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # next ring row, on the device
         self.flag = torch.zeros(1, device=self.device)  # sticky: 1 once a step was non-finite
-        self._host_flag = torch.zeros(1, pin_memory=self._pin)
-        # CUDA: the side stream the flag's copies go on, after the step's event (after_step)
-        self._flag_stream = torch.cuda.Stream(self.device) if self._pin else None
-        self._step_done = torch.cuda.Event() if self._pin else None
+        # CUDA: the flag as record_step's kernel stores it into pinned host memory (None on the CPU,
+        # where the host reads `flag` itself)
+        self._host_flag = torch.zeros(1, pin_memory=True) if self._pin else None
         self._extra: Dict[str, Tensor] = {}  # small device tensors copied with each readback
         # (event, first row, count, step number of the first row, host_ring, host_extra), in stream order
         self._pending = deque()
@@ -100,7 +100,7 @@ class DeferredReadback:
         # One kernel (dqn_ops.record_step) instead of five torch ones: stack, index_copy, add,
         # remainder, maximum.
         record_step(self.ring, self.slot, self.flag, [v.reshape(1).to(self.ring.dtype) for v in values],
-                    non_finite.reshape(1).to(self.flag.dtype))
+                    non_finite.reshape(1).to(self.flag.dtype), self._host_flag)
 
     # -- on the host, after each step -------------------------------------------------
     def make_room(self, count: int):
@@ -124,20 +124,12 @@ class DeferredReadback:
         if self.steps_recorded - self.steps_copied >= self.interval:
             self._enqueue_copy()
         self._collect(block=False)
-        if not self._pin:
+        if self._host_flag is None:
             return self.flag.item() > 0
-        # a copy from a step or two ago: no sync; read with .item(), not an indexing and a
-        # comparison (two tensor ops on every step's host path)
-        seen = self._host_flag.item() > 0
-        # The copy goes on a side stream, after this step (an event) but beside the next one: in
-        # the step's own stream the device-to-host copy would sit between every two steps and
-        # delay the next (bench/NOTES.md has the measurements). The flag only rises until
-        # reset_flag, so reading it a step late (or while the next step runs) misses nothing.
-        self._step_done.record(torch.cuda.current_stream(self.device))
-        self._flag_stream.wait_event(self._step_done)
-        with torch.cuda.stream(self._flag_stream):
-            self._host_flag.copy_(self.flag, non_blocking=True)
-        return seen
+        # The flag as the last step the GPU has finished stored it: no sync, no CUDA call. It only
+        # rises until reset_flag, so reading it a step late misses nothing. (.item(), not an
+        # indexing and a comparison: two tensor ops on every step's host path.)
+        return self._host_flag.item() > 0
 
     def readback(self):
         """Reads every recorded step's values now (synchronises with the device)."""
@@ -166,10 +158,12 @@ class DeferredReadback:
         return out
 
     def reset_flag(self):
-        if self._flag_stream is not None:  # a copy in flight would bring the old flag back
-            self._flag_stream.synchronize()
         self.flag.zero_()
-        self._host_flag.zero_()
+        if self._host_flag is not None:
+            # A step still in flight would store the old flag after the host's zero: wait for
+            # every step enqueued so far (the device's zero included) first.
+            torch.cuda.current_stream(self.device).synchronize()
+            self._host_flag.zero_()
 
     def _enqueue_copy(self):
         first, count = self.steps_copied, self.steps_recorded - self.steps_copied

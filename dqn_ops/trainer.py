@@ -205,10 +205,10 @@ class Trainer:
     the gradient is non-finite, so the optimizer skips the step on the device (parameters,
     moments and step count unchanged; the spectral clamp and the target EMA still apply). A
     loss that overflows with a finite gradient (MSE on a huge reward) is reported too; then
-    the optimizer did apply the step, and ``NonFiniteError`` says so. A
-    sticky device flag copied to pinned memory after each step makes the host notice a step
-    or two after the GPU ran it (the host may be further ahead: the launch queue); it then
-    reads back at once and raises ``NonFiniteError`` naming the step
+    the optimizer did apply the step, and ``NonFiniteError`` says so. A sticky device flag,
+    which each step's readback kernel also stores into pinned host memory, makes the host
+    notice a step or two after the GPU ran it (the host may be further ahead: the launch
+    queue); it then reads back at once and raises ``NonFiniteError`` naming the step
     (``on_non_finite='raise'``) or appends it to ``non_finite_steps`` (``'flag'``).
     """
 
@@ -322,11 +322,11 @@ class Trainer:
 
     def step(self, batch: Optional[Mapping[str, Tensor]] = None):
         """One training step. With `batch`, copies it into ``inputs`` first."""
-        with self._on_device():
+        with self._on_device():  # once for the whole step: the host's path is part of a small step's time
             if batch is not None:
                 load_batch(self.inputs, batch, self._ones, exact_dtypes=True)
-            self._runner()
-            self.after_steps(1)
+            self._runner.run_with_device_current()
+            self._after_steps_with_device_current(1)
 
     # -- for a loop that captures the step in its own CUDA graph (dqn_ops.rl.loop) --------
     def device_step(self):
@@ -346,10 +346,13 @@ class Trainer:
     def after_steps(self, count: int):
         """After `count` steps were enqueued: the step count and the readback's bookkeeping
         (a non-finite step seen by then raises or is flagged, as ``step`` does)."""
-        self.steps += count
         with self._on_device():
-            if self.stats.after_step(count):
-                self._handle_non_finite()
+            self._after_steps_with_device_current(count)
+
+    def _after_steps_with_device_current(self, count: int):
+        self.steps += count
+        if self.stats.after_step(count):
+            self._handle_non_finite()
 
     @torch.no_grad()
     def _step_body(self):

@@ -89,6 +89,67 @@ def test_cuda_mixed_devices_rejected():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_host_flag_receives_the_new_flag(device):
+    """host_flag (pinned for CUDA) gets the flag the kernel wrote, NaN included, every call."""
+    ring, slot, flag = _state(device, cols=1)
+    host = torch.full((1,), -3.0, pin_memory=device == "cuda")
+    for non_finite in (0.0, 1.0, 0.0, math.nan, 0.0):
+        record_step(ring, slot, flag, [torch.ones((), device=device)], torch.tensor([non_finite], device=device), host)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        torch.testing.assert_close(host, flag.cpu(), rtol=0, atol=0, equal_nan=True)
+    assert math.isnan(host.item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_with_host_flag(device):
+    ring, slot, flag = _state(device)
+    torch.library.opcheck(record_step, (ring, slot, flag, [torch.randn(1, device=device) for _ in range(4)],
+                                        torch.ones(1, device=device), torch.zeros(1, pin_memory=device == "cuda")))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_host_flags_are_clear_errors(device):
+    ring, slot, flag = _state(device, cols=1)
+    v, nf = [torch.zeros(1, device=device)], torch.zeros(1, device=device)
+    if device == "cuda":
+        with pytest.raises(RuntimeError, match="host_flag: expected a tensor on cpu"):
+            record_step(ring, slot, flag, v, nf, torch.zeros(1, device=device))
+    with pytest.raises(RuntimeError, match="host_flag: expected shape \\[1\\]"):
+        record_step(ring, slot, flag, v, nf, torch.zeros(2, pin_memory=device == "cuda"))
+    with pytest.raises(RuntimeError, match="host_flag: expected dtype Float"):
+        record_step(ring, slot, flag, v, nf, torch.zeros(1, dtype=torch.float64, pin_memory=device == "cuda"))
+    if device == "cuda":
+        with pytest.raises(RuntimeError, match="host_flag: expected pinned memory"):
+            record_step(ring, slot, flag, v, nf, torch.zeros(1))
+    else:
+        with pytest.raises(RuntimeError, match="host_flag and flag must not share memory"):
+            record_step(ring, slot, flag, v, nf, flag)
+
+
+@requires_cuda
+def test_host_flag_is_written_by_a_graph_replay():
+    """Captured: each replay's kernel stores the flag into the pinned host memory itself (no copy
+    node), so the host sees a replay's non-finite step after it completes."""
+    ring, slot, flag = _state("cuda", cols=1)
+    host = torch.zeros(1, pin_memory=True)
+    value, bad = torch.ones((), device="cuda"), torch.zeros(1, device="cuda")
+    record_step(ring, slot, flag, [value], bad, host)  # warm (module load) outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        record_step(ring, slot, flag, [value], bad, host)
+    g.replay()
+    torch.cuda.synchronize()
+    assert host.item() == 0.0
+    bad.fill_(1.0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert host.item() == 1.0 and flag.item() == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_deferred_readback_reads_every_step_in_order(device):
     rb = DeferredReadback(["a", "b"], interval=4, device=device)
     for step in range(11):
