@@ -343,7 +343,8 @@ def test_random_actions_are_uniform_chi_square(device):
         stat = ((counts - expected) ** 2 / expected).sum()
         p = torch.special.gammaincc(torch.tensor((n - 1) / 2, dtype=torch.float64), stat / 2).item()
         assert p > 1e-4, f"branch {d} ({n} actions): counts {counts.tolist()}, chi2 {stat.item():.1f}, p {p:.2e}"
-    # and the explore bit is uniform too: its rate at epsilon = 0.5 within 5 sigma
+    # and the explore bit is uniform too: its rate at epsilon = 0.5 within 5 sigma (the reference's
+    # bits, which are the op's: test_explore_mask_is_the_references_u_below_epsilon)
     explore = reference_explores(99, 5, 4000, 0.5)
     assert abs(explore.float().mean().item() - 0.5) < 5 * math.sqrt(0.25 / 4000)
 

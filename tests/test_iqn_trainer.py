@@ -62,6 +62,9 @@ def test_config_and_loss_type():
 
 @pytest.mark.parametrize("c", [TINY_IQN, TINY_IQN_ENS], ids=["dueling", "ensemble"])
 def test_trainer_step_is_the_public_ops_step_at_its_fractions(c):
+    """The trainer's IQN step is a PublicOpsStep, so this checks the trainer's wiring (its draws
+    of tau and tau', the readback, the optimizer tail) around it; the step's arithmetic is
+    checked against float64 references in test_iqn_reference.py and test_f32_mirror.py."""
     t = make(c)
     check_trainer_step_is_the_public_ops_step(t, [batch(c, 16, seed=i) for i in range(3)], V_MIN, V_MAX, GAMMA)
     assert t.fraction_rng[1].item() == 3  # one draw per step

@@ -610,6 +610,7 @@ def test_bad_sample_and_update_are_clear_errors_and_change_nothing(device):
     for bs in (0, -1, 2.0):
         with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
             rb.sample(bs)
+    assert_same_state(before, state_of(rb))  # the refused batch sizes changed nothing (the rng included)
     out = {k: v for k, v in rb.sample(4).items()}
     before = state_of(rb)
     with pytest.raises(ValueError, match=r"out is missing \['indices'\]"):

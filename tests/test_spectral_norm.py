@@ -122,7 +122,8 @@ def test_spectral_norm_module_on_network(device):
     assert set(net.state_dict()) == keys  # the power-iteration state is not in the network's state dict
     for (name, W), s in zip(net.weight_matrices().items(), sigma.tolist()):
         true = torch.linalg.matrix_norm(before[name].double(), 2).item()
-        assert 0.9 * true <= s <= true * (1 + 1e-5), name  # power iteration approaches sigma from below
+        # power iteration approaches sigma from below: 30 iterations come within ~3% on such matrices
+        assert 0.95 * true <= s <= true * (1 + 1e-5), name
         torch.testing.assert_close(W, before[name] * min(1.0, 1.0 / s), rtol=1e-6, atol=0)
     assert (sigma > 1).any()
     assert torch.equal(net.params_bf16, net.flat_params.detach().to(torch.bfloat16))
