@@ -245,9 +245,9 @@ class DQNConfig:
         aux: extra head groups on the same trunk (``HeadGroup``s; docs/combination-design.md):
             group 0 is this config's own head set (the fields above; acting, the TD error and
             mean Q are its), groups 1..G-1 the entries of ``aux``, each reading h_L with heads,
-            outputs and a loss of its own. The ops do not run them yet (``ParamLayout.encode``
-            refuses them); ``dqn_ops.rl.baseline.TorchQNet`` / ``torch_groups_loss`` do.
-            (): the one-group network, unchanged.
+            outputs and a loss of its own. Each group runs through its own layout view
+            (``ParamLayout.encode(group=g)``); ``Trainer`` and ``TorchTrainer`` train such
+            networks. (): the one-group network, unchanged.
 
     The sizes below (``num_heads``, ``q_rows``, ``head_out``, ``hidden_widths`` ...) are group 0's,
     what the ops' one-group layout describes; ``group_config(g)`` is group g's network alone, and
@@ -295,6 +295,14 @@ class DQNConfig:
         for field, value_ in (("trunk_hidden", trunk), ("value_hidden", value), ("adv_hidden", adv),
                               ("branches", branches), ("dueling", dueling), ("aux", aux)):
             object.__setattr__(self, field, value_)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DQNConfig":
+        """The config ``dataclasses.asdict(config)`` made ``d`` from (a checkpoint's
+        ``net_config``): its ``aux`` entries, dicts there, become ``HeadGroup``s again."""
+        d = dict(d)
+        d["aux"] = tuple(HeadGroup(**g) if isinstance(g, dict) else g for g in d.get("aux", ()))
+        return cls(**d)
 
     @property
     def num_branches(self) -> int:

@@ -80,7 +80,7 @@ class DuelingBranchQNet(nn.Module):
         self.reset_parameters(generator)
         self._register_state_dict_hook(_state_dict_per_layer)
         self._register_load_state_dict_pre_hook(_load_state_dict_per_layer, with_module=True)
-        self.register_load_state_dict_post_hook(lambda module, incompatible: module.refresh_mirror())
+        self.register_load_state_dict_post_hook(_refresh_mirror_after_load)  # a module-level function: picklable
 
     # -- parameters ---------------------------------------------------------------------
     def layer_views(self, source: Optional[Tensor] = None) -> Dict[str, Tensor]:
@@ -226,6 +226,10 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def _refresh_mirror_after_load(module, incompatible_keys):
+    module.refresh_mirror()
 
 
 def _state_dict_per_layer(module: DuelingBranchQNet, state_dict, prefix, local_metadata):

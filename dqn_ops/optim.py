@@ -7,6 +7,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .layout import check_float
 from .ops import ema_update, fused_adam_bf16
 
 
@@ -52,7 +53,13 @@ class FusedAdamBF16(torch.optim.Optimizer):
                  mirrors: Optional[Sequence[Tensor]] = None):
         if not (isinstance(lr, Tensor) or lr >= 0):
             raise ValueError(f"FusedAdamBF16: lr must be >= 0, got {lr}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        n = "FusedAdamBF16"
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__iter__") or len(tuple(betas)) != 2:
+            raise ValueError(f"{n}: betas must be a pair (beta1, beta2) of numbers in [0, 1), got {betas!r}")
+        betas = tuple(check_float(n, f"betas[{i}]", b, low=0.0, high=1.0, high_open=True) for i, b in enumerate(betas))
+        eps = check_float(n, "eps", eps, low=0.0)
+        weight_decay = check_float(n, "weight_decay", weight_decay, low=0.0)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay, capturable=True)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
@@ -147,3 +154,8 @@ class FusedAdamBF16(torch.optim.Optimizer):
                         self._mirrors[p].view(-1), state["step"].view(-1), self._lr_tensor(group, p.device),
                         beta1, beta2, group["eps"], group["weight_decay"], group["decoupled_weight_decay"],
                         max_grad_norm, grad_norm, found_inf)
+        # The op wrote p in place where autograd cannot see it: bump its version as a torch
+        # in-place op would, so that a DuelingBranchQNet whose mirror this optimizer does not
+        # write (no for_network) refreshes it at its next forward, and autograd still refuses a
+        # backward through a forward taken before this step.
+        torch.autograd.graph.increment_version(p)

@@ -68,7 +68,9 @@ class DeferredReadback:
         # the most recent rows read back, in step order (at least `window` of them, at most 2 x window)
         self.rows: List[Dict[str, float]] = []
         self.last_step_read: Optional[int] = None  # step number of rows[-1]
+        # running aggregates of each field's finite values
         self._sum = {f: 0.0 for f in self.fields}
+        self._count = {f: 0 for f in self.fields}
         self._max = {f: None for f in self.fields}
         self._bad: List[Tuple[int, Dict[str, float]]] = []  # (step number, row) not taken yet
         self.extra: Dict[str, list] = {}         # latest read-back value of each watched tensor
@@ -139,22 +141,30 @@ class DeferredReadback:
 
     def summary(self, last=None) -> Dict[str, float]:
         """Aggregates of the rows read back so far (no sync), over the last `last` or all:
-        steps, loss (mean), loss_last, grad_norm_mean, grad_norm_max, mean_q, skipped."""
-        out: Dict[str, float] = dict(steps=float(self.steps_read))
+        steps (the step count as of the last step read back: its number + 1, so a loaded
+        checkpoint's steps count), loss (mean), loss_last, grad_norm_mean, grad_norm_max, mean_q,
+        skipped. The means and the max are over the finite values (a skipped step's NaN loss would make
+        every later aggregate NaN; such steps are counted in ``skipped`` and kept apart by
+        ``take_bad_rows``); NaN when there are none."""
+        out: Dict[str, float] = dict(steps=0.0 if self.last_step_read is None else float(self.last_step_read + 1))
         if not self._steps_read:
             return out
         if last and last < self._steps_read:
             if last > self.window:
                 raise ValueError(f"DeferredReadback.summary: last={last} is more than the {self.window} recent rows "
                                  f"kept (the window); leave last=None for aggregates over all steps")
-            rows = self.rows[-last:]
-            n = len(rows)
-            total = {f: sum(r[f] for r in rows) for f in ("loss", "grad_norm", "mean_q", "skipped")}
-            gmax = max(r["grad_norm"] for r in rows)
+            finite = {f: [r[f] for r in self.rows[-last:] if math.isfinite(r[f])]
+                      for f in ("loss", "grad_norm", "mean_q", "skipped")}
+            total, count = {f: sum(v) for f, v in finite.items()}, {f: len(v) for f, v in finite.items()}
+            gmax = max(finite["grad_norm"], default=None)
         else:  # all steps: the running aggregates
-            n, total, gmax = self._steps_read, self._sum, self._max["grad_norm"]
-        out.update(loss=total["loss"] / n, loss_last=self.rows[-1]["loss"], grad_norm_mean=total["grad_norm"] / n,
-                   grad_norm_max=gmax, mean_q=total["mean_q"] / n, skipped=total["skipped"])
+            total, count, gmax = self._sum, self._count, self._max["grad_norm"]
+
+        def mean(f):
+            return total[f] / count[f] if count[f] else math.nan
+
+        out.update(loss=mean("loss"), loss_last=self.rows[-1]["loss"], grad_norm_mean=mean("grad_norm"),
+                   grad_norm_max=math.nan if gmax is None else gmax, mean_q=mean("mean_q"), skipped=total["skipped"])
         return out
 
     def reset_flag(self):
@@ -203,7 +213,10 @@ class DeferredReadback:
         self.last_step_read = step
         self._steps_read += 1
         for f, v in row.items():
+            if not math.isfinite(v):
+                continue
             self._sum[f] += v
+            self._count[f] += 1
             m = self._max[f]
             if m is None or v > m:  # as max() over the sequence
                 self._max[f] = v

@@ -24,6 +24,7 @@ trainer's seed, i, e) (the batch then carries the replay's ``indices``); explori
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -45,10 +46,12 @@ STAT_FIELDS = ("loss", "grad_norm", "mean_q", "skipped")
 MIRRORS = {"bf16": torch.bfloat16, "f32": torch.float32}  # TrainerConfig.mirror -> the networks' mirror_dtype
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainerConfig:
     """Hyper-parameters of the training step (defaults: those of the plain-PyTorch anchor step
-    that docs/design.md compares against)."""
+    that docs/design.md compares against). Frozen, as ``DQNConfig``: every field is checked once,
+    at construction, and a trainer reads its config when it is built (``dataclasses.replace``
+    makes a changed copy; ``Trainer.set_lr`` changes the learning rate of a built trainer)."""
 
     batch_size: int = 256
     lr: float = 1e-4
@@ -87,40 +90,43 @@ class TrainerConfig:
     # (None: its kind's first, HeadGroup.loss_types: 'q' groups MSE); (): every group's default.
     aux_loss_types: Tuple[Optional[str], ...] = ()
 
+    def _set(self, field: str, value):
+        object.__setattr__(self, field, value)  # the checked, normalised value of a frozen field
+
     def __post_init__(self):
         """Checks every field at construction (types and ranges); the error names the field, what
         was expected and what came. Numbers are stored as float / int, betas as a tuple."""
         n = "TrainerConfig"
-        self.batch_size = check_int(n, "batch_size", self.batch_size, minimum=1)
-        self.lr = check_float(n, "lr", self.lr, low=0.0, low_open=True)
+        self._set("batch_size", check_int(n, "batch_size", self.batch_size, minimum=1))
+        self._set("lr", check_float(n, "lr", self.lr, low=0.0, low_open=True))
         if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__iter__") or len(tuple(self.betas)) != 2:
             raise (ValueError if hasattr(self.betas, "__iter__") else TypeError)(
                 f"{n}: betas must be a pair (beta1, beta2) of numbers in [0, 1), got {self.betas!r}")
-        self.betas = tuple(check_float(n, f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
-                           for i, b in enumerate(self.betas))
-        self.adam_eps = check_float(n, "adam_eps", self.adam_eps, low=0.0)
-        self.weight_decay = check_float(n, "weight_decay", self.weight_decay, low=0.0)
+        self._set("betas", tuple(check_float(n, f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
+                                 for i, b in enumerate(self.betas)))
+        self._set("adam_eps", check_float(n, "adam_eps", self.adam_eps, low=0.0))
+        self._set("weight_decay", check_float(n, "weight_decay", self.weight_decay, low=0.0))
         check_bool(n, "decoupled_weight_decay", self.decoupled_weight_decay)
         if self.max_grad_norm is not None:  # inf: the norm is computed, nothing is clipped
-            self.max_grad_norm = check_float(n, "max_grad_norm", self.max_grad_norm, low=0.0, low_open=True,
-                                             finite=False)
-        self.gamma = check_float(n, "gamma", self.gamma, low=0.0, high=1.0)
-        self.v_min = check_float(n, "v_min", self.v_min)
-        self.v_max = check_float(n, "v_max", self.v_max)
+            self._set("max_grad_norm", check_float(n, "max_grad_norm", self.max_grad_norm, low=0.0, low_open=True,
+                                                   finite=False))
+        self._set("gamma", check_float(n, "gamma", self.gamma, low=0.0, high=1.0))
+        self._set("v_min", check_float(n, "v_min", self.v_min))
+        self._set("v_max", check_float(n, "v_max", self.v_max))
         if not self.v_min < self.v_max:
             raise ValueError(f"{n}: v_min must be below v_max (the C51 support [v_min, v_max]), got "
                              f"v_min={self.v_min!r}, v_max={self.v_max!r}")
-        self.tau = check_float(n, "tau", self.tau, low=0.0, high=1.0)
+        self._set("tau", check_float(n, "tau", self.tau, low=0.0, high=1.0))
         if self.sigma_max is not None:
             if isinstance(self.sigma_max, (list, tuple)):  # one clamp per weight matrix (SpectralNorm)
                 if not self.sigma_max:
                     raise ValueError(f"{n}: sigma_max must be a positive number, a sequence of them or None, got "
                                      f"{self.sigma_max!r}")
-                self.sigma_max = tuple(check_float(n, f"sigma_max[{i}]", v, low=0.0, low_open=True)
-                                       for i, v in enumerate(self.sigma_max))
+                self._set("sigma_max", tuple(check_float(n, f"sigma_max[{i}]", v, low=0.0, low_open=True)
+                                             for i, v in enumerate(self.sigma_max)))
             else:
-                self.sigma_max = check_float(n, "sigma_max", self.sigma_max, low=0.0, low_open=True)
-        self.n_power_iterations = check_int(n, "n_power_iterations", self.n_power_iterations, minimum=1)
+                self._set("sigma_max", check_float(n, "sigma_max", self.sigma_max, low=0.0, low_open=True))
+        self._set("n_power_iterations", check_int(n, "n_power_iterations", self.n_power_iterations, minimum=1))
         check_choice(n, "loss_type", self.loss_type, ops.LOSS_TYPES, allow_none=True)
         check_choice(n, "backward_precision", self.backward_precision, ops.BACKWARD_PRECISIONS)
         check_choice(n, "mirror", self.mirror, MIRRORS)
@@ -128,16 +134,16 @@ class TrainerConfig:
         if not isinstance(self.warmup_steps, bool) and isinstance(self.warmup_steps, int) and self.warmup_steps < 1:
             raise ValueError(f"{n}: warmup_steps must be >= 1 (cuBLAS must be warm before a capture), "
                              f"got {self.warmup_steps}")
-        self.warmup_steps = check_int(n, "warmup_steps", self.warmup_steps, minimum=1)
-        self.readback_interval = check_int(n, "readback_interval", self.readback_interval, minimum=1)
+        self._set("warmup_steps", check_int(n, "warmup_steps", self.warmup_steps, minimum=1))
+        self._set("readback_interval", check_int(n, "readback_interval", self.readback_interval, minimum=1))
         check_choice(n, "on_non_finite", self.on_non_finite, ("raise", "flag"))
-        self.bootstrap_p = check_float(n, "bootstrap_p", self.bootstrap_p, low=0.0, high=1.0, low_open=True)
-        self.act_ucb = check_float(n, "act_ucb", self.act_ucb)
-        self.iqn_fractions = check_int(n, "iqn_fractions", self.iqn_fractions, minimum=1)
+        self._set("bootstrap_p", check_float(n, "bootstrap_p", self.bootstrap_p, low=0.0, high=1.0, low_open=True))
+        self._set("act_ucb", check_float(n, "act_ucb", self.act_ucb))
+        self._set("iqn_fractions", check_int(n, "iqn_fractions", self.iqn_fractions, minimum=1))
         if isinstance(self.aux_loss_types, (str, bytes)) or not hasattr(self.aux_loss_types, "__iter__"):
             raise TypeError(f"{n}: aux_loss_types must be a sequence of loss types (or None), one per aux head group, "
                             f"got {self.aux_loss_types!r}")
-        self.aux_loss_types = tuple(self.aux_loss_types)
+        self._set("aux_loss_types", tuple(self.aux_loss_types))
         for i, t in enumerate(self.aux_loss_types):
             check_choice(n, f"aux_loss_types[{i}]", t, ops.LOSS_TYPES, allow_none=True)
 
@@ -214,15 +220,14 @@ class Trainer:
 
     def __init__(self, net_config: Optional[DQNConfig] = None, config: Optional[TrainerConfig] = None,
                  device: Union[str, torch.device] = "cuda", seed: int = 0, process_group=None):
-        self.net_config = net_config or DQNConfig()
-        self.config = cfg = config or TrainerConfig()
-        self.device = torch.device(device)
-        c = self.net_config
+        self.net_config, self.config, self.device = check_trainer_args("Trainer", net_config, config, device, seed)
+        c, cfg = self.net_config, self.config
         self.loss_type = resolve_loss_type(cfg.loss_type, c.atoms, "Trainer", c.iqn)
         self.mask_seed = seed  # the bootstrap masks' key: a checkpoint's replaces it (load_state_dict)
         if cfg.mirror != "bf16" and self.device.type != "cpu":
             raise ValueError(f"Trainer: TrainerConfig.mirror={cfg.mirror!r} is the CPU's unrounded reference path; "
                              f"the {self.device.type} kernels read a BF16 mirror")
+        check_device_available("Trainer", self.device)
         gen = torch.Generator().manual_seed(seed)
         net_kw = dict(backward_precision=cfg.backward_precision, mirror_dtype=MIRRORS[cfg.mirror])
         self.online = DuelingBranchQNet(c, generator=gen, **net_kw).to(self.device)
@@ -248,6 +253,7 @@ class Trainer:
             dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
         if cfg.uses_masks:  # the replay rows the bootstrap masks are drawn for
             self.inputs["indices"] = torch.zeros(B, dtype=torch.long, device=dev)
+        self.inputs = static_inputs(self.inputs)
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
         step_kw = dict(v_min=cfg.v_min, v_max=cfg.v_max, gamma=cfg.gamma, precision=cfg.backward_precision)
@@ -311,8 +317,10 @@ class Trainer:
         self.gradient_step.batch_networks = bool(value)
 
     def set_lr(self, lr: float):
-        """New learning rate from the next step on (a device write: no sync, graph-safe)."""
-        self.lr.fill_(float(lr))
+        """New learning rate from the next step on (a device write: no sync, graph-safe). The live
+        rate is the device tensor ``self.lr``; ``self.config.lr`` stays the one the trainer was
+        built (or a checkpoint loaded) with."""
+        self.lr.fill_(check_float("Trainer.set_lr", "lr", lr, low=0.0))  # 0 (a schedule's end): no update
 
     def _on_device(self):
         """The trainer's device made current (CUDA): its current stream (the caller's, a side
@@ -484,12 +492,16 @@ class Trainer:
         advances on the device: two trainers of one seed draw the same sequence of actions. An
         ensemble's greedy action maximises mean + ``act_ucb`` * std over the members (greedy Q:
         its mean)."""
+        check_epsilon("Trainer.act_explore", epsilon)
         with self._on_device():
             return tuple(self.online.act(states, epsilon, self.explore_rng, self.config.v_min, self.config.v_max,
                                          self.loss_type, self.config.act_ucb, self._act_fractions))
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The checkpoint (``torch.save`` it; ``load_state_dict`` restores it). As
+        ``nn.Module.state_dict``, the networks' and the optimizer's entries are the trainer's own
+        tensors, which the next steps overwrite: ``copy.deepcopy`` it for a snapshot in memory."""
         return dict(online=self.online.state_dict(), target=self.target.state_dict(),
                     optimizer=self.optimizer.state_dict(),
                     spectral=self.spectral.state_dict() if self.spectral is not None else None,
@@ -502,7 +514,9 @@ class Trainer:
     def load_state_dict(self, state: dict):
         """Restores a checkpoint (the step count too: the next step, and the step numbers in
         ``non_finite_steps`` / ``NonFiniteError``, continue from it); the next steps warm up and
-        re-capture the graph."""
+        re-capture the graph. The optimizer's hyper-parameters (lr, betas, eps, weight decay)
+        become the checkpoint's, as ``torch.optim``'s ``load_state_dict`` restores them, and
+        ``self.config`` says so; ``set_lr`` after loading sets another learning rate."""
         # (checked before the network as a whole: a clearer error for the one change that keeps
         # every other size)
         members = int(state["net_config"].get("ensemble", 1))
@@ -510,7 +524,7 @@ class Trainer:
             raise ValueError(f"Trainer.load_state_dict: the checkpoint's network is an ensemble of {members} "
                              f"member(s), this trainer's of {self.net_config.members} (DQNConfig.ensemble): each "
                              f"member has its own heads, so the parameters do not fit")
-        if DQNConfig(**state["net_config"]) != self.net_config:
+        if DQNConfig.from_dict(state["net_config"]) != self.net_config:
             raise ValueError(f"Trainer.load_state_dict: the checkpoint's network {state['net_config']} is not "
                              f"this trainer's {dataclasses.asdict(self.net_config)}")
         # C51 and QR heads have the same shape: the loss type tells their outputs apart
@@ -525,6 +539,10 @@ class Trainer:
         for group in self.optimizer.param_groups:  # keep reading the lr from our device tensor
             group["lr"] = self.lr
         self.lr.copy_(state["lr"])
+        group = self.optimizer.param_groups[0]
+        self.config = dataclasses.replace(self.config, lr=float(self.lr.item()), betas=tuple(group["betas"]),
+                                          adam_eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                                          decoupled_weight_decay=bool(group["decoupled_weight_decay"]))
         if "explore_rng" in state:  # act_explore continues the checkpoint's random stream
             self.explore_rng.copy_(state["explore_rng"])
         if "fraction_rng" in state:  # and an IQN step its fractions' stream
@@ -540,7 +558,45 @@ class Trainer:
         self.state_generation += 1
 
 
-def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Optional[Tensor] = None,
+def check_trainer_args(owner: str, net_config, config, device, seed) -> Tuple[DQNConfig, "TrainerConfig", torch.device]:
+    """A trainer's (net_config, config, device) with their defaults, after the checks both
+    trainers make: the two configs' types (a TrainerConfig given as the first argument is the
+    common slip) and a seed that seeds torch.Generator (check_device_available comes after the
+    configs' own checks)."""
+    if net_config is not None and not isinstance(net_config, DQNConfig):
+        raise TypeError(f"{owner}: net_config must be a dqn_ops.DQNConfig (or None: the reference network), got "
+                        f"{type(net_config).__name__}" + (" (the TrainerConfig goes second: config=...)"
+                                                          if isinstance(net_config, TrainerConfig) else ""))
+    if config is not None and not isinstance(config, TrainerConfig):
+        raise TypeError(f"{owner}: config must be a dqn_ops.TrainerConfig (or None: the defaults), got "
+                        f"{type(config).__name__}")
+    check_int(owner, "seed", seed)
+    if not -(1 << 63) <= seed < (1 << 64):
+        raise ValueError(f"{owner}: seed must be an int in [-2^63, 2^64) (torch.Generator's range), got {seed}")
+    return net_config or DQNConfig(), config or TrainerConfig(), torch.device(device)
+
+
+def check_device_available(owner: str, device: torch.device):
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{owner}: device {str(device)!r}, but this torch has no CUDA device "
+                           f"(torch.cuda.is_available() is False): pass device='cpu'")
+
+
+def check_epsilon(owner: str, epsilon):
+    if not isinstance(epsilon, Tensor):
+        raise TypeError(f"{owner}: epsilon must be a one-element float32 tensor on the trainer's device (read "
+                        f"there: a schedule fill_()s it without a sync, a captured graph replays its current "
+                        f"value), got {type(epsilon).__name__}: e.g. torch.full((1,), {epsilon!r}, device=...)")
+
+
+def static_inputs(buffers: Dict[str, Tensor]) -> Mapping[str, Tensor]:
+    """A trainer's input buffers as a read-only mapping: the step reads these tensors (their
+    addresses are in its CUDA graph), so a batch is written into them (``step(batch)``,
+    ``load_batch`` or ``inputs[k].copy_(...)``); a new tensor bound to a key would be ignored."""
+    return types.MappingProxyType(buffers)
+
+
+def load_batch(inputs: Mapping[str, Tensor], batch: Mapping[str, Tensor], ones: Optional[Tensor] = None,
                exact_dtypes: bool = False):
     """Copies a batch (states, actions, rewards, next_states, dones, optional weights) into a
     trainer's static input buffers, device to device, checking names, shapes, dtypes and devices.
@@ -559,6 +615,14 @@ def load_batch(inputs: Dict[str, Tensor], batch: Mapping[str, Tensor], ones: Opt
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
         raise KeyError(f"Trainer.step: batch is missing {missing}; it needs {list(BATCH_KEYS)} (+ optional 'weights')")
+    unknown = [k for k in batch if k not in BATCH_KEYS + OPTIONAL_BATCH_KEYS]
+    if unknown:  # a misspelt 'weights' would otherwise train without them, silently
+        raise KeyError(f"Trainer.step: batch has unknown keys {unknown}; it takes {list(BATCH_KEYS)} and the optional "
+                       f"{list(OPTIONAL_BATCH_KEYS)}")
+    for k, v in batch.items():
+        if not isinstance(v, Tensor):
+            raise TypeError(f"Trainer.step: batch[{k!r}] must be a torch.Tensor, got {type(v).__name__} (convert "
+                            f"it first, e.g. torch.as_tensor(x, device=...))")
     if "indices" in inputs and "indices" not in batch:
         raise KeyError("Trainer.step: batch is missing 'indices': the bootstrap masks (TrainerConfig.bootstrap_p < 1) "
                        "are drawn per transition from its replay row, so the batch needs the replay's indices, int64 "

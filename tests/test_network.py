@@ -1,4 +1,6 @@
 """bf16_dueling_forward, mixed_backward and DuelingBranchQNet against independent references."""
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -488,3 +490,14 @@ def test_ops_run_on_the_current_side_stream():
         q = dqn_ops.bf16_dueling_forward(s, *args).q_logits
     torch.cuda.synchronize()
     assert torch.equal(q, expected)
+
+
+def test_a_network_pickles_whole():
+    """torch.save(net) (not only its state dict): no lambda among its hooks."""
+    net = DuelingBranchQNet(TINY)
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    s = torch.randn(5, net.config.state_dim)
+    assert torch.equal(loaded(s), net(s))

@@ -242,3 +242,44 @@ def test_cuda_graph_replay_with_changing_lr_equals_eager_and_never_syncs():
     assert torch.equal(p_graph, p_eager)
     assert torch.equal(opt_graph.mirror(p_graph), opt_eager.mirror(p_eager))
     assert opt_graph.state[p_graph]["step"].item() == 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_network_trained_without_for_network_reads_its_updated_weights(device):
+    """FusedAdamBF16(net.parameters()) writes a mirror of its own, not the network's: the step
+    bumps the parameters' version (as a torch in-place op), so the network refreshes its own
+    mirror at the next forward instead of running on the initial weights."""
+    net = dqn_ops.DuelingBranchQNet(TINY).to(device)
+    opt = FusedAdamBF16(net.parameters(), lr=1e-2)
+    s = torch.randn(32, TINY.state_dim, device=device)
+    for _ in range(3):
+        opt.zero_grad()
+        net(s).logsumexp(-1).mean().backward()
+        opt.step()
+    fresh = dqn_ops.DuelingBranchQNet(TINY).to(device)
+    fresh.load_state_dict(net.state_dict())  # its mirror made from the updated weights
+    assert torch.equal(net(s), fresh(s))
+    assert torch.equal(net.params_bf16, net.flat_params.detach().to(net.params_bf16.dtype))
+
+
+def test_a_backward_through_a_forward_taken_before_the_step_is_refused():
+    net = dqn_ops.DuelingBranchQNet(TINY)
+    opt = FusedAdamBF16(net.parameters(), lr=1e-2)
+    s = torch.randn(8, TINY.state_dim)
+    stale = net(s).logsumexp(-1).mean()
+    net(s).logsumexp(-1).mean().backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stale.backward()
+
+
+def test_hyper_parameters_are_checked_at_construction():
+    p = [torch.zeros(4, requires_grad=True)]
+    with pytest.raises(ValueError, match=r"FusedAdamBF16: betas\[0\] must be a finite number >= 0 and < 1, got 1.5"):
+        FusedAdamBF16(p, betas=(1.5, 0.9))
+    with pytest.raises(ValueError, match=r"FusedAdamBF16: betas must be a pair"):
+        FusedAdamBF16(p, betas=(0.9,))
+    with pytest.raises(ValueError, match=r"FusedAdamBF16: eps must be a finite number >= 0"):
+        FusedAdamBF16(p, eps=-1.0)
+    with pytest.raises(ValueError, match=r"FusedAdamBF16: weight_decay must be a finite number >= 0"):
+        FusedAdamBF16(p, weight_decay=float("nan"))

@@ -1,6 +1,7 @@
 """Trainer: the whole step eager on the CPU (and on CUDA), graph replay vs eager, no host
 sync, deferred readback, non-finite handling, checkpoints; against the plain-PyTorch step."""
 import io
+import math
 
 import pytest
 import torch
@@ -240,3 +241,110 @@ def test_a_host_batch_for_a_cuda_trainer_is_refused():
     t = make(device="cuda")
     with pytest.raises(ValueError, match=r"batch\['states'\] is on cpu, the trainer on cuda:0: move the batch first"):
         t.step(batch_for(TINY_C51, 32, "cpu"))
+
+
+# ----------------------------------------------------------------------------------------
+# What a user porting a PyTorch DQN trips on: clear errors, no silent no-ops
+
+def test_misspelt_and_non_tensor_batch_entries_are_refused():
+    t = make()
+    b = batch_for(TINY_C51, 32, "cpu")
+    with pytest.raises(KeyError, match=r"unknown keys \['weight'\]"):  # would train without the weights
+        t.step(dict(b, weight=torch.ones(32)))
+    with pytest.raises(TypeError, match=r"batch\['rewards'\] must be a torch.Tensor, got ndarray"):
+        t.step(dict(b, rewards=b["rewards"].numpy()))
+    assert t.steps == 0
+
+
+def test_inputs_cannot_be_rebound():
+    """The step reads the input buffers' addresses: a new tensor bound to a key would be ignored."""
+    t = make()
+    with pytest.raises(TypeError):
+        t.inputs["states"] = torch.zeros(32, 6)
+    t.inputs["states"].copy_(torch.ones(32, 6))  # writing into them is the way
+    assert torch.equal(t.inputs["states"], torch.ones(32, 6))
+
+
+def test_trainer_arguments_are_checked():
+    with pytest.raises(TypeError, match=r"net_config must be a dqn_ops.DQNConfig .* \(the TrainerConfig goes second"):
+        Trainer(TrainerConfig(batch_size=4), device="cpu")
+    with pytest.raises(TypeError, match="config must be a dqn_ops.TrainerConfig .*, got dict"):
+        Trainer(TINY_C51, dict(batch_size=4), device="cpu")
+    with pytest.raises(ValueError, match=r"seed must be an int in \[-2\^63, 2\^64\)"):
+        Trainer(TINY_C51, TrainerConfig(batch_size=4), device="cpu", seed=2 ** 64)
+    with pytest.raises(TypeError, match="seed must be"):
+        Trainer(TINY_C51, TrainerConfig(batch_size=4), device="cpu", seed=1.5)
+    for trainer in (Trainer, TorchTrainer):
+        t = trainer(TINY_C51, TrainerConfig(batch_size=4), device="cpu")
+        with pytest.raises(TypeError, match=r"act_explore: epsilon must be a one-element float32 tensor"):
+            t.act_explore(torch.randn(3, 6), 0.1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for a torch without a CUDA device")
+def test_a_cuda_trainer_without_cuda_says_so():
+    for trainer in (Trainer, TorchTrainer):
+        with pytest.raises(RuntimeError, match="no CUDA device .* pass device='cpu'"):
+            trainer(TINY_C51, TrainerConfig(batch_size=4))  # the default device is "cuda"
+
+
+def test_trainer_config_is_frozen_and_set_lr_checks():
+    cfg = TrainerConfig(batch_size=4)
+    with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
+        cfg.batch_size = -3
+    t = Trainer(TINY_C51, cfg, device="cpu")
+    t.set_lr(0.0)  # a schedule's end
+    with pytest.raises(ValueError, match=r"Trainer.set_lr: lr must be a finite number >= 0"):
+        t.set_lr(float("nan"))
+    with pytest.raises(ValueError, match=r"Trainer.set_lr: lr must be a finite number >= 0"):
+        t.set_lr(-1e-3)
+    assert t.lr.item() == 0.0
+
+
+def test_load_state_dict_takes_the_checkpoints_optimizer_settings_and_says_so():
+    saved = make(lr=3e-3, betas=(0.8, 0.95), adam_eps=1e-6, weight_decay=0.01)
+    saved.step(batch_for(TINY_C51, 32, "cpu"))
+    t = make(lr=1e-2, betas=(0.5, 0.6), adam_eps=1e-3, weight_decay=0.1)
+    t.load_state_dict(saved.state_dict())
+    group = t.optimizer.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.95), 1e-6, 0.01)
+    assert t.lr.item() == pytest.approx(3e-3)
+    c = t.config
+    assert (c.lr, c.betas, c.adam_eps, c.weight_decay) == (pytest.approx(3e-3), (0.8, 0.95), 1e-6, 0.01)
+    t.step(batch_for(TINY_C51, 32, "cpu"))
+    assert t.readback()["steps"] == 2  # the checkpoint's step and this one
+
+
+def test_a_head_group_trainers_checkpoint_loads_and_continues_identically():
+    from dqn_ops import HeadGroup
+    c = DQNConfig(state_dim=6, trunk_hidden=(16,), adv_hidden=(8,), atoms=5, branches=(3, 2),
+                  aux=(HeadGroup("c51", members=2, atoms=5, adv_hidden=(8,)),))
+    a = Trainer(c, TrainerConfig(batch_size=8, readback_interval=2), device="cpu", seed=1)
+    batches = [batch_for(c, 8, "cpu", seed=i) for i in range(4)]
+    a.step(batches[0])
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = Trainer(c, TrainerConfig(batch_size=8, readback_interval=2), device="cpu", seed=7)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    for batch in batches[1:]:
+        a.step(batch)
+        b.step(batch)
+    assert torch.equal(a.online.flat_params, b.online.flat_params)
+    assert torch.equal(a.target.flat_params, b.target.flat_params)
+
+
+def test_one_skipped_step_leaves_the_running_aggregates_finite():
+    t = make(on_non_finite="flag")
+    b = batch_for(TINY_C51, 32, "cpu")
+    bad = dict(b, rewards=b["rewards"].clone())
+    bad["rewards"][0] = float("nan")
+    for batch in [b, bad] + [b] * 6:
+        t.step(batch)
+    m = t.readback()
+    rows = t.stats.rows
+    assert t.non_finite_steps == [1] and m["skipped"] == 1 and math.isnan(rows[1]["loss"])
+    good = [r for i, r in enumerate(rows) if i != 1]
+    assert m["loss"] == pytest.approx(sum(r["loss"] for r in good) / len(good))
+    assert m["grad_norm_max"] == max(r["grad_norm"] for r in rows if math.isfinite(r["grad_norm"]))
+    assert math.isfinite(m["mean_q"]) and t.metrics(last=3)["loss"] == pytest.approx(
+        sum(r["loss"] for r in rows[-3:]) / 3)

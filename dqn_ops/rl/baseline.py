@@ -14,8 +14,9 @@ from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
 from ..step import quantile_midpoints
-from ..trainer import (STAT_FIELDS, TrainerConfig, ensemble_score, expected_q, greedy_from_logits, group_loss_types,
-                       group_mask_seed, load_batch, resolve_loss_type)
+from ..trainer import (STAT_FIELDS, TrainerConfig, check_device_available, check_epsilon, check_trainer_args,
+                       ensemble_score, expected_q, greedy_from_logits, group_loss_types, group_mask_seed, load_batch,
+                       resolve_loss_type, static_inputs)
 
 
 class TorchQNet(nn.Module):
@@ -285,8 +286,9 @@ class TorchTrainer:
 
     def __init__(self, net_config=None, config=None, device="cuda", seed: int = 0, amp: bool = False,
                  exploration: str = "philox", fractions: str = "philox"):
-        self.net_config = c = net_config or DQNConfig()
-        self.config = cfg = config or TrainerConfig()
+        self.net_config, self.config, self.device = check_trainer_args("TorchTrainer", net_config, config, device,
+                                                                       seed)
+        c, cfg = self.net_config, self.config
         if cfg.mirror != "bf16":
             raise ValueError(f"TorchTrainer: TrainerConfig.mirror is dqn_ops.Trainer's (plain PyTorch keeps no mirror: "
                              f"F32, or BF16 autocast with amp=True), got {cfg.mirror!r}")
@@ -294,7 +296,7 @@ class TorchTrainer:
             if value not in ("philox", "torch"):
                 raise ValueError(f"TorchTrainer: {name}: expected 'philox' (dqn_ops.Trainer's draws) or 'torch' "
                                  f"(torch.rand), got {value!r}")
-        self.device = torch.device(device)
+        check_device_available("TorchTrainer", self.device)
         self.amp = amp
         self.seed = seed
         self.exploration = exploration
@@ -327,6 +329,7 @@ class TorchTrainer:
             dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
         if cfg.uses_masks:  # the replay rows the bootstrap masks are drawn for
             self.inputs["indices"] = torch.zeros(B, dtype=torch.long, device=dev)
+        self.inputs = static_inputs(self.inputs)
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
         # act_explore's constant, made before any capture (a host-to-device copy cannot be captured)
@@ -369,6 +372,7 @@ class TorchTrainer:
         or torch's generator's (``'torch'``); both graph-safe on CUDA. Returns (actions, greedy
         expected Q). An ensemble's greedy action maximises mean + ``act_ucb`` * std over the
         members, its greedy Q the mean."""
+        check_epsilon("TorchTrainer.act_explore", epsilon)
         c = self.net_config
         q = expected_q(self._forward_q(self.online, states, self._at_midpoints(states))[0].float(), self.config.v_min,
                        self.config.v_max, self.loss_type)
