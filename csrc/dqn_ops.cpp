@@ -170,7 +170,9 @@ TORCH_LIBRARY(dqn_ops, m) {
   m.def("ema_update(Tensor(a!) target, Tensor(b!) target_bf16, Tensor online, float tau) -> ()");
   // Deferred readback (dqn_ops/readback.py): ring[slot] = values (one-element F32 tensors, one
   // per ring column), slot = (slot + 1) % rows, flag = max(flag, non_finite); all on the device;
-  // host_flag (a CPU tensor, pinned for CUDA) receives the new flag too, written by the kernel.
+  // host_flag (a CPU tensor, pinned for CUDA) receives the new flag too, written by the kernel:
+  // it must outlive the launch (and any CUDA graph that captured it), since pinned memory's
+  // cache does not know the kernel writes it.
   m.def("record_step(Tensor(a!) ring, Tensor(b!) slot, Tensor(c!) flag, Tensor[] values, Tensor non_finite, "
         "Tensor(d!)? host_flag=None) -> ()");
   // Internal (the trainer's load_batch): dst[i] <- src[i] for up to 8 pairs of one dtype and

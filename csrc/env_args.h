@@ -73,7 +73,12 @@ inline env::Params check_env_step_args(const at::Tensor& actions, const at::Tens
   check_no_overlap(info, "info", counters, "counters", op);
   check_no_overlap(info, "info", returns, "returns", op);
   check_no_overlap(info, "info", observations, "observations", op);
-  check_no_overlap(actions, "actions", counters, "counters", op);  // the only other int64 tensor
+  // the actions are read while the outputs are written: no byte of them may be one of theirs
+  check_no_overlap(actions, "actions", counters, "counters", op);
+  check_no_overlap(actions, "actions", state, "state", op);
+  check_no_overlap(actions, "actions", returns, "returns", op);
+  check_no_overlap(actions, "actions", observations, "observations", op);
+  check_no_overlap(actions, "actions", info, "info", op);
   check_episode_length(episode_length, op);
   env::Params p{};
   p.seed = static_cast<uint64_t>(seed);

@@ -165,6 +165,8 @@ inline void check_loss_cuda_limits(const char* op, int64_t batch, int64_t q_rows
             " atoms (C51) or quantiles (QR), got ", atoms, " (the CPU kernel takes any)");
   DQN_CHECK(batch <= INT_MAX / 2 && batch * q_rows * atoms <= (int64_t(1) << 40), op, ": batch too large (",
             batch, " samples)");
+  DQN_CHECK(q_rows * atoms <= INT_MAX, op, ": a sample's rows of q (", q_rows, " actions x ", atoms,
+            " atoms) are more than the CUDA kernel's int indices reach (the CPU kernel takes any)");
 }
 
 // dqn_loss's: the above, and for IQN its N and N' within the same limit (K only enters the
@@ -185,6 +187,8 @@ inline void check_loss_cuda_limits(const char* op, const LossShape& s) {
   const int64_t most = std::max({s.atoms, s.next_atoms, s.target_atoms});
   DQN_CHECK(s.batch <= INT_MAX / 2 && s.batch * q_rows * most <= (int64_t(1) << 40), op, ": batch too large (",
             s.batch, " samples)");
+  DQN_CHECK(q_rows * most <= INT_MAX, op, ": a sample's rows of q (", q_rows, " actions x ", most,
+            " fractions) are more than the CUDA kernel's int indices reach (the CPU kernel takes any)");
 }
 
 // _dqn_loss_on_logits: the three passes' output-layer GEMM results in the padded layout
@@ -198,6 +202,8 @@ inline LossType check_loss_on_logits_args(const at::Tensor& logits, const at::Te
                                           const c10::optional<at::Tensor>& masks, const NetLayout& L, double v_min,
                                           double v_max, double gamma, const std::string& loss_type) {
   const char* op = kLossOnLogitsOp;
+  DQN_CHECK(!L.iqn(), op, ": takes no IQN network (its head rows are per (sample, fraction); an IQN network's step "
+            "runs the public ops, dqn_ops.step.PublicOpsStep)");
   const LossType type = check_loss_constants(op, L.atoms, v_min, v_max, gamma, loss_type);
   const at::Device dev = logits.device();
   DQN_CHECK(dev.is_cpu() || dev.is_cuda(), op, ": logits: expected a CPU or CUDA tensor, got one on ", dev);

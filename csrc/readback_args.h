@@ -1,6 +1,8 @@
 // Argument validation of record_step, shared by the CPU and CUDA kernels.
 #pragma once
 
+#include <utility>
+
 #include <ATen/ATen.h>
 
 #include "checks.h"
@@ -39,6 +41,12 @@ inline void check_record_args(const at::Tensor& ring, const at::Tensor& slot, co
   check_no_overlap(ring, "ring", slot, "slot", op);
   check_no_overlap(ring, "ring", flag, "flag", op);
   check_no_overlap(slot, "slot", flag, "flag", op);
+  // the kernel writes the ring row before it reads the later values and non_finite
+  const std::pair<const char*, const at::Tensor*> written[] = {{"ring", &ring}, {"slot", &slot}, {"flag", &flag}};
+  for (const auto& [name, w] : written) {
+    for (const at::Tensor& v : values) check_no_overlap(*w, name, v, "values[i]", op);
+    check_no_overlap(*w, name, non_finite, "non_finite", op);
+  }
   if (host_flag.has_value()) {
     check_tensor(*host_flag, op, "host_flag", at::Device(at::kCPU), at::kFloat, {1});
     DQN_CHECK(dev.is_cpu() || host_flag->is_pinned(), op, ": host_flag: expected pinned memory (the ", dev,

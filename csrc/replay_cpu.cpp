@@ -170,7 +170,8 @@ void replay_update_priorities_cpu(at::TensorList tree, const Tensor& cursor, con
                                   const Tensor& td_error, Tensor& skipped, double alpha, double eps) {
   const int64_t K = check_replay_update_args(tree, cursor, indices, td_error, skipped, alpha, eps);
   const TreeRefs t = tree_refs(tree, tree[0].size(0));
-  const int64_t size = cursor.data_ptr<int64_t>()[1];
+  // A foreign cursor is clamped to the leaves, as sample's is: no write past them.
+  const int64_t size = std::clamp<int64_t>(cursor.data_ptr<int64_t>()[1], 0, tree[0].size(0));
   const int64_t* idx = indices.data_ptr<int64_t>();
   const float* td = td_error.data_ptr<float>();
   for (int64_t k = 0; k < K; ++k)  // every index checked before anything is written

@@ -337,7 +337,9 @@ def record_step(ring: Tensor, slot: Tensor, flag: Tensor, values: Sequence[Tenso
     """ring[slot] = values (one-element F32 tensors, one per ring column), slot = (slot + 1) %
     rows, flag = max(flag, non_finite); all on the device (dqn_ops/readback.py). ``host_flag``
     (one F32 element on the CPU, pinned when the others are on CUDA) receives the new flag too,
-    stored by the kernel itself: the host reads it without a copy."""
+    stored by the kernel itself: the host reads it without a copy. Keep it alive until the
+    kernel has run, and while a CUDA graph that captured the call is replayed (the pinned-memory
+    cache would hand a freed block to the next pinned tensor while the kernel still writes it)."""
     _call("record_step", ring, slot, flag, list(values), non_finite, host_flag)
 
 

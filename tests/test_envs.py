@@ -531,6 +531,10 @@ def test_bad_input_to_the_ops(device):
     args[5] = shared[2:7]
     with pytest.raises(RuntimeError, match="info and state must not share memory"):
         step(*args)
+    args = _op_args(env, acts)  # the actions are read while the observations are written
+    args[0] = env.observations.view(-1).view(torch.long)[:12].view(4, 3)
+    with pytest.raises(RuntimeError, match="actions and observations must not share memory"):
+        step(*args)
     bad(7, 0, "episode_length: expected >= 1, got 0")
     bad(8, float("nan"), "kappa: expected a finite number, got nan")
     bad(10, 0.0, "sigma: expected > 0")

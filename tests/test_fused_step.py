@@ -283,6 +283,21 @@ def test_loss_on_logits_rejects_bad_input(device, what, match):
         ops._dqn_loss_on_logits(*args.values(), s.online._layout_ints, V_MIN, V_MAX, GAMMA)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_loss_on_logits_refuses_an_iqn_layout(device):
+    """An IQN network's head rows are per (sample, fraction): its step runs the public ops."""
+    c = DQNConfig(state_dim=6, trunk_hidden=(16,), adv_hidden=(8,), atoms=1, branches=(2, 3), iqn_embedding=4)
+    net = DuelingBranchQNet(c).to(device)
+    B = 4
+    logits = torch.zeros(B, c.head_ld, device=device)
+    p = net.flat_params.detach()
+    actions = torch.zeros(B, 2, dtype=torch.long, device=device)
+    zeros = torch.zeros(B, device=device)
+    with pytest.raises(RuntimeError, match="_dqn_loss_on_logits: takes no IQN network"):
+        ops._dqn_loss_on_logits(logits, logits, logits, p, p, actions, zeros, zeros, None, net._layout_ints, V_MIN,
+                                V_MAX, GAMMA, "qr")
+
+
 def test_fused_loss_runs_only_where_it_is_built_for():
     ref = DQNConfig()
     assert ref.head_ld == 56 + 3 * 160  # 51 atoms -> 56 columns; 3 x 51 = 153 -> 160 (csrc/layout.h)

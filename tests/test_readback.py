@@ -185,3 +185,15 @@ def test_several_steps_misuse_is_a_clear_error():
     rb.after_step(3)
     with pytest.raises(RuntimeError, match="make_room"):
         rb.after_step(2)  # 5 rows not copied: two of them were overwritten
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_values_sharing_memory_with_what_the_kernel_writes_are_refused(device):
+    """The kernel writes the ring row before it reads the later values: an alias would make the
+    row depend on the order."""
+    ring, slot, flag = _state(device, rows=3, cols=2)
+    nf = torch.zeros(1, device=device)
+    with pytest.raises(RuntimeError, match=r"ring and values\[i\] must not share memory"):
+        record_step(ring, slot, flag, [torch.zeros(1, device=device), ring.view(-1)[5:6]], nf)
+    with pytest.raises(RuntimeError, match="flag and non_finite must not share memory"):
+        record_step(ring, slot, flag, [torch.zeros(1, device=device)] * 2, flag)

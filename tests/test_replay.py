@@ -666,6 +666,30 @@ def test_op_level_checks(device):
                                       torch.zeros(0, device=device), rb.skipped_priority_updates, -1.0, 1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_foreign_cursor_never_lets_update_write_past_the_leaves(device):
+    """A cursor whose size exceeds the tree's stored leaves (written by someone else) is clamped
+    to them: an index past them is refused (CPU) or skipped and counted (CUDA), never written.
+    (The op sees no capacity, only the leaves: 32 stored for 20 rows.)"""
+    rb = ReplayBuffer(20, SD, D, device, prioritized=True)
+    rb.add(*rows(20, device, torch.Generator().manual_seed(0)))
+    cursor = rb.cursor.clone()
+    cursor[1] = 1000
+    leaves = rb.leaves.clone()
+    assert rb.leaves.numel() == 32
+    beyond = torch.tensor([40], device=device)
+    if torch.device(device).type == "cpu":
+        with pytest.raises(RuntimeError, match=r"indices: expected rows in \[0, 32\)"):
+            ops._replay_update_priorities(rb._tree, cursor, beyond, torch.ones(1), rb.skipped_priority_updates, 0.6,
+                                          1e-6)
+    else:
+        before = rb.skipped_priority_updates.item()
+        ops._replay_update_priorities(rb._tree, cursor, beyond, torch.ones(1, device=device),
+                                      rb.skipped_priority_updates, 0.6, 1e-6)
+        assert rb.skipped_priority_updates.item() == before + 1
+    assert torch.equal(rb.leaves, leaves)
+
+
 @requires_cuda
 def test_cuda_inputs_on_the_cpu_are_rejected():
     rb = ReplayBuffer(20, SD, D, "cuda", n_step=2, num_envs=2)

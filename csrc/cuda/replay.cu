@@ -360,7 +360,8 @@ __global__ void __launch_bounds__(kUpdateThreads) update_kernel(TreeRefs t, cons
   __shared__ unsigned long long bad;
   __shared__ int most;
   __shared__ unsigned claimed[kDedupBits / 32];
-  const int64_t size = cursor[1];
+  int64_t size = cursor[1];  // a foreign cursor is clamped to the leaves, as sample's is: no write past them
+  size = size < 0 ? 0 : (size > t.layout.count[0] ? t.layout.count[0] : size);
   if (threadIdx.x == 0) {
     bad = 0;
     most = __float_as_int(*t.max_priority);
