@@ -31,6 +31,7 @@ from dqn_ops.trainer import greedy_actions, greedy_from_logits, resolve_loss_typ
 from poison import poison_cuda_cache
 from reference import (SHAPES, assert_no_near_ties, huber1, qr_targets, quantile_fractions, reference_net_like,
                        reference_qr)
+from test_act import assert_greedy
 from step_check import (check_compile_fullgraph_equals_eager, check_graphed_trainer_equals_eager,
                         check_trainer_step_is_the_public_ops_step, same_bits)
 
@@ -475,35 +476,6 @@ def mean_tolerance(q):
     return 2 * (atoms + 2) * 2.0 ** -24 * mx + 1e-7
 
 
-def check_greedy(c, actions, greedy_q, E, tol, what, min_decided=0.9):
-    """actions [N, D]: per branch the argmax of E [N, A] wherever best - second > 2 tol [N] (else
-    within 2 tol of the best); greedy_q within tol of E at the chosen action. Returns the
-    fraction of decided (row, branch) pairs (at least min_decided)."""
-    actions, greedy_q = actions.cpu(), greedy_q.double().cpu()
-    rows = torch.arange(actions.shape[0])
-    decided = total = 0
-    off = 0
-    for d, n in enumerate(c.branches):
-        Ed = E[:, off:off + n]
-        best, arg = Ed.max(1)
-        second = Ed.topk(2, dim=1).values[:, 1] if n > 1 else torch.full_like(best, -math.inf)
-        clear = (best - second) > 2 * tol
-        a = actions[:, d]
-        assert ((a >= 0) & (a < n)).all(), f"{what}: branch {d}: an action out of range"
-        wrong = clear & (a != arg)
-        assert not wrong.any(), f"{what}: branch {d}: rows {wrong.nonzero().flatten()[:8].tolist()} chose " \
-                                f"{a[wrong][:8].tolist()}, the reference {arg[wrong][:8].tolist()}"
-        chosen = Ed[rows, a]
-        assert (chosen >= best - 2 * tol).all(), f"{what}: branch {d}: a near-tie choice beyond the tolerance"
-        err = (greedy_q[:, d] - chosen).abs()
-        assert (err <= tol).all(), f"{what}: branch {d}: greedy_q off by {err.max().item():.3g}"
-        decided += int(clear.sum())
-        total += len(a)
-        off += n
-    assert decided >= min_decided * total, f"{what}: only {decided} of {total} decided pairs: a vacuous test"
-    return decided / total
-
-
 QR_NETS = {
     "reference": DQNConfig(),
     "tiny": TINY_QR,
@@ -534,10 +506,10 @@ def test_act_qr_is_the_quantile_mean_of_bf16_dueling_forward(device, name):
     assert rng.tolist() == [5, 10]
     E = q.double().cpu().mean(-1)  # the float64 mean of the quantiles
     tol = mean_tolerance(q)
-    check_greedy(c, out.actions, out.greedy_q, E, tol, f"{name}: act", min_decided=0.95)
+    assert_greedy(c, out.actions, out.greedy_q, E, tol, f"{name}: act", min_decided=0.95)
     # greedy_from_logits (torch's F32 mean) makes the same decided choices
     theirs = greedy_from_logits(q, c.branches, V_MIN, V_MAX, loss_type="qr")
-    check_greedy(c, theirs, out.greedy_q, E, tol, f"{name}: greedy_from_logits", min_decided=0.95)
+    assert_greedy(c, theirs, out.greedy_q, E, tol, f"{name}: greedy_from_logits", min_decided=0.95)
     # greedy_actions and the module's act run the op
     assert torch.equal(greedy_actions(net, s, V_MIN, V_MAX, loss_type="qr"), out.actions)
     assert torch.equal(net.act(s, eps_of(0.0, device), rng_of(5, 9, device), V_MIN, V_MAX, "qr").actions,
@@ -559,7 +531,7 @@ def test_act_qr_float64_cpu_path_is_the_float64_reference():
         out = ops.act(s, *net_args(net), V_MIN, V_MAX, eps_of(0.0, "cpu"), rng_of(1, 2, "cpu"), "qr")
         assert out.greedy_q.dtype == torch.float64
         tol = torch.full((200,), 1e-10, dtype=torch.float64)
-        check_greedy(c, out.actions, out.greedy_q, q64.mean(-1), tol, name, min_decided=0.99)
+        assert_greedy(c, out.actions, out.greedy_q, q64.mean(-1), tol, name, min_decided=0.99)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -622,7 +594,7 @@ def test_cuda_act_qr_matches_cpu(name):
     q_cpu = dqn_ops.bf16_dueling_forward(s.cpu(), *net_args(cpu_net)).q_logits
     # the mean is 1-Lipschitz in the max norm: the measured CPU / GPU logit difference bounds it
     tol = (q_gpu.double().cpu() - q_cpu.double()).abs().flatten(1).amax(1) + mean_tolerance(q_cpu)
-    check_greedy(c, g.actions, g.greedy_q, q_cpu.double().mean(-1), tol, f"{name}: cuda vs cpu", min_decided=0.9)
+    assert_greedy(c, g.actions, g.greedy_q, q_cpu.double().mean(-1), tol, f"{name}: cuda vs cpu", min_decided=0.9)
 
 
 # ----------------------------------------------------------------------------------------
@@ -687,7 +659,7 @@ def test_trainer_act_is_the_quantile_mean(device):
     a = t.act(s)
     out0 = ops.act(s, *net_args(t.online), V_MIN, V_MAX, eps_of(0.0, device), rng_of(0, 0, device), "qr")
     assert torch.equal(a, out0.actions)
-    check_greedy(c, a, out0.greedy_q, E, mean_tolerance(q), "Trainer.act", min_decided=0.95)
+    assert_greedy(c, a, out0.greedy_q, E, mean_tolerance(q), "Trainer.act", min_decided=0.95)
     acts, greedy_q = t.act_explore(s, eps_of(0.0, device))
     assert torch.equal(acts, a) and torch.equal(greedy_q, out0.greedy_q)
 
@@ -779,9 +751,7 @@ def test_torch_trainer_act_is_the_quantile_mean():
     c, t, s, q = _torch_trainer_and_states()
     E = q.double().mean(-1)
     a = t.act(s)
-    chosen = torch.stack([E[:, off:off + n].gather(1, a[:, d:d + 1])[:, 0]
-                          for d, (off, n) in enumerate(zip((0, 2), c.branches))], 1)
-    check_greedy(c, a, chosen, E, mean_tolerance(q), "TorchTrainer.act", min_decided=0.95)
+    assert_greedy(c, a, None, E, mean_tolerance(q), "TorchTrainer.act", min_decided=0.95)  # act has no greedy Q
     c51 = greedy_from_logits(q, c.branches, V_MIN, V_MAX, loss_type="c51")
     assert (c51 != a).any()  # not vacuous: C51's rule picks other actions on some rows
 
@@ -793,4 +763,4 @@ def test_torch_trainer_act_explore_greedy_is_the_quantile_mean():
     actions, greedy_q = t.act_explore(s, torch.zeros(1))
     assert torch.equal(actions, t.act(s))
     E = q.double().mean(-1)
-    check_greedy(c, actions, greedy_q, E, mean_tolerance(q), "TorchTrainer.act_explore", min_decided=0.95)
+    assert_greedy(c, actions, greedy_q, E, mean_tolerance(q), "TorchTrainer.act_explore", min_decided=0.95)
