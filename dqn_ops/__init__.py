@@ -14,7 +14,7 @@ from .convert import from_torch, to_torch
 from .layout import DQNConfig, HeadGroup, ParamLayout
 from .network import DuelingBranchQNet
 from .ops import (ActOutput, LossOutput, act, batched_spectral_norm, bf16_dueling_forward, bootstrap_masks, dqn_loss,
-                  ema_update, epsilon_greedy, fused_adam_bf16, iqn_fractions, mixed_backward)
+                  ema_update, epsilon_greedy, fused_adam_bf16, iqn_fractions, mixed_backward, record_step)
 from .optim import FusedAdamBF16, ema_update_
 from .spectral import SpectralNorm, spectral_norm_
 from .trainer import NonFiniteError, Trainer, TrainerConfig, greedy_actions
@@ -47,5 +47,5 @@ __all__ = ["DQNConfig", "HeadGroup", "ParamLayout", "DuelingBranchQNet", "bf16_d
            "FusedAdamBF16", "fused_adam_bf16", "ema_update", "ema_update_",
            "SpectralNorm", "batched_spectral_norm", "spectral_norm_", "dqn_loss", "LossOutput", "bootstrap_masks",
            "iqn_fractions", "act", "ActOutput", "epsilon_greedy", "from_torch", "to_torch", "Trainer", "TrainerConfig",
-           "NonFiniteError", "greedy_actions"]
+           "NonFiniteError", "greedy_actions", "record_step"]
 __version__ = "0.1.0"

@@ -28,8 +28,9 @@ per (sample, fraction tau):
 and the head formulas above with z in place of h_L, one atom: q [B, E * A, N] holds action a's
 value at fraction tau[b, i] in slot i.
 
-Head groups (``DQNConfig(aux=(HeadGroup(...), ...))``; docs/combination-design.md, not yet run by
-the ops): G >= 1 head sets on the one trunk, group 0 the config's own, each aux group g = 1..G-1 a
+Head groups (``DQNConfig(aux=(HeadGroup(...), ...))``; docs/combination-design.md; the ops run
+one group at a time through ``ParamLayout.encode(group=g)``, the trunk-once kernels are not
+built): G >= 1 head sets on the one trunk, group 0 the config's own, each aux group g = 1..G-1 a
 full head set of its own kind (C51 / QR atoms, one-atom Q, or IQN with its own phi), members,
 dueling and head depth, on the same branches. Each group reads h_L and gives its own q and head
 logits, exactly as the one-group network of the trunk and that head set would

@@ -1,6 +1,7 @@
 """The training step's forward -> loss -> backward, written once.
 
-``InternalOpsStep`` is what ``Trainer`` runs, on every device and for every network and loss:
+``InternalOpsStep`` is what ``Trainer`` runs, on every device, for a network of one head group
+that is not IQN's (those run ``PublicOpsStep`` and ``GroupsStep``):
 ``_online_and_target_logits`` (the online network on [s; s'] and the target network on s', up
 to the output layer's logits) -> ``_dqn_loss_on_logits`` (the dueling aggregation, the loss and
 d(loss)/d(head logits) in one pass) -> ``_mixed_backward_from_head``. On CUDA, for C51 with at

@@ -3,21 +3,23 @@ dueling or not, any trunk and head depth), on the device, without host syncs, re
 CUDA graph after a short warm-up.
 
 The step: one online forward on [s; s'] (activations of s saved; s' for the double-DQN action
-choice), target forward on s', ``dqn_loss`` (C51, or MSE/Huber for one atom) with its gradient,
+choice), target forward on s', ``dqn_loss`` (C51, QR, IQN, or MSE/Huber for one atom) with its gradient,
 ``mixed_backward``, global grad-norm clip + Adam writing the BF16 mirror (``fused_adam_bf16``),
 spectral norm of every weight matrix (``batched_spectral_norm``), Polyak update of the target
 and its mirror (``ema_update``). Scalars (loss, grad norm, mean Q, skipped) are read back every
 ``readback_interval`` steps without a sync (``dqn_ops.readback``).
 
-Forward, loss and backward are ``dqn_ops.step.InternalOpsStep``, on every device and for every
-network and loss: the dueling aggregation and its backward inside the loss, the same results
-bit for bit as the public ops (``dqn_ops.step.PublicOpsStep``); on CUDA, for C51 with few
-enough atoms and branches and one member, the loss is one fused kernel (``uses_fused_path``).
+Forward, loss and backward are ``dqn_ops.step.InternalOpsStep`` on every device for a network
+of one head group that is not IQN's: the dueling aggregation and its backward inside the loss,
+the same results bit for bit as the public ops (``dqn_ops.step.PublicOpsStep``); on CUDA, for
+C51 with few enough atoms and branches and one member, the loss is one fused kernel
+(``uses_fused_path``). An IQN network's step is ``PublicOpsStep`` (its forward takes the
+fractions), a network with head groups' ``GroupsStep`` (each group's public-ops step).
 
 An ensemble (``DQNConfig(ensemble=E)``): every member learns as its own double-DQN learner on
 the shared trunk; with ``TrainerConfig.bootstrap_p`` < 1 the loss weights member e's term of
-the transition at replay row i by the bootstrap mask ``ops.bootstrap_masks`` draws for (the
-trainer's seed, i, e) (the batch then carries the replay's ``indices``); exploring
+the transition at replay row i by the bootstrap mask ``ops.bootstrap_masks`` draws for (the key
+``group_mask_seed(seed, group, rank)``, i, e) (the batch then carries the replay's ``indices``); exploring
 (``act_explore``) scores each action by mean + ``act_ucb`` * std over the members, greedy acting
 (``act``, evaluation) by the mean.
 """
@@ -182,7 +184,8 @@ class Trainer:
     learner (``dqn_loss``). With ``TrainerConfig.bootstrap_p`` = p < 1 the batch must also carry
     ``indices`` int64 [B], the replay rows of its transitions (``ReplayBuffer.sample`` returns
     them; ``inputs['indices']`` then exists), and each step's loss takes the masks
-    ``ops.bootstrap_masks(indices, seed, E, p)``, drawn on the device: member e learns from the
+    ``ops.bootstrap_masks(indices, group_mask_seed(seed, 0, rank), E, p)``, drawn on the device
+    (the seed a loaded checkpoint's; rank the data-parallel one): member e learns from the
     transition at row i iff its mask is 1, the same mask every time that transition is sampled.
     p = 1 passes no masks (masks=None: with E = 1, the plain network's step bit for bit).
     ``act_explore`` scores each action by mean + ``act_ucb`` * std of the members' expected Q,
@@ -191,7 +194,8 @@ class Trainer:
     Host-visible numbers: ``metrics()`` (what has been read back so far, no sync) and
     ``readback()`` (everything up to now: syncs; call it at epoch ends).
 
-    Forward, loss and backward: ``gradient_step`` (a ``dqn_ops.step.InternalOpsStep``), the same
+    Forward, loss and backward: ``gradient_step`` (a ``dqn_ops.step.InternalOpsStep``; an IQN
+    network's a ``PublicOpsStep``, a network with head groups' a ``GroupsStep``), the same
     results bit for bit as the public ops. ``uses_fused_path`` (read-only) says whether its loss
     runs the fused loss kernel (CUDA, C51, at most ``ops.FUSED_LOSS_MAX_ATOMS``
     atoms and ``ops.FUSED_LOSS_MAX_BRANCHES`` branches). ``batch_networks``: whether the forward
@@ -427,7 +431,9 @@ class Trainer:
     def metrics(self, last: Optional[int] = None) -> Dict[str, float]:
         """Aggregates of the steps read back so far (no sync): over the last `last` of them, or
         all since the start (running aggregates; ``last`` up to ``self.stats.window``, the recent
-        rows kept). Keys: steps, loss (mean), loss_last, grad_norm_mean, grad_norm_max, mean_q,
+        rows kept; the means and max over the finite values, ``DeferredReadback.summary``). Keys:
+        steps (the last step read + 1, a loaded checkpoint's included), loss (mean), loss_last,
+        grad_norm_mean, grad_norm_max, mean_q,
         skipped, and sigma_max_seen (largest spectral-norm estimate of the last readback)."""
         out = self.stats.summary(last)
         if "sigma" in self.stats.extra:

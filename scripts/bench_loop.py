@@ -1,7 +1,7 @@
 """The training loop end to end (dqn_ops.rl.loop): epoch wall time and environment steps/s.
 
     python scripts/bench_loop.py --out bench/results           # the issue's configurations (CUDA)
-    python scripts/bench_loop.py --envs 32 --epochs 3 --out /tmp/x
+    python scripts/bench_loop.py --cases 32x256 --epochs 3 --out /tmp/x
 
 An epoch is `--iterations` (300) iterations of act -> env.step -> replay.add_steps -> sample ->
 training step (one per iteration; -> priority update with --prioritized) on FuturesTradingEnv.
