@@ -88,7 +88,21 @@ def parse_args(argv=None):
     ap.add_argument("--distributed", action="store_true",
                     help="data-parallel over the processes torchrun starts (NCCL on GPUs, gloo on the CPU); "
                          "--batch is per rank; rank 0 evaluates and writes the outputs")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # the flags' own errors, before any setup (the trainer's and the replay's name their fields, not the flags)
+    for flag in ("epochs", "steps", "batch", "num_envs", "n_step", "replay_capacity", "eval_envs", "ensemble",
+                 "iqn_embedding", "iqn_fractions"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.atoms is not None and args.atoms < 1:
+        ap.error(f"--atoms must be >= 1, got {args.atoms}")
+    if not 0.0 < args.gamma <= 1.0:
+        ap.error(f"--gamma must lie in (0, 1], got {args.gamma}")
+    if args.act_ucb != 0.0 and args.ensemble == 1:
+        ap.error("--act-ucb scores actions over an ensemble's members: it needs --ensemble > 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this torch has no CUDA device (pass --device cpu)")
+    return args
 
 
 def network_config(tiny: bool = False, atoms=None) -> DQNConfig:
@@ -230,7 +244,7 @@ def _plot(rows, baselines, path, title, loss_type):
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(10, 4))
     a0.plot(ep, [r["loss"] for r in rows], label="loss")
     a0.set_xlabel("epoch")
-    a0.set_ylabel({"c51": "C51 loss", "qr": "quantile Huber loss"}[loss_type])
+    a0.set_ylabel({"c51": "C51 loss", "qr": "quantile Huber loss", "iqn": "IQN quantile Huber loss"}[loss_type])
     a0.set_title(f"training loss ({title})")
     a1.plot(ep, [r["eval_sharpe"] for r in rows], marker="o", label="trained policy")
     a1.axhline(baselines["random"], color="r", ls="--", label="random policy")

@@ -5,6 +5,7 @@ dqn_ops loads none of them."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -435,6 +436,25 @@ def test_replay_ring_and_sampling(device):
                torch.zeros(11, device=device), torch.zeros(11, 3, device=device), torch.zeros(11, device=device))
 
 
+def test_train_script_refuses_bad_flags_before_any_setup():
+    script = os.path.join(ROOT, "scripts", "train.py")
+    for flags, msg in ((["--epochs", "0"], "--epochs must be >= 1, got 0"), (["--n-step", "-1"], "--n-step must be >= 1"),
+                       (["--gamma", "1.5"], r"--gamma must lie in \(0, 1\]"),
+                       (["--act-ucb", "1"], "--act-ucb scores actions over an ensemble's members")):
+        r = subprocess.run([sys.executable, script, "--device", "cpu", *flags], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and re.search(msg, r.stderr), (flags, r.stderr[-400:])
+
+
+def test_train_script_runs_iqn_to_its_end(tmp_path):
+    out = tmp_path / "iqn"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--device", "cpu", "--epochs", "1", "--steps",
+           "4", "--batch", "16", "--num-envs", "4", "--eval-envs", "8", "--tiny", "--quiet", "--loss-type", "iqn",
+           "--iqn-fractions", "8", "--iqn-embedding", "8", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    assert (out / "learning_curve.png").exists() and json.loads((out / "summary.json").read_text())["epochs"] == 1
+
+
 def test_train_script_smoke(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--device", "cpu", "--epochs", "2", "--steps",
@@ -479,11 +499,16 @@ def test_bad_input_to_env_and_replay():
         env.step(torch.tensor([[0, 0, 0], [1, 2, -1], [2, 1, 1], [0, 0, 2]]))
     for a, b in zip(before, (env.state, env.counters, env.returns, env.observations, env.info)):
         assert torch.equal(a, b)  # a rejected step changes nothing
-    for kw in (dict(num_envs=0), dict(episode_length=0), dict(num_envs=-1, episode_length=-3)):
-        with pytest.raises(ValueError, match="num_envs and episode_length must be >= 1"):
+    for kw, err, msg in ((dict(num_envs=0), ValueError, r"num_envs must be >= 1 \(an int\), got 0"),
+                         (dict(episode_length=0), ValueError, r"episode_length must be >= 1 \(an int\), got 0"),
+                         (dict(num_envs=2.5), TypeError, "num_envs must be an int >= 1, got"),
+                         (dict(seed=2 ** 64), ValueError, r"seed must be an int in \[-2\^63, 2\^64\)"),
+                         (dict(sigma=0.0), ValueError, "sigma must be a finite number > 0"),
+                         (dict(switch_prob=2.0), ValueError, "switch_prob must be a finite number >= 0 and <= 1"),
+                         (dict(cost=-1.0), ValueError, "cost must be a finite number >= 0"),
+                         (dict(kappa=float("nan")), ValueError, "kappa must be a finite number")):
+        with pytest.raises(err, match=f"FuturesTradingEnv: {msg}"):
             FuturesTradingEnv(**{**dict(num_envs=4, episode_length=8), **kw})
-    with pytest.raises(ValueError, match="sigma must be > 0"):
-        FuturesTradingEnv(4, sigma=0.0)
     rb = ReplayBuffer(10, 3, 2)
     ok = [torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4), torch.zeros(4, 3), torch.zeros(4)]
     for i, (bad, msg) in enumerate([(torch.zeros(4, 5), r"states: expected torch.float32 \[4, 3\] on cpu, got "

@@ -165,6 +165,25 @@ def test_bad_configurations_are_clear_errors():
     t1 = Trainer(NET, TrainerConfig(batch_size=16, gamma=0.9), device="cpu")
     with pytest.raises(ValueError, match=r"gamma \*\* 3"):
         TrainingLoop(t1, env3, rb3)
+    with pytest.raises(ValueError, match="the replay stores states of 96 and actions of 2 branch"):
+        TrainingLoop(t, env, ReplayBuffer(50, STATE_DIM, 2, num_envs=8))
+    with pytest.raises(AttributeError):  # frozen: an edit cannot skip the checks
+        LoopConfig().train_every = 0
+
+
+@pytest.mark.parametrize("prioritized", [False, True], ids=["uniform", "prioritized"])
+def test_run_needs_a_batch_in_the_replay_and_changes_nothing_without_one(prioritized):
+    """Sampling a replay that holds less than a batch would train on unfilled rows (uniform) or
+    fail after the optimizer stepped (prioritized): run() refuses before anything happens."""
+    t, env, rb, loop = make("cpu", envs=4, batch=16, prioritized=prioritized, n_step=3)
+    loop.prefill(4)  # 4 steps of 4 envs, 3-step windows: at most 8 rows so far
+    before = t.online.flat_params.detach().clone()
+    with pytest.raises(ValueError, match=r"TrainingLoop.run: the replay holds \d+ rows, fewer than a batch \(16\)"):
+        loop.run(1)
+    assert torch.equal(t.online.flat_params, before) and t.steps == 0 and loop.iterations == 0
+    loop.prefill(6)
+    loop.run(2)  # now it holds one
+    assert t.steps == 2
 
 
 @requires_cuda

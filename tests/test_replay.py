@@ -725,3 +725,14 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.dqn_ops._replay_update_priorities.default,
                           (rb._tree, rb.cursor, out["indices"], torch.rand(8, device=device),
                            rb.skipped_priority_updates, 0.6, 1e-6))
+
+
+def test_an_n_step_gamma_whose_encoding_overflows_is_refused():
+    """A window cut short stores done = 1 - gamma^-(n - m) in float32: gamma ** (n - 1) must
+    leave that finite."""
+    with pytest.raises(ValueError, match=r"gamma \*\* \(n_step - 1\) = .* is too small"):
+        ReplayBuffer(64, 1, 1, num_envs=1, n_step=25, gamma=0.01)
+    ReplayBuffer(64, 1, 1, num_envs=1, n_step=25, gamma=0.5)  # 0.5^24: fine
+    ReplayBuffer(64, 1, 1, num_envs=1, n_step=25, gamma=0.0)  # gamma 0: done = 1, no power taken
+    with pytest.raises(ValueError, match=r"seed must be an int in \[-2\^63, 2\^64\)"):
+        ReplayBuffer(64, 1, 1, seed=2 ** 64)

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from dqn_ops import ops
+from dqn_ops.layout import check_float, check_int
 
 DIRECTIONS = (-1.0, 0.0, 1.0)
 SIZES = (0.5, 1.0, 2.0)
@@ -108,11 +109,17 @@ class FuturesTradingEnv:
     def __init__(self, num_envs: int, episode_length: int = 256, device="cpu", seed: int = 0, kappa: float = 0.08,
                  trend: float = 1e-3, sigma: float = 0.01, sigma_fair: float = 0.002, switch_prob: float = 0.02,
                  cost: float = 5e-4):
-        if num_envs < 1 or episode_length < 1:
-            raise ValueError(f"FuturesTradingEnv: num_envs and episode_length must be >= 1, got {num_envs}, "
-                             f"{episode_length}")
-        if not sigma > 0:
-            raise ValueError(f"FuturesTradingEnv: sigma must be > 0 (the features are in units of it), got {sigma}")
+        n = "FuturesTradingEnv"
+        num_envs = check_int(n, "num_envs", num_envs, minimum=1)
+        episode_length = check_int(n, "episode_length", episode_length, minimum=1)
+        check_int(n, "seed", seed)
+        if not -(1 << 63) <= seed < (1 << 64):
+            raise ValueError(f"{n}: seed must be an int in [-2^63, 2^64) (the Philox key's 64 bits), got {seed}")
+        for field, value in (("kappa", kappa), ("trend", trend), ("sigma_fair", sigma_fair)):
+            check_float(n, field, value)
+        sigma = check_float(n, "sigma", sigma, low=0.0, low_open=True)  # the features are in units of it
+        switch_prob = check_float(n, "switch_prob", switch_prob, low=0.0, high=1.0)
+        cost = check_float(n, "cost", cost, low=0.0)
         self.num_envs, self.episode_length, self.seed = num_envs, episode_length, seed
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
         self.kappa, self.trend, self.sigma, self.sigma_fair = kappa, trend, sigma, sigma_fair

@@ -40,7 +40,7 @@ from ..graphed import CapturedStep
 from ..layout import check_bool, check_float, check_int
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LoopConfig:
     """How the loop runs. Schedules are linear in the loop's iteration count and evaluated on
     the device: epsilon from ``epsilon_start`` to ``epsilon_end`` over
@@ -58,20 +58,17 @@ class LoopConfig:
     warmup_chunks: int = 1            # eager runs of the K iterations before the capture (cuBLAS, the allocator)
 
     def __post_init__(self):
+        """Checks every field once (the config is frozen: a later edit cannot skip the checks)."""
         n = "LoopConfig"
-        self.iterations_per_graph = check_int(n, "iterations_per_graph", self.iterations_per_graph, minimum=1)
-        self.train_every = check_int(n, "train_every", self.train_every, minimum=1)
+        for field, minimum in (("iterations_per_graph", 1), ("train_every", 1), ("epsilon_decay_iterations", 1),
+                               ("beta_anneal_iterations", 0), ("warmup_chunks", 1)):
+            object.__setattr__(self, field, check_int(n, field, getattr(self, field), minimum=minimum))
         if self.iterations_per_graph % self.train_every:
             raise ValueError(f"{n}: iterations_per_graph ({self.iterations_per_graph}) must be a multiple of "
                              f"train_every ({self.train_every}): every replay trains the same number of times")
-        self.epsilon_start = check_float(n, "epsilon_start", self.epsilon_start, low=0.0, high=1.0)
-        self.epsilon_end = check_float(n, "epsilon_end", self.epsilon_end, low=0.0, high=1.0)
-        self.epsilon_decay_iterations = check_int(n, "epsilon_decay_iterations", self.epsilon_decay_iterations,
-                                                  minimum=1)
-        self.beta_end = check_float(n, "beta_end", self.beta_end, low=0.0, high=1.0)
-        self.beta_anneal_iterations = check_int(n, "beta_anneal_iterations", self.beta_anneal_iterations, minimum=0)
+        for field in ("epsilon_start", "epsilon_end", "beta_end"):
+            object.__setattr__(self, field, check_float(n, field, getattr(self, field), low=0.0, high=1.0))
         check_bool(n, "use_cuda_graph", self.use_cuda_graph)
-        self.warmup_chunks = check_int(n, "warmup_chunks", self.warmup_chunks, minimum=1)
 
 
 class TrainingLoop:
@@ -103,6 +100,10 @@ class TrainingLoop:
         if env.state_dim != net.state_dim or tuple(env.branches) != tuple(net.branches):
             raise ValueError(f"TrainingLoop: the env's observations ({env.state_dim}) and branches "
                              f"{tuple(env.branches)} do not fit the network's ({net.state_dim}, {tuple(net.branches)})")
+        stored = (getattr(replay, "state_dim", net.state_dim), getattr(replay, "num_branches", net.num_branches))
+        if stored != (net.state_dim, net.num_branches):
+            raise ValueError(f"TrainingLoop: the replay stores states of {stored[0]} and actions of {stored[1]} "
+                             f"branch(es), the network takes {net.state_dim} and {net.num_branches}")
         n_step = getattr(replay, "n_step", 1)
         if n_step > 1 and not math.isclose(trainer.config.gamma, replay.gamma_loss, rel_tol=1e-9):
             raise ValueError(f"TrainingLoop: the replay stores {n_step}-step returns discounted by gamma "
@@ -134,6 +135,7 @@ class TrainingLoop:
         # the K iterations, captured after warmup_chunks eager runs on the capture stream
         self._runner = CapturedStep(self._chunk, dev, cfg.use_cuda_graph, cfg.warmup_chunks)
         self._captured_generation = getattr(trainer, "state_generation", 0)
+        self._replay_ready = False  # the replay held a batch at some run() (it never shrinks)
 
     # -- one iteration, on the device --------------------------------------------------
     def _schedules(self):
@@ -194,6 +196,10 @@ class TrainingLoop:
         multiple of train_every eagerly, then whole replays of the K captured iterations, then
         the rest eagerly. Otherwise all eagerly. The same iterations either way."""
         iterations = check_int("TrainingLoop.run", "iterations", iterations, minimum=0)
+        if iterations and not self._replay_holds_a_batch():
+            raise ValueError(f"TrainingLoop.run: the replay holds {self.replay.size} rows, fewer than a batch "
+                             f"({self.trainer.config.batch_size}): prefill(n) it first (sampling unfilled rows "
+                             f"would train on them)")
         K, every = self.config.iterations_per_graph, self.config.train_every
         with self.trainer._on_device():
             if not self._runner.use_graph:
@@ -206,6 +212,18 @@ class TrainingLoop:
                 self._run_chunk()
                 left -= K
             self._eager(left)
+
+    def _replay_holds_a_batch(self) -> bool:
+        """Whether the replay holds a batch: from the host's count of what was added while it
+        proves it (each env's pending n-step window holds at most n - 1 of its steps), else from
+        the device (a read, so a sync: only until the replay has filled)."""
+        if self._replay_ready:
+            return True
+        rb, B = self.replay, self.trainer.config.batch_size
+        n, E = getattr(rb, "n_step", 1), getattr(rb, "num_envs", 1)
+        at_least = getattr(rb, "_rows_added", 0) + E * max(0, getattr(rb, "_steps_added", 0) - (n - 1))
+        self._replay_ready = min(at_least, getattr(rb, "capacity", at_least)) >= B or rb.size >= B
+        return self._replay_ready
 
     def _run_chunk(self):
         generation = getattr(self.trainer, "state_generation", 0)

@@ -92,8 +92,6 @@ class ReplayBuffer:
         for arg, v in (("state_dim", state_dim), ("num_branches", num_branches), ("n_step", n_step)):
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{name}: {arg} must be an int >= 1, got {v!r}")
-        if not _is_int(seed):
-            raise ValueError(f"{name}: seed must be an int, got {seed!r}")
         if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha >= 0):
             raise ValueError(f"{name}: alpha must be finite and >= 0, got {alpha!r}")
         self._check_beta(beta, name)
@@ -101,6 +99,13 @@ class ReplayBuffer:
             raise ValueError(f"{name}: priority_eps must be finite and > 0, got {priority_eps!r}")
         if not (isinstance(gamma, (int, float)) and 0.0 <= gamma <= 1.0):
             raise ValueError(f"{name}: gamma must lie in [0, 1], got {gamma!r}")
+        if n_step > 1 and 0.0 < gamma and gamma ** (n_step - 1) < 2.0 ** -100:
+            # a truncated window stores done = 1 - gamma^-(n - m) (the module docstring), in F32
+            raise ValueError(f"{name}: gamma ** (n_step - 1) = {gamma ** (n_step - 1):.3g} is too small: a window cut "
+                             f"short stores 1 - gamma^-(n - m) in float32, which overflows; use a larger gamma or a "
+                             f"smaller n_step")
+        if not _is_int(seed) or not -(1 << 63) <= seed < (1 << 64):
+            raise ValueError(f"{name}: seed must be an int in [-2^63, 2^64) (the Philox key's 64 bits), got {seed!r}")
         if num_envs is not None:
             if not _is_int(num_envs) or num_envs < 1:
                 raise ValueError(f"{name}: num_envs must be an int >= 1 or None, got {num_envs!r}")
