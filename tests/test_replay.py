@@ -5,6 +5,7 @@ indices must be equal), float64 formulas for priorities, importance weights and 
 and chi-square tests of the sampled frequencies."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -736,3 +737,13 @@ def test_an_n_step_gamma_whose_encoding_overflows_is_refused():
     ReplayBuffer(64, 1, 1, num_envs=1, n_step=25, gamma=0.0)  # gamma 0: done = 1, no power taken
     with pytest.raises(ValueError, match=r"seed must be an int in \[-2\^63, 2\^64\)"):
         ReplayBuffer(64, 1, 1, seed=2 ** 64)
+
+
+def test_set_beta_takes_any_real_number_and_only_a_prioritized_buffer():
+    rb = ReplayBuffer(20, SD, D, prioritized=True)
+    rb.set_beta(np.float32(0.5))
+    assert rb.beta.item() == 0.5
+    with pytest.raises(ValueError, match="beta must lie"):
+        rb.set_beta(True)
+    with pytest.raises(ValueError, match=r"ReplayBuffer.set_beta: the buffer is uniform"):
+        ReplayBuffer(20, SD, D).set_beta(0.5)

@@ -27,7 +27,8 @@ and speed (close all, half or a quarter of the gap to the target position this s
 trades less). Reward = 100 x (position r_{t+1} - cost |position change|): PnL net of
 transaction costs, in percent. Observation (96 features, the reference network's state_dim):
 the last 84 returns, the log price's deviation from its 5/10/20/50-step means, its 5/10/20/40-
-step momentum, the position, the realised volatility and the time left in the episode.
+step momentum, the position, the realised volatility, the time left in the episode and a zero
+(95 features, padded to the reference network's 96).
 
 A step of all N environments is one op (``dqn_ops._futures_env_step``: one kernel launch on
 CUDA; the arithmetic in csrc/env_math.h, the same on the CPU). The market state, a ring of the
@@ -181,8 +182,11 @@ class FuturesTradingEnv:
 
 def annualised_sharpe(pnl: Tensor) -> float:
     """Sharpe ratio of per-step (daily) PnL, pooled over all steps and environments, x sqrt(252).
-    A policy that never trades has zero variance: its Sharpe is reported as 0."""
+    A policy that never trades has zero variance: its Sharpe is reported as 0 (so is a single
+    step's, which has no variance to measure)."""
     pnl = pnl.double().flatten()
+    if pnl.numel() < 2:
+        return 0.0
     std = pnl.std().item()
     return 0.0 if std < 1e-12 else pnl.mean().item() / std * math.sqrt(TRADING_DAYS)
 

@@ -34,6 +34,7 @@ n_step = 1, done = terminated (a truncation bootstraps with gamma).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Dict, Mapping, Optional
 
 import torch
@@ -174,11 +175,12 @@ class ReplayBuffer:
 
     @staticmethod
     def _check_beta(beta, where):
-        if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
+        if isinstance(beta, bool) or not (isinstance(beta, numbers.Real) and 0.0 <= beta <= 1.0):
             raise ValueError(f"{where}: beta must lie in [0, 1], got {beta!r}")
 
     def set_beta(self, beta: float):
         """The importance-sampling exponent from the next sample on (a device write: graph-safe)."""
+        self._need_prioritized("set_beta")  # a uniform buffer's weights are 1 whatever beta is
         self._check_beta(beta, "ReplayBuffer.set_beta")
         self.beta.fill_(float(beta))
 
