@@ -603,7 +603,7 @@ def static_inputs(buffers: Dict[str, Tensor]) -> Mapping[str, Tensor]:
 
 
 def load_batch(inputs: Mapping[str, Tensor], batch: Mapping[str, Tensor], ones: Optional[Tensor] = None,
-               exact_dtypes: bool = False):
+               exact_dtypes: bool = False, owner: str = "Trainer.step"):
     """Copies a batch (states, actions, rewards, next_states, dones, optional weights) into a
     trainer's static input buffers, device to device, checking names, shapes, dtypes and devices.
     Without weights, the weights buffer becomes 1 (copied from `ones` when given, else filled).
@@ -617,20 +617,21 @@ def load_batch(inputs: Mapping[str, Tensor], batch: Mapping[str, Tensor], ones: 
     dtype (e.g. float64) is converted; integer actions must still be int64.
 
     The copies of matching dtype and contiguous layout go in one launch (``dqn_ops._load_batch``);
-    the others (a converted dtype, a strided view) through ``Tensor.copy_``."""
+    the others (a converted dtype, a strided view) through ``Tensor.copy_``. ``owner`` names the
+    caller in the errors."""
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
-        raise KeyError(f"Trainer.step: batch is missing {missing}; it needs {list(BATCH_KEYS)} (+ optional 'weights')")
+        raise KeyError(f"{owner}: batch is missing {missing}; it needs {list(BATCH_KEYS)} (+ optional 'weights')")
     unknown = [k for k in batch if k not in BATCH_KEYS + OPTIONAL_BATCH_KEYS]
     if unknown:  # a misspelt 'weights' would otherwise train without them, silently
-        raise KeyError(f"Trainer.step: batch has unknown keys {unknown}; it takes {list(BATCH_KEYS)} and the optional "
+        raise KeyError(f"{owner}: batch has unknown keys {unknown}; it takes {list(BATCH_KEYS)} and the optional "
                        f"{list(OPTIONAL_BATCH_KEYS)}")
     for k, v in batch.items():
         if not isinstance(v, Tensor):
-            raise TypeError(f"Trainer.step: batch[{k!r}] must be a torch.Tensor, got {type(v).__name__} (convert "
+            raise TypeError(f"{owner}: batch[{k!r}] must be a torch.Tensor, got {type(v).__name__} (convert "
                             f"it first, e.g. torch.as_tensor(x, device=...))")
     if "indices" in inputs and "indices" not in batch:
-        raise KeyError("Trainer.step: batch is missing 'indices': the bootstrap masks (TrainerConfig.bootstrap_p < 1) "
+        raise KeyError(f"{owner}: batch is missing 'indices': the bootstrap masks (TrainerConfig.bootstrap_p < 1) "
                        "are drawn per transition from its replay row, so the batch needs the replay's indices, int64 "
                        "[B] (ReplayBuffer.sample returns them)")
     pairs = []
@@ -639,14 +640,14 @@ def load_batch(inputs: Mapping[str, Tensor], batch: Mapping[str, Tensor], ones: 
             continue
         src, dst = batch[k], inputs[k]
         if src.shape != dst.shape:
-            raise ValueError(f"Trainer.step: batch[{k!r}]: expected shape {list(dst.shape)}, got {list(src.shape)}")
+            raise ValueError(f"{owner}: batch[{k!r}]: expected shape {list(dst.shape)}, got {list(src.shape)}")
         if src.dtype != dst.dtype and (exact_dtypes or not (src.is_floating_point() and dst.is_floating_point())):
             hint = (f": convert it first (.to({dst.dtype})); the network and the ops take {dst.dtype} here, "
                     f"the trainer does not round a batch silently" if src.is_floating_point() and
                     dst.is_floating_point() else "")
-            raise TypeError(f"Trainer.step: batch[{k!r}]: expected dtype {dst.dtype}, got {src.dtype}{hint}")
+            raise TypeError(f"{owner}: batch[{k!r}]: expected dtype {dst.dtype}, got {src.dtype}{hint}")
         if src.device != dst.device:
-            raise ValueError(f"Trainer.step: batch[{k!r}] is on {src.device}, the trainer on {dst.device}: move "
+            raise ValueError(f"{owner}: batch[{k!r}] is on {src.device}, the trainer on {dst.device}: move "
                              f"the batch first (a copy from pageable host memory would sync with the device)")
         pairs.append((dst, src))
     if "weights" not in batch:

@@ -348,3 +348,12 @@ def test_one_skipped_step_leaves_the_running_aggregates_finite():
     assert m["grad_norm_max"] == max(r["grad_norm"] for r in rows if math.isfinite(r["grad_norm"]))
     assert math.isfinite(m["mean_q"]) and t.metrics(last=3)["loss"] == pytest.approx(
         sum(r["loss"] for r in rows[-3:]) / 3)
+
+
+def test_both_trainers_refuse_a_float64_batch_in_their_own_name():
+    b = batch_for(TINY_C51, 32, "cpu")
+    b64 = dict(b, states=b["states"].double())
+    for trainer, name in ((Trainer, "Trainer.step"), (TorchTrainer, "TorchTrainer.step")):
+        t = trainer(TINY_C51, TrainerConfig(batch_size=32), device="cpu")
+        with pytest.raises(TypeError, match=rf"{name}: batch\['states'\]: expected dtype torch.float32, got torch.float64"):
+            t.step(b64)

@@ -346,7 +346,7 @@ class TorchTrainer:
 
     def step(self, batch=None):
         if batch is not None:
-            load_batch(self.inputs, batch, self._ones)
+            load_batch(self.inputs, batch, self._ones, exact_dtypes=True, owner="TorchTrainer.step")
         self._runner()
         self.after_steps(1)
 
