@@ -71,9 +71,12 @@ def time_tree(tree, B, iters, repeats, network="reference", extra_env=None, unse
     env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree), HERE])
-    out = subprocess.run([sys.executable, "-c", TIMING, str(B), str(iters), str(repeats), network], env=env,
-                         cwd=tree, capture_output=True, text=True, check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    run = subprocess.run([sys.executable, "-c", TIMING, str(B), str(iters), str(repeats), network], env=env,
+                         cwd=tree, capture_output=True, text=True)
+    if run.returncode != 0:  # the child's own error, not the timing script CalledProcessError would print
+        raise SystemExit(f"AB FAILED: the timing of {tree} (B = {B}, {network}) exited with {run.returncode}:\n"
+                         f"{run.stderr[-3000:]}")
+    result = json.loads(run.stdout.strip().splitlines()[-1])
     expected = os.path.join(os.path.abspath(tree), "dqn_ops")
     if not result["dqn_ops"].startswith(expected):
         raise SystemExit(f"bench_ab: {tree} imported dqn_ops from {result['dqn_ops']}, not from {expected}")

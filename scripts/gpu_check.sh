@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_check.sh            # everything
 #   SKIP_BENCH=1 bash scripts/gpu_check.sh
+#   SKIP_TESTS=1 SKIP_BENCH=1 PROFILE=1 bash scripts/gpu_check.sh   # a part alone (build, then the profile)
 #   DQN_OPS_TEST_CUDA_ONLY=1 PYTEST_ARGS="-q -n 15 -p xdist tests" SKIP_BENCH=1 bash scripts/gpu_check.sh
 #       # only the tests that touch CUDA (tests/conftest.py; CI runs every CPU test): the suite's
 #       # GPU part in one device call
@@ -39,6 +40,18 @@
 # nvcc, pytest and ninja; nothing can be downloaded there).
 source "$(dirname "$0")/gpu_common.sh"
 
+# The logs in one archive at any exit, a call's `timeout` included (its TERM reaches this script's
+# process group): the device tool brings back at most 8 files from $OUT.
+archive() {
+  trap - EXIT TERM
+  if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' --exclude='*.pt' runs; fi  # files come back only up to 16 MiB
+  (cd "$OUT" && shopt -s nullglob && files=(env.txt ./*.log) && [ -e env.txt ] && tar czf logs.tar.gz "${files[@]}" \
+     && rm -f "${files[@]}")
+}
+trap archive EXIT
+trap 'echo "== cut by a signal: the logs so far are in logs.tar.gz"; archive; exit 143' TERM
+other_rc=0  # a failed part besides the tests (the A/B, a benchmark, the sanitizers) fails the call too
+
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
@@ -59,20 +72,28 @@ $PY -c "import dqn_ops; assert dqn_ops.cuda_kernels_built(), 'built without CUDA
 if [ -n "${AB_BASE:-}" ]; then  # before the tests: the machine is otherwise idle
   echo "== base vs this tree, graphed step (scripts/bench_ab.py)"
   if [ -z "${base_build:-}" ] || wait "$base_build"; then
-    $PY scripts/bench_ab.py --base "$AB_BASE" --out "$OUT" ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" | tail -6
+    $PY scripts/bench_ab.py --base "$AB_BASE" --out "$OUT" ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" | tail -30
+    [ "${PIPESTATUS[0]}" -eq 0 ] || other_rc=1
   else
-    tail -30 "$OUT/build-base.log"; echo "BASE BUILD FAILED"
+    tail -30 "$OUT/build-base.log"; echo "BASE BUILD FAILED"; other_rc=1
   fi
 fi
 
-echo "== tests"
-# PYTEST_ARGS sets the verbosity too: a -q before it would cancel its -v. Failing tests are
-# named in pytest-failures.log as they fail (tests/conftest.py), so a run cut short by the
-# device call's limit still says which.
-: > "$OUT/pytest-failures.log"
-DQN_OPS_FAILURE_LOG="$OUT/pytest-failures.log" $PY -m pytest -rs -p no:cacheprovider ${PYTEST_ARGS:--q tests} 2>&1 \
-  | tee "$OUT/pytest.log" | tail -40
-test_rc=${PIPESTATUS[0]}
+test_rc=0
+if [ -z "${SKIP_TESTS:-}" ]; then
+  echo "== tests"
+  # PYTEST_ARGS sets the verbosity too: a -q before it would cancel its -v. Failing tests are
+  # named in pytest-failures.log as they fail (tests/conftest.py), so a run cut short by the
+  # device call's limit still says which; a hung test is cut by pytest-timeout where it is
+  # installed (PYTEST_TIMEOUT seconds a test) and named.
+  timeout_args=()
+  if $PY -c "import pytest_timeout" 2> /dev/null; then timeout_args=(--timeout "${PYTEST_TIMEOUT:-300}"); fi
+  : > "$OUT/pytest-failures.log"
+  DQN_OPS_FAILURE_LOG="$OUT/pytest-failures.log" $PY -m pytest -rfEs -p no:cacheprovider ${timeout_args[@]+"${timeout_args[@]}"} \
+    ${PYTEST_ARGS:--q tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+  test_rc=${PIPESTATUS[0]}
+  if [ -s "$OUT/pytest-failures.log" ]; then echo "== failed tests"; cat "$OUT/pytest-failures.log"; fi
+fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmark"
@@ -83,10 +104,12 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     if [ "$b" = networks ]; then extra="${NETWORKS_BENCH_ARGS:-}"; fi
     $PY "$script" --out "$OUT" $extra || echo "BENCHMARK $b FAILED"
   done 2>&1 | tee "$OUT/bench.log" | tail -60
+  if grep -q "BENCHMARK .* FAILED" "$OUT/bench.log"; then other_rc=1; fi
 fi
 if [ -n "${SANITIZE:-}" ]; then
   echo "== compute-sanitizer (scripts/verify_gpu.sh)"
-  SKIP_BUILD=1 OUT="$OUT" bash scripts/verify_gpu.sh 2>&1 | tee "$OUT/verify.log" || echo "SANITIZER FOUND ERRORS"
+  SKIP_BUILD=1 OUT="$OUT" bash scripts/verify_gpu.sh 2>&1 | tee "$OUT/verify.log"
+  if [ "${PIPESTATUS[0]}" -ne 0 ]; then echo "SANITIZER FOUND ERRORS"; other_rc=1; fi
 fi
 if [ -n "${DIST:-}" ]; then
   gpus=$(nvidia-smi -L | wc -l)
@@ -122,7 +145,6 @@ if [ -n "${SOAK:-}" ]; then
   echo "== soak"
   $PY scripts/soak.py --out "$OUT" ${SOAK_ARGS:-} 2>&1 | tail -5 | tee "$OUT/soak.log"
 fi
-if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' --exclude='*.pt' runs; fi  # files come back only up to 16 MiB
-# The logs in one archive: the device tool brings back at most 8 files from $OUT.
-(cd "$OUT" && tar czf logs.tar.gz env.txt ./*.log && rm -f env.txt ./*.log)
-exit "$test_rc"
+archive
+if [ "$test_rc" -ne 0 ]; then exit "$test_rc"; fi
+exit "$other_rc"
