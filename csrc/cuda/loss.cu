@@ -3,7 +3,7 @@
 // loss/projection.cuh (the C51 projection) and loss/quantile.cuh (the QR loss);
 // loss/params.cuh has the parameter block.
 //
-// dqn_loss: one launch (and, outside a graph capture, a 4-byte memset: captured_counter).
+// dqn_loss: one launch (and a 4-byte memset).
 // C51: a warp per (sample, branch): the double-DQN choice (the expected Q of up to 4 actions
 // reduced together), the projection of the target distribution onto the support, the
 // cross-entropy and its gradient. Two versions of the branch, chosen at launch (two kernel
@@ -38,19 +38,17 @@
 //   fused (C51, atoms <= kFusedLossMaxAtoms, branches <= kFusedLossMaxBranches): the same
 //     kernel reads the three passes' raw head logits, adding the output bias and (with
 //     dueling) aggregating them as it reads them, and writes d(loss)/d(head logits) itself:
-//     one launch (and, outside a capture, the memset), the logits one trip through memory
-//     (LossRows::kHeadDueling, or kHeadPlain for a network without a value head);
+//     one launch (and the memset), the logits one trip through memory (LossRows::kHeadDueling,
+//     or kHeadPlain for a network without a value head);
 //   composed (every other configuration, QR's included): the public ops' kernels in sequence:
 //     the forward's bias (+ dueling aggregation) of each pass, dqn_loss's kernel,
-//     mixed_backward's dueling backward (without dueling: d(head) = grad_q); 5 launches (and,
-//     outside a capture, the memset).
+//     mixed_backward's dueling backward (without dueling: d(head) = grad_q); 5 launches (and
+//     the memset).
 // Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh).
 #include <algorithm>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <tuple>
-#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -91,99 +89,6 @@ int resident_blocks_per_sm(void (*kernel)(const BranchTable, const LossParams), 
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem));
   known.emplace(key, resident);
   return resident;
-}
-
-// The block counters of captured launches. The kernel's counter resets itself (the last block's
-// atomicInc wraps it to 0), so a counter that is 0 before a launch is 0 after it, and a graph
-// node that owns one needs no memset before it (a node of its own, which also breaks the
-// programmatic edge into the kernel). A counter is shared with nothing that may run at the same
-// time: each launch captured into a graph takes a counter of its own, and a CUDA user object the
-// graph retains gives it back when the graph and its executable copies are destroyed, which CUDA
-// does only after their launches have completed (so it is 0 again). CUDA orders the launches of
-// one executable graph, so a node never runs beside itself. An eager launch keeps the 4-byte
-// memset on its own partials, as does a capture while every counter is taken. Static device
-// memory: zero at module load, with no allocation at capture time. The limit: the executable
-// copies of one graph share its counters, so two of them (a graph instantiated twice, cloned, or
-// embedded twice as a child graph) must not run at the same time; torch.cuda.CUDAGraph
-// instantiates its graph once.
-constexpr int kCapturedCounters = 4096;
-__device__ unsigned captured_counters[kCapturedCounters] = {};
-
-struct CounterPool {
-  unsigned* base = nullptr;  // captured_counters on the device; resolved by an eager launch
-  int fresh = 0;             // counters [fresh, kCapturedCounters) never taken
-  std::vector<int> returned;
-};
-// Never destroyed: a graph may give its counters back while the process exits.
-std::mutex& counter_mutex() {
-  static auto* mutex = new std::mutex;
-  return *mutex;
-}
-std::map<int, CounterPool>& counter_pools() {
-  static auto* pools = new std::map<int, CounterPool>;
-  return *pools;
-}
-
-struct TakenCounter {
-  int device, index;
-};
-// The user object's destructor, on CUDA's internal thread (no CUDA calls there).
-void give_back_counter(void* p) {
-  const std::unique_ptr<TakenCounter> taken(static_cast<TakenCounter*>(p));
-  const std::lock_guard<std::mutex> lock(counter_mutex());
-  counter_pools()[taken->device].returned.push_back(taken->index);
-}
-
-// A counter for a launch being captured on `stream`, or null: not capturing (the launch's own
-// memset), every counter taken, or no eager launch on this device yet to have resolved the
-// symbol (cudaGetSymbolAddress may load the module, which a capture must not see).
-unsigned* captured_counter(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  cudaGraph_t graph = nullptr;
-  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph));
-  const int device = static_cast<int>(c10::cuda::current_device());
-  if (status == cudaStreamCaptureStatusNone) {
-    {
-      const std::lock_guard<std::mutex> lock(counter_mutex());
-      if (counter_pools()[device].base != nullptr) return nullptr;
-    }
-    // Looked up without the pool's mutex: give_back_counter takes it on CUDA's internal thread,
-    // which a CUDA call made while holding it could wait for.
-    void* symbol = nullptr;
-    C10_CUDA_CHECK(cudaGetSymbolAddress(&symbol, captured_counters));
-    const std::lock_guard<std::mutex> lock(counter_mutex());
-    counter_pools()[device].base = static_cast<unsigned*>(symbol);
-    return nullptr;
-  }
-  unsigned* base = nullptr;
-  int index = -1;
-  {
-    const std::lock_guard<std::mutex> lock(counter_mutex());
-    CounterPool& pool = counter_pools()[device];
-    if (status != cudaStreamCaptureStatusActive || pool.base == nullptr) return nullptr;
-    if (!pool.returned.empty()) {
-      index = pool.returned.back();
-      pool.returned.pop_back();
-    } else if (pool.fresh < kCapturedCounters) {
-      index = pool.fresh++;
-    } else {
-      return nullptr;
-    }
-    base = pool.base;
-  }
-  // The graph owns the counter from here: its user object gives it back (also if a call below
-  // fails: the object's release runs the destructor).
-  auto taken = std::make_unique<TakenCounter>(TakenCounter{device, index});
-  cudaUserObject_t object = nullptr;
-  const cudaError_t created =
-      cudaUserObjectCreate(&object, taken.get(), give_back_counter, 1, cudaUserObjectNoDestructorSync);
-  if (created != cudaSuccess) give_back_counter(taken.release());
-  C10_CUDA_CHECK(created);
-  taken.release();  // the object's now
-  const cudaError_t retained = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
-  if (retained != cudaSuccess) C10_CUDA_CHECK_WARN(cudaUserObjectRelease(object, 1));
-  C10_CUDA_CHECK(retained);
-  return base + index;
 }
 
 struct LossResults {
@@ -252,14 +157,13 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
                                                       std::max(resident, 1) * sms));
 
   LossResults out{at::empty({}, f32), at::empty({batch}, f32), at::empty({}, f32)};
-  unsigned* const counter = captured_counter(stream);
-  Tensor partials = at::empty({2 * grid + (counter ? 0 : 1)}, f32);  // and, eagerly, the counter, zeroed below
+  Tensor partials = at::empty({2 * grid + 1}, f32);  // and the counter, zeroed below
   P.td_error = out.td_error.data_ptr<float>();
   P.loss = out.loss.data_ptr<float>();
   P.mean_q = out.mean_q.data_ptr<float>();
   P.partials = partials.data_ptr<float>();
-  P.counter = counter ? counter : reinterpret_cast<unsigned*>(P.partials + 2 * grid);
-  if (!counter) C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
+  P.counter = reinterpret_cast<unsigned*>(P.partials + 2 * grid);
+  C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
   P.batch = static_cast<int>(batch);
   P.atoms = static_cast<int>(atoms);
   P.warps_per_sample = warps_per_sample;

@@ -7,9 +7,9 @@
 //   tf32: F32 dY x F32 operands on TF32 tensor cores (COMPUTE_32F_FAST_TF32); dX reads the
 //         F32 master weights, dW the saved BF16 activations upcast to F32 (exact).
 //   fp32: as tf32 with COMPUTE_32F_PEDANTIC (full-precision FMA, for checks).
-// Bias gradients are column sums of the unrounded F32 dZ in a fixed summation order (graph
-// replays and eager calls agree bitwise); a hidden layer's is the launch that applies its ReLU
-// mask (column_sum_kernel's masked jobs), the chunks of large batches added after the chain.
+// Bias gradients are column sums of the unrounded F32 dZ, every layer's in one launch (up to
+// kMaxColumnSumJobs layers) in a fixed summation order (graph replays and eager calls agree
+// bitwise).
 #include <algorithm>
 #include <string>
 #include <utility>
@@ -109,10 +109,30 @@ __global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const 
   }
 }
 
-// The ReLU's backward: dZ = (h > 0) ? dH : 0, the mask read off the saved BF16 activation h
-// (BF16 keeps F32's exponent range, so h > 0 exactly where the F32 pre-activation was). The
-// column sums' masked jobs (column_sum_kernel) and IQN's phi (iqn_backward_kernel) take it here.
-__device__ __forceinline__ float relu_grad(float d, float h) { return h > 0.f ? d : 0.f; }
+// In place: d = (h > 0) ? d : 0, the ReLU mask read off the saved BF16 activation (BF16 keeps
+// F32's exponent range, so h > 0 exactly where the F32 pre-activation was). Writes the BF16
+// copy for the `bf16` GEMMs when d_bf16 is not null.
+__global__ void relu_backward_kernel(float* __restrict__ d, const __nv_bfloat16* __restrict__ h,
+                                     __nv_bfloat16* __restrict__ d_bf16, int64_t n) {
+  pdl_enter();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float g = __bfloat162float(h[i]) > 0.f ? d[i] : 0.f;
+    d[i] = g;
+    if (d_bf16) d_bf16[i] = __float2bfloat16_rn(g);
+  }
+}
+// The same, 4 elements per thread (16-byte F32 and 8-byte BF16 accesses).
+__global__ void relu_backward_x4_kernel(float4* __restrict__ d, const uint2* __restrict__ h, uint2* __restrict__ d_bf16,
+                                        int64_t n4) {
+  pdl_enter();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 m = unpack_bf16x4(h[i]), v = d[i];
+    const float4 g = make_float4(m.x > 0.f ? v.x : 0.f, m.y > 0.f ? v.y : 0.f, m.z > 0.f ? v.z : 0.f,
+                                 m.w > 0.f ? v.w : 0.f);
+    d[i] = g;
+    if (d_bf16) d_bf16[i] = pack_bf16x4(g.x, g.y, g.z, g.w);
+  }
+}
 
 // IQN's layer backward (docs/iqn-design.md), a thread per (sample b, column t) of h_L [B, T]:
 // from dz = d(z) [B * N, T] (z = h_L * phi, no ReLU of its own),
@@ -132,7 +152,7 @@ __global__ void iqn_backward_kernel(const float* __restrict__ dz, const __nv_bfl
       const int64_t k = (b * N + i) * T + t;
       const float g = dz[k], p = __bfloat162float(phi[k]);
       acc += g * p;
-      const float d = relu_grad(g * hv, p);
+      const float d = p > 0.f ? g * hv : 0.f;
       dP[k] = d;
       if (dP_bf16) dP_bf16[k] = __float2bfloat16_rn(d);
     }
@@ -165,32 +185,19 @@ __global__ void upcast_kernel(UpcastJobs jobs) {
 // column_sum_chunks_kernel adds the chunks in order. Deterministic: the order depends only
 // on `rows`. Chunking the rows gives large batches enough blocks: one block per column tile
 // over all rows leaves most of the GPU idle (48 blocks for the reference network).
-//
-// A job with a mask (a hidden layer's saved activation h) is a ReLU backward too: the thread
-// that reads an element of dH replaces it in place by dZ = relu_grad(dH, h), writes dZ's BF16
-// copy (low, when not null) and sums dZ, so the layer needs no ReLU-backward launch of its own.
-// Every element of [rows, cols] is read by exactly one thread, and the sum takes the same values
-// in the same order as a plain job over the finished dZ: the same bits either way.
 constexpr int kColTile = 32, kRowLanes = 16, kRowUnroll = 4;
 constexpr int64_t kChunkRows = 512;
 constexpr int kMaxZeroRanges = 32;
 constexpr int kMaxColumnSumJobs = 8;
 struct ColumnSumJobs {
-  float* src[kMaxColumnSumJobs];                 // written only by a masked job (in place)
-  const __nv_bfloat16* mask[kMaxColumnSumJobs];  // null: a plain column sum
-  __nv_bfloat16* low[kMaxColumnSumJobs];         // a masked job's BF16 copy of dZ, or null
+  const float* src[kMaxColumnSumJobs];
   float* dst[kMaxColumnSumJobs];
   int64_t cols[kMaxColumnSumJobs];
-  // Job j owns column tiles [first_block[j], first_block[j+1]) in column_sum_kernel and indices
-  // [first_col[j], first_col[j+1]) in column_sum_chunks_kernel.
-  int64_t first_block[kMaxColumnSumJobs + 1];
-  int64_t first_col[kMaxColumnSumJobs + 1];
+  int64_t first_block[kMaxColumnSumJobs + 1];  // job j owns column tiles [first_block[j], first_block[j+1])
+  int64_t first_col[kMaxColumnSumJobs + 1];    // and columns [first_col[j], first_col[j+1]) of `partial`
   int count;
-  int64_t rows;  // column_sum_kernel: every job's
-  // With more than one chunk of rows: job j's chunk sums, [chunks[j], cols[j]] (chunk k's row
-  // at partial[j] + k * cols[j]), which column_sum_chunks_kernel adds in order.
-  float* partial[kMaxColumnSumJobs];
-  int64_t chunks[kMaxColumnSumJobs];
+  int64_t rows;
+  float* partial;  // [chunks, first_col[count]] when there is more than one chunk
   // The ranges [zero_begin, zero_end) of the gradient buffer that nothing else writes
   // (unwritten_ranges): block (0, 0) zeroes them, so the buffer needs no fill of its own.
   float* zero_base;
@@ -203,52 +210,6 @@ __device__ __forceinline__ int column_sum_job(const int64_t* first, int count, i
   int j = 0;
   while (j + 1 < count && i >= first[j + 1]) ++j;
   return j;
-}
-
-// One thread's share of a column in column_sum_kernel: rows r, r + kRowLanes, ... below r_end
-// (the elements at p, p + kRowLanes * cols, ...) into kRowUnroll accumulators, then their sum.
-// kMasked: each element is dH, made dZ = relu_grad(dH, h) in place (and its BF16 copy at low,
-// when not null) before it is summed; every load of a round comes before its stores. Two
-// instantiations: the plain sum keeps the registers it had, and the masked one pays for its own.
-template <bool kMasked>
-__device__ __forceinline__ float column_lane_sum(float* p, const __nv_bfloat16* m, __nv_bfloat16* low, int64_t r,
-                                                 int64_t r_end, int64_t cols) {
-  const int64_t step = kRowLanes * cols;  // between two of the thread's rows
-  auto take = [&](int64_t k, float v, float h) {
-    if (!kMasked) return v;
-    const float g = relu_grad(v, h);
-    p[k] = g;
-    if (low) low[k] = __float2bfloat16_rn(g);
-    return g;
-  };
-  float acc[kRowUnroll] = {};
-  for (; r + (kRowUnroll - 1) * kRowLanes < r_end; r += kRowUnroll * kRowLanes) {
-    float x[kRowUnroll], h[kRowUnroll];
-#pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) {
-      x[u] = p[u * step];
-      h[u] = kMasked ? __bfloat162float(m[u * step]) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) acc[u] += take(u * step, x[u], h[u]);
-    p += kRowUnroll * step;
-    if (kMasked) {
-      m += kRowUnroll * step;
-      if (low) low += kRowUnroll * step;
-    }
-  }
-  for (; r < r_end; r += kRowLanes) {
-    acc[0] += take(0, p[0], kMasked ? __bfloat162float(m[0]) : 0.f);
-    p += step;
-    if (kMasked) {
-      m += step;
-      if (low) low += step;
-    }
-  }
-  float s = 0.f;
-#pragma unroll
-  for (int u = 0; u < kRowUnroll; ++u) s += acc[u];
-  return s;
 }
 
 __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnSumJobs jobs) {
@@ -264,12 +225,15 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnS
   const int64_t r_end = std::min<int64_t>(jobs.rows, (blockIdx.y + 1) * kChunkRows);
   float s = 0.f;
   if (c < cols) {
-    const int64_t r = blockIdx.y * kChunkRows + threadIdx.y, at = r * cols + c;
-    if (jobs.mask[j])
-      s = column_lane_sum<true>(jobs.src[j] + at, jobs.mask[j] + at, jobs.low[j] ? jobs.low[j] + at : nullptr, r,
-                                r_end, cols);
-    else
-      s = column_lane_sum<false>(jobs.src[j] + at, nullptr, nullptr, r, r_end, cols);
+    const float* src = jobs.src[j] + c;
+    float acc[kRowUnroll] = {};
+    int64_t r = blockIdx.y * kChunkRows + threadIdx.y;
+    for (; r + (kRowUnroll - 1) * kRowLanes < r_end; r += kRowUnroll * kRowLanes)
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) acc[u] += src[(r + u * kRowLanes) * cols];
+    for (; r < r_end; r += kRowLanes) acc[0] += src[r * cols];
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) s += acc[u];
   }
   __shared__ float part[kRowLanes][kColTile];
   part[threadIdx.y][threadIdx.x] = s;
@@ -278,21 +242,18 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnS
     float t = 0.f;
     for (int i = 0; i < kRowLanes; ++i) t += part[i][threadIdx.x];
     if (gridDim.y == 1) jobs.dst[j][c] = t;
-    else jobs.partial[j][blockIdx.y * cols + c] = t;
+    else jobs.partial[blockIdx.y * jobs.first_col[jobs.count] + jobs.first_col[j] + c] = t;
   }
 }
 
-// The chunks of up to kMaxColumnSumJobs column sums (each its own chunk count: the jobs may
-// come from launches of different row counts), added in chunk order.
-__global__ void column_sum_chunks_kernel(ColumnSumJobs jobs) {
+__global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
   pdl_enter();
   const int64_t total = jobs.first_col[jobs.count];
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int j = column_sum_job(jobs.first_col, jobs.count, i);
-    const int64_t c = i - jobs.first_col[j];
     float t = 0.f;
-    for (int64_t k = 0; k < jobs.chunks[j]; ++k) t += jobs.partial[j][k * jobs.cols[j] + c];
-    jobs.dst[j][c] = t;
+    for (int k = 0; k < chunks; ++k) t += jobs.partial[k * total + i];
+    jobs.dst[j][i - jobs.first_col[j]] = t;
   }
 }
 
@@ -394,15 +355,9 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   // therefore run one GEMM each: one batch cannot add into one matrix.
   // The tensors the side stream reads live past the join: declared before `side`, they are
   // destroyed after its destructor joins, should an exception leave this function early.
-  // A layer's dZ (or IQN's dP) with its bias offset; summed: its bias gradient already written.
-  struct SavedDz {
-    Grad grad;
-    int64_t b_off;
-    bool summed;
-  };
-  Grad d_out;                    // the gradient flowing down the layers
-  std::vector<SavedDz> d_z;      // each layer's dZ (and IQN's dP), last layer first
-  std::vector<Tensor> partials;  // the column sums' chunks, read by the chunk launches
+  Grad d_out;                                  // the gradient flowing down the layers
+  std::vector<std::pair<Grad, int64_t>> d_z;   // each layer's dZ (and IQN's dP) with its bias offset
+  Tensor partial;                              // the column sums' chunks
   SideStream side(params.device());
   auto layer_backward = [&](const std::vector<HeadSlice>& blocks, const void* dy, int64_t dy_ld, int64_t in,
                             float* dx, const std::string& what) {
@@ -450,71 +405,6 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
               " input columns (the layout should have been rejected)");
   };
 
-  // Bias gradients: column sums of up to kMaxColumnSumJobs gradients of equal row counts in one
-  // launch. A job with a mask is also its layer's ReLU backward (column_sum_kernel). Past
-  // kChunkRows rows a launch writes its chunks' sums, and add_chunks adds every launch's chunks
-  // at the end (kMaxColumnSumJobs per launch). The first launch zeroes the gaps.
-  struct BiasJob {
-    const Grad* dz;
-    int64_t b_off;
-    const __nv_bfloat16* mask;  // the layer's saved activation, or null
-  };
-  bool gaps_zeroed = !zero_in_column_sums;
-  ColumnSumJobs chunked{};  // the jobs whose chunks are still to be added
-  auto add_chunks = [&](ColumnSumJobs& jobs) {
-    if (jobs.count == 0) return;
-    launch(column_sum_chunks_kernel, blocks_for(jobs.first_col[jobs.count], kThreads), kThreads, 0, stream, jobs);
-    jobs = ColumnSumJobs{};
-  };
-  auto column_sums = [&](const BiasJob* bias, size_t count) {
-    const int64_t rows = bias[0].dz->f32.size(0);
-    const int64_t chunks = std::max<int64_t>(1, (rows + kChunkRows - 1) / kChunkRows);
-    DQN_CHECK(chunks <= 65535, op, ": batch too large for the bias-gradient kernel (", rows, " rows)");
-    ColumnSumJobs jobs{};
-    jobs.count = static_cast<int>(count);
-    jobs.rows = rows;
-    jobs.zero_base = g;
-    jobs.zero_count = gaps_zeroed ? 0 : static_cast<int>(gaps.size());
-    gaps_zeroed = true;
-    for (int r = 0; r < jobs.zero_count; ++r) {
-      jobs.zero_begin[r] = gaps[r].first;
-      jobs.zero_end[r] = gaps[r].second;
-    }
-    jobs.first_block[0] = jobs.first_col[0] = 0;
-    for (int j = 0; j < jobs.count; ++j) {
-      const Grad& dz = *bias[j].dz;
-      DQN_CHECK(dz.f32.size(0) == rows, op, ": internal: a column-sum launch of mixed row counts");
-      jobs.src[j] = dz.f32.data_ptr<float>();
-      jobs.mask[j] = bias[j].mask;
-      jobs.low[j] = bias[j].mask ? dz.low_ptr() : nullptr;
-      jobs.cols[j] = dz.f32.size(1);
-      jobs.dst[j] = g + bias[j].b_off;
-      jobs.first_block[j + 1] = jobs.first_block[j] + (jobs.cols[j] + kColTile - 1) / kColTile;
-      jobs.first_col[j + 1] = jobs.first_col[j] + jobs.cols[j];
-    }
-    if (chunks > 1) {
-      partials.push_back(at::empty({chunks * jobs.first_col[jobs.count]}, f32));
-      for (int j = 0; j < jobs.count; ++j) {
-        jobs.partial[j] = partials.back().data_ptr<float>() + chunks * jobs.first_col[j];
-        jobs.chunks[j] = chunks;
-      }
-    }
-    launch(column_sum_kernel,
-           dim3(static_cast<unsigned>(jobs.first_block[jobs.count]), static_cast<unsigned>(chunks)),
-           dim3(kColTile, kRowLanes), 0, stream, jobs);
-    if (chunks == 1) return;
-    for (int j = 0; j < jobs.count; ++j) {  // queued for add_chunks
-      if (chunked.count == kMaxColumnSumJobs) add_chunks(chunked);
-      const int k = chunked.count++;
-      chunked.partial[k] = jobs.partial[j];
-      chunked.chunks[k] = chunks;
-      chunked.cols[k] = jobs.cols[j];
-      chunked.dst[k] = jobs.dst[j];
-      chunked.first_col[k + 1] = chunked.first_col[k] + jobs.cols[j];
-    }
-  };
-  bool head_summed = false;  // b_out's column sum (of d_head) launched
-
   // Output heads: dY = d_head, into d(last hidden activation).
   const int64_t last = static_cast<int64_t>(L.num_activations()) - 1;
   d_out = make_grad(activations[last].size(0), L.head_in_width);
@@ -522,11 +412,8 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
                  d_out.f32.data_ptr<float>(), "output heads");
 
   // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W. The BF16
-  // copy of a dX is written by the next ReLU backward, not by the GEMM. d_z keeps each layer's
+  // copy of a dX is written by the next relu_backward, not by the GEMM. d_z keeps each layer's
   // dZ for its bias gradient (and IQN's dP for b_phi's), with its bias offset, last layer first.
-  // A layer's ReLU backward is its own column-sum launch, a masked job (the first also sums
-  // b_out's d_head where the rows match): one launch for both the mask and the bias gradient,
-  // where each layer had a ReLU-backward launch and the column sums one more after the chain.
   for (int64_t i = M - 1; i >= 0; --i) {
     if (L.iqn() && i == L.trunk_layers - 1) {
       // d_out is d(z) on the B * N fraction rows: into d(h_L) [B, T] and phi's dP, dW_phi = dP^T c.
@@ -537,45 +424,72 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       launch(iqn_backward_kernel, blocks_for(B * T, kThreads), kThreads, 0, stream, d_out.f32.data_ptr<float>(), h_L,
              phi, dh.f32.data_ptr<float>(), dP.f32.data_ptr<float>(), dP.low_ptr(), B, T, rows / B);
       layer_backward(L.phi.blocks, dP.operand(bf16), T, static_cast<int64_t>(L.cos_activation()), nullptr, "phi");
-      d_z.push_back({std::move(dP), L.phi.b_off, false});
+      d_z.emplace_back(std::move(dP), L.phi.b_off);
       d_out = std::move(dh);
     }
     const HiddenLayer& layer = L.hidden[i];
     const int64_t out = static_cast<int64_t>(L.hidden_activation(static_cast<size_t>(i)));
-    const int64_t rows = activations[out].size(0);
-    BiasJob bias[2];
-    size_t count = 0;
-    if (!head_summed && d_head.f32.size(0) == rows) {
-      bias[count++] = {&d_head, L.b_out, nullptr};
-      head_summed = true;
-    }
-    bias[count++] = {&d_out, layer.b_off, static_cast<const __nv_bfloat16*>(activations[out].data_ptr())};
-    column_sums(bias, count);
+    const int64_t rows = activations[out].size(0), n = rows * layer.out_width;
+    float* d = d_out.f32.data_ptr<float>();
+    const auto* h = static_cast<const __nv_bfloat16*>(activations[out].data_ptr());
+    __nv_bfloat16* d_low = d_out.low_ptr();
+    if (n % 4 == 0 && aligned16(d, h, d_low))
+      launch(relu_backward_x4_kernel, blocks_for(n / 4, kThreads), kThreads, 0, stream, reinterpret_cast<float4*>(d),
+             reinterpret_cast<const uint2*>(h), reinterpret_cast<uint2*>(d_low), n / 4);
+    else
+      launch(relu_backward_kernel, blocks_for(n, kThreads), kThreads, 0, stream, d, h, d_low, n);
     const bool need_dx = i > 0 || need_grad_states;
     Grad d_in = need_dx ? make_grad(rows, layer.in_width) : Grad{};
     layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, out - 1,
                    need_dx ? d_in.f32.data_ptr<float>() : nullptr, hidden_layer_name(L, static_cast<size_t>(i)));
-    d_z.push_back({std::move(d_out), layer.b_off, true});
+    d_z.emplace_back(std::move(d_out), layer.b_off);
     d_out = std::move(d_in);
   }
 
-  // The bias gradients not summed along the chain: b_out's (rows unlike the last hidden layer's)
-  // and IQN's dP, kMaxColumnSumJobs of equal row counts per launch; then every chunked sum's
-  // chunks.
-  std::vector<BiasJob> rest;
-  if (!head_summed) rest.push_back({&d_head, L.b_out, nullptr});
-  for (const SavedDz& dz : d_z)
-    if (!dz.summed) rest.push_back({&dz.grad, dz.b_off, nullptr});
-  for (size_t first = 0, count = 0; first < rest.size(); first += count) {
-    const int64_t rows = rest[first].dz->f32.size(0);
+  // Bias gradients, column sums of b_out's dY and each hidden layer's dZ (last layer first):
+  // kMaxColumnSumJobs of equal row counts per launch (IQN's fraction rows, then the trunk's), plus
+  // one more past kChunkRows rows; the first also zeroes the gaps.
+  std::vector<std::pair<const Tensor*, int64_t>> bias_groups = {{&d_head.f32, L.b_out}};
+  for (const auto& dz : d_z) bias_groups.emplace_back(&dz.first.f32, dz.second);
+  // `partial` is reused by every launch: they run in stream order
+  for (size_t first = 0, count = 0; first < bias_groups.size(); first += count) {
+    const int64_t rows = bias_groups[first].first->size(0);
     count = 1;
-    while (count < static_cast<size_t>(kMaxColumnSumJobs) && first + count < rest.size() &&
-           rest[first + count].dz->f32.size(0) == rows)
+    while (count < static_cast<size_t>(kMaxColumnSumJobs) && first + count < bias_groups.size() &&
+           bias_groups[first + count].first->size(0) == rows)
       ++count;
-    column_sums(rest.data() + first, count);
+    const int64_t chunks = std::max<int64_t>(1, (rows + kChunkRows - 1) / kChunkRows);
+    DQN_CHECK(chunks <= 65535, op, ": batch too large for the bias-gradient kernel (", rows, " rows)");
+    ColumnSumJobs jobs{};
+    jobs.count = static_cast<int>(count);
+    jobs.rows = rows;
+    jobs.zero_base = g;
+    jobs.zero_count = first == 0 && zero_in_column_sums ? static_cast<int>(gaps.size()) : 0;
+    for (int r = 0; r < jobs.zero_count; ++r) {
+      jobs.zero_begin[r] = gaps[r].first;
+      jobs.zero_end[r] = gaps[r].second;
+    }
+    jobs.first_block[0] = jobs.first_col[0] = 0;
+    for (int j = 0; j < jobs.count; ++j) {
+      const auto& bias = bias_groups[first + j];
+      jobs.src[j] = bias.first->data_ptr<float>();
+      jobs.cols[j] = bias.first->size(1);
+      jobs.dst[j] = g + bias.second;
+      jobs.first_block[j + 1] = jobs.first_block[j] + (jobs.cols[j] + kColTile - 1) / kColTile;
+      jobs.first_col[j + 1] = jobs.first_col[j] + jobs.cols[j];
+    }
+    const int64_t cols = jobs.first_col[jobs.count];
+    if (chunks > 1) {
+      if (!partial.defined() || partial.numel() < chunks * cols) partial = at::empty({chunks * cols}, f32);
+      jobs.partial = partial.data_ptr<float>();
+    }
+    launch(column_sum_kernel,
+           dim3(static_cast<unsigned>(jobs.first_block[jobs.count]), static_cast<unsigned>(chunks)),
+           dim3(kColTile, kRowLanes), 0, stream, jobs);
+    if (chunks > 1)
+      launch(column_sum_chunks_kernel, blocks_for(cols, kThreads), kThreads, 0, stream, jobs,
+             static_cast<int>(chunks));
   }
-  add_chunks(chunked);
-  DQN_CHECK(gaps_zeroed, op, ": internal: no column-sum launch zeroed the gradient's gaps");
 
   side.join();  // the dW GEMMs
   // d_out is now d(states) (undefined without need_grad_states).

@@ -495,10 +495,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
     P.partials[gridDim.x + blockIdx.x] = q;
     // The last block to finish sums every block's partial (threadFenceReduction, CUDA
     // samples): the fence makes this block's partials visible before its ticket is taken.
-    // atomicInc wraps the last ticket to 0: the counter is 0 again once every block has taken
-    // one, ready for the next launch that owns it (loss.cu, captured_counter).
     __threadfence();
-    last_block = atomicInc(P.counter, gridDim.x - 1) == gridDim.x - 1;
+    last_block = atomicAdd(P.counter, 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (last_block) {
