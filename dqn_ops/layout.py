@@ -82,6 +82,23 @@ def check_int(config: str, field: str, value, minimum: Optional[int] = None) -> 
     return value
 
 
+def check_seed(config: str, seed) -> int:
+    """A seed: an int whose low 64 bits key the Philox streams and seed torch.Generator, in
+    [-2^63, 2^64) (torch.Generator's range). Returns it as an int."""
+    seed = check_int(config, "seed", seed)
+    if not -(1 << 63) <= seed < (1 << 64):
+        raise ValueError(f"{config}: seed must be an int in [-2^63, 2^64) (a 64-bit key), got {seed}")
+    return seed
+
+
+def check_betas(config: str, betas) -> Tuple[float, float]:
+    """Adam's (beta1, beta2), each in [0, 1), as a tuple of floats."""
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__iter__") or len(tuple(betas)) != 2:
+        raise (ValueError if hasattr(betas, "__iter__") else TypeError)(
+            f"{config}: betas must be a pair (beta1, beta2) of numbers in [0, 1), got {betas!r}")
+    return tuple(check_float(config, f"betas[{i}]", b, low=0.0, high=1.0, high_open=True) for i, b in enumerate(betas))
+
+
 def check_int_tuple(config: str, field: str, value, minimum: int, expected: str,
                     length: Optional[int] = None) -> Tuple[int, ...]:
     """A non-empty sequence of ints >= `minimum` (of `length` entries when given), as a tuple."""

@@ -7,7 +7,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .layout import check_float
+from .layout import check_betas, check_float
 from .ops import ema_update, fused_adam_bf16
 
 
@@ -54,9 +54,7 @@ class FusedAdamBF16(torch.optim.Optimizer):
         if not (isinstance(lr, Tensor) or lr >= 0):
             raise ValueError(f"FusedAdamBF16: lr must be >= 0, got {lr}")
         n = "FusedAdamBF16"
-        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__iter__") or len(tuple(betas)) != 2:
-            raise ValueError(f"{n}: betas must be a pair (beta1, beta2) of numbers in [0, 1), got {betas!r}")
-        betas = tuple(check_float(n, f"betas[{i}]", b, low=0.0, high=1.0, high_open=True) for i, b in enumerate(betas))
+        betas = check_betas(n, betas)
         eps = check_float(n, "eps", eps, low=0.0)
         weight_decay = check_float(n, "weight_decay", weight_decay, low=0.0)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

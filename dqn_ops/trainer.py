@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import ops, side_stream
 from .graphed import CapturedStep, on_device
-from .layout import DQNConfig, check_bool, check_choice, check_float, check_int
+from .layout import DQNConfig, check_betas, check_bool, check_choice, check_float, check_int, check_seed
 from .network import DuelingBranchQNet
 from .optim import FusedAdamBF16
 from .readback import DeferredReadback
@@ -101,11 +101,7 @@ class TrainerConfig:
         n = "TrainerConfig"
         self._set("batch_size", check_int(n, "batch_size", self.batch_size, minimum=1))
         self._set("lr", check_float(n, "lr", self.lr, low=0.0, low_open=True))
-        if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__iter__") or len(tuple(self.betas)) != 2:
-            raise (ValueError if hasattr(self.betas, "__iter__") else TypeError)(
-                f"{n}: betas must be a pair (beta1, beta2) of numbers in [0, 1), got {self.betas!r}")
-        self._set("betas", tuple(check_float(n, f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
-                                 for i, b in enumerate(self.betas)))
+        self._set("betas", check_betas(n, self.betas))
         self._set("adam_eps", check_float(n, "adam_eps", self.adam_eps, low=0.0))
         self._set("weight_decay", check_float(n, "weight_decay", self.weight_decay, low=0.0))
         check_bool(n, "decoupled_weight_decay", self.decoupled_weight_decay)
@@ -576,9 +572,7 @@ def check_trainer_args(owner: str, net_config, config, device, seed) -> Tuple[DQ
     if config is not None and not isinstance(config, TrainerConfig):
         raise TypeError(f"{owner}: config must be a dqn_ops.TrainerConfig (or None: the defaults), got "
                         f"{type(config).__name__}")
-    check_int(owner, "seed", seed)
-    if not -(1 << 63) <= seed < (1 << 64):
-        raise ValueError(f"{owner}: seed must be an int in [-2^63, 2^64) (torch.Generator's range), got {seed}")
+    check_seed(owner, seed)
     return net_config or DQNConfig(), config or TrainerConfig(), torch.device(device)
 
 

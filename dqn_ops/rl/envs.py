@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from dqn_ops import ops
-from dqn_ops.layout import check_float, check_int
+from dqn_ops.layout import check_float, check_int, check_seed
 
 DIRECTIONS = (-1.0, 0.0, 1.0)
 SIZES = (0.5, 1.0, 2.0)
@@ -113,9 +113,7 @@ class FuturesTradingEnv:
         n = "FuturesTradingEnv"
         num_envs = check_int(n, "num_envs", num_envs, minimum=1)
         episode_length = check_int(n, "episode_length", episode_length, minimum=1)
-        check_int(n, "seed", seed)
-        if not -(1 << 63) <= seed < (1 << 64):
-            raise ValueError(f"{n}: seed must be an int in [-2^63, 2^64) (the Philox key's 64 bits), got {seed}")
+        seed = check_seed(n, seed)
         for field, value in (("kappa", kappa), ("trend", trend), ("sigma_fair", sigma_fair)):
             check_float(n, field, value)
         sigma = check_float(n, "sigma", sigma, low=0.0, low_open=True)  # the features are in units of it

@@ -214,15 +214,11 @@ class TrainingLoop:
             self._eager(left)
 
     def _replay_holds_a_batch(self) -> bool:
-        """Whether the replay holds a batch: from the host's count of what was added while it
-        proves it (each env's pending n-step window holds at most n - 1 of its steps), else from
-        the device (a read, so a sync: only until the replay has filled)."""
-        if self._replay_ready:
-            return True
-        rb, B = self.replay, self.trainer.config.batch_size
-        n, E = getattr(rb, "n_step", 1), getattr(rb, "num_envs", 1)
-        at_least = getattr(rb, "_rows_added", 0) + E * max(0, getattr(rb, "_steps_added", 0) - (n - 1))
-        self._replay_ready = min(at_least, getattr(rb, "capacity", at_least)) >= B or rb.size >= B
+        """Whether the replay holds a batch: from the host's count (``rows_at_least``) while it
+        proves it, else from the device (a read, so a sync: only until the replay has filled)."""
+        if not self._replay_ready:
+            B = self.trainer.config.batch_size
+            self._replay_ready = getattr(self.replay, "rows_at_least", 0) >= B or self.replay.size >= B
         return self._replay_ready
 
     def _run_chunk(self):

@@ -154,6 +154,14 @@ class ReplayBuffer:
         return int(self.cursor[1].item())
 
     @property
+    def rows_at_least(self) -> int:
+        """A lower bound on the filled rows from the host's own count of what was added (no
+        device read): add()'s rows, and add_steps()' calls less the n - 1 steps each env's
+        pending window may hold. Calls captured in a CUDA graph and replayed are not counted."""
+        pending = max(0, self._steps_added - (self.n_step - 1))
+        return min(self.capacity, self._rows_added + (self.num_envs or 1) * pending)
+
+    @property
     def next(self) -> int:
         """The next row written (reads the device)."""
         return int(self.cursor[0].item())
