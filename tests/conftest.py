@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import sys
@@ -15,6 +16,23 @@ CUDA_SKIP_REASON = ("no CUDA device here" if not torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU clock: far longer than a warm op's launch on the host
+
+
+@contextlib.contextmanager
+def behind_a_sleep(cycles: int = SLEEP_CYCLES):
+    """The current stream sleeps, then the body's launches queue behind it. A stream test's
+    power rests on the sleep outlasting the host's enqueueing: work launched on another stream
+    would run at once, before what the body queued ahead of it. If the sleep had already ended
+    when the body returned (a slow host, a first call's module load), the test could not have
+    seen a wrong stream, so it fails here rather than pass unchecked."""
+    torch.cuda._sleep(cycles)
+    slept = torch.cuda.Event()
+    slept.record()
+    yield
+    assert not slept.query(), (f"the host took longer than the {cycles}-cycle sleep to enqueue this test's launches: "
+                               f"the test could not tell the streams apart (warm the ops up first)")
 
 
 _XDIST_WORKER = False  # this process is an xdist worker (its reports also reach the controller)

@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dqn_ops
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, behind_a_sleep, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, Trainer, TrainerConfig
 from dqn_ops.trainer import greedy_actions, greedy_from_logits
 from poison import poison_cuda_cache
@@ -660,8 +660,7 @@ def test_cuda_runs_on_the_tensors_device_and_current_stream():
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     rng = rng_of(0, 0, "cuda")
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(20_000_000)
+    with torch.cuda.stream(side), behind_a_sleep():
         s.copy_(fresh)
         out = call_act(net, s, eps_of(0.0, "cuda"), rng)
     torch.cuda.synchronize()

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import dqn_ops
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, behind_a_sleep, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout
 from poison import poison_cuda_cache
 from reference import (CONFIGS, TINY, ReferenceNet, dueling_head_grad, reference_backward, reference_net_like,
@@ -482,10 +482,9 @@ def test_ops_run_on_the_current_side_stream():
     expected = dqn_ops.bf16_dueling_forward(fresh, *args).q_logits
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), behind_a_sleep():
         # The side stream is busy, then writes the new states: an op that launched on any
         # other stream would run at once on the old states.
-        torch.cuda._sleep(20_000_000)
         s.copy_(fresh)
         q = dqn_ops.bf16_dueling_forward(s, *args).q_logits
     torch.cuda.synchronize()

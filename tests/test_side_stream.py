@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dqn_ops
-from conftest import requires_cuda
+from conftest import behind_a_sleep, requires_cuda
 from dqn_ops import DQNConfig, Trainer, TrainerConfig, _C, ops, side_stream
 from dqn_ops.side_stream import LANE_GROUPS, LANE_STEP, Branch, group_lane
 from dqn_ops.step import GroupsStep, PublicOpsStep
@@ -25,7 +25,6 @@ from test_groups_ops import on, trainer_batch
 from test_groups_reference import LOSS_TYPES, NETS
 from test_iqn_trainer import TINY_IQN
 from test_iqn_trainer import batch as iqn_batch
-from test_streams import SLEEP_CYCLES
 from test_trainer import TINY_C51
 
 ENV = "DQN_OPS_SIDE_STREAM"
@@ -229,15 +228,14 @@ def test_a_branch_forks_after_and_joins_before_the_current_streams_work():
     x = torch.zeros(1 << 20, device="cuda")
     y = torch.zeros_like(x)
     torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    x.fill_(1)  # behind a sleep: a branch that did not wait for it copies the zeros
-    branch = Branch(x.device, LANE_STEP)
-    try:
-        with branch:
-            torch.cuda._sleep(SLEEP_CYCLES)
-            y.copy_(x).add_(1)  # behind a sleep on the side stream: the read below must wait for it
-    finally:
-        branch.join()
+    with behind_a_sleep():
+        x.fill_(1)  # behind a sleep: a branch that did not wait for it copies the zeros
+        branch = Branch(x.device, LANE_STEP)
+        try:
+            with branch, behind_a_sleep():
+                y.copy_(x).add_(1)  # behind a sleep on the side stream: the read below must wait for it
+        finally:
+            branch.join()
     assert torch.equal(y.clone(), torch.full_like(x, 2))
 
 

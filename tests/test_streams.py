@@ -3,18 +3,16 @@ import pytest
 import torch
 
 import dqn_ops
-from conftest import requires_cuda
-
-SLEEP_CYCLES = 20_000_000  # ~10 ms: long enough for a kernel on another stream to run first
+from conftest import SLEEP_CYCLES, behind_a_sleep, requires_cuda
 
 
 def _on_busy_side_stream(prepare, run):
     """On a side stream: sleep, then `prepare()` writes the inputs, then `run()`. An op that
-    launched on any other stream would run at once, on the inputs before prepare()."""
+    launched on any other stream would run at once, on the inputs before prepare(). `run`'s ops
+    must have run once before (warm), so that the host enqueues them within the sleep."""
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(SLEEP_CYCLES)
+    with torch.cuda.stream(side), behind_a_sleep():
         prepare()
         out = run()
     torch.cuda.synchronize()
