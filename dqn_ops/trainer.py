@@ -242,18 +242,9 @@ class Trainer:
         self.spectral = (SpectralNorm(self.online, cfg.sigma_max, cfg.n_power_iterations, generator=gen).to(self.device)
                          if cfg.sigma_max is not None else None)
 
-        B, D = cfg.batch_size, c.num_branches
+        B = cfg.batch_size
         dev = self.device
-        # s and s' are the two halves of one [2B, SD] buffer: the online network runs on both
-        # in one forward pass (one launch sequence instead of two).
-        self._state_pairs = torch.zeros(2 * B, c.state_dim, device=dev)
-        self.inputs: Dict[str, Tensor] = dict(
-            states=self._state_pairs[:B], actions=torch.zeros(B, D, dtype=torch.long, device=dev),
-            rewards=torch.zeros(B, device=dev), next_states=self._state_pairs[B:],
-            dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
-        if cfg.uses_masks:  # the replay rows the bootstrap masks are drawn for
-            self.inputs["indices"] = torch.zeros(B, dtype=torch.long, device=dev)
-        self.inputs = static_inputs(self.inputs)
+        self._state_pairs, self.inputs = input_buffers(c, cfg, dev)
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
         step_kw = dict(v_min=cfg.v_min, v_max=cfg.v_max, gamma=cfg.gamma, precision=cfg.backward_precision)
@@ -587,6 +578,20 @@ def check_epsilon(owner: str, epsilon):
         raise TypeError(f"{owner}: epsilon must be a one-element float32 tensor on the trainer's device (read "
                         f"there: a schedule fill_()s it without a sync, a captured graph replays its current "
                         f"value), got {type(epsilon).__name__}: e.g. torch.full((1,), {epsilon!r}, device=...)")
+
+
+def input_buffers(c: DQNConfig, cfg: TrainerConfig, device) -> Tuple[Tensor, Mapping[str, Tensor]]:
+    """A trainer's input buffers for one batch (``static_inputs``), zeroed (the weights 1), and
+    the [2B, state_dim] buffer whose two halves are its ``states`` and ``next_states``: the
+    online network runs on both in one forward pass (one launch sequence instead of two)."""
+    B, D = cfg.batch_size, c.num_branches
+    state_pairs = torch.zeros(2 * B, c.state_dim, device=device)
+    buffers = dict(states=state_pairs[:B], actions=torch.zeros(B, D, dtype=torch.long, device=device),
+                   rewards=torch.zeros(B, device=device), next_states=state_pairs[B:],
+                   dones=torch.zeros(B, device=device), weights=torch.ones(B, device=device))
+    if cfg.uses_masks:  # the replay rows the bootstrap masks are drawn for
+        buffers["indices"] = torch.zeros(B, dtype=torch.long, device=device)
+    return state_pairs, static_inputs(buffers)
 
 
 def static_inputs(buffers: Dict[str, Tensor]) -> Mapping[str, Tensor]:

@@ -15,8 +15,8 @@ from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
 from ..step import quantile_midpoints
 from ..trainer import (STAT_FIELDS, TrainerConfig, check_device_available, check_epsilon, check_trainer_args,
-                       ensemble_score, expected_q, greedy_from_logits, group_loss_types, group_mask_seed, load_batch,
-                       resolve_loss_type, static_inputs)
+                       ensemble_score, expected_q, greedy_from_logits, group_loss_types, group_mask_seed,
+                       input_buffers, load_batch, resolve_loss_type)
 
 
 class TorchQNet(nn.Module):
@@ -321,20 +321,14 @@ class TorchTrainer:
         self.weights = [params[name] for name in init_sn.names]
         rows = [w.shape[0] for w in self.weights]
         self.us = [u.clone().to(self.device) for u in torch.split(init_sn.u, rows)]
-        B, D = cfg.batch_size, c.num_branches
+        B = cfg.batch_size
         dev = self.device
-        self.inputs = dict(
-            states=torch.zeros(B, c.state_dim, device=dev), actions=torch.zeros(B, D, dtype=torch.long, device=dev),
-            rewards=torch.zeros(B, device=dev), next_states=torch.zeros(B, c.state_dim, device=dev),
-            dones=torch.zeros(B, device=dev), weights=torch.ones(B, device=dev))
-        if cfg.uses_masks:  # the replay rows the bootstrap masks are drawn for
-            self.inputs["indices"] = torch.zeros(B, dtype=torch.long, device=dev)
-        self.inputs = static_inputs(self.inputs)
+        _, self.inputs = input_buffers(c, cfg, dev)
         self._ones = torch.ones(B, device=dev)  # the weights of a batch without them
         self.td_error = torch.zeros(B, device=dev)
         # act_explore's constant, made before any capture (a host-to-device copy cannot be captured)
         self._branch_sizes = torch.tensor(c.branches, device=dev)
-        self._branch_offsets = torch.tensor([sum(c.branches[:d]) for d in range(D)], device=dev)
+        self._branch_offsets = torch.tensor([sum(c.branches[:d]) for d in range(c.num_branches)], device=dev)
         # The draws with 'philox': dqn_ops.Trainer's explore_rng and fraction_rng for this seed.
         self.explore_rng = ops.philox_rng(seed, dev)
         self.fraction_rng = ops.philox_rng(seed, dev)
