@@ -35,6 +35,18 @@ def behind_a_sleep(cycles: int = SLEEP_CYCLES):
                                f"the test could not tell the streams apart (warm the ops up first)")
 
 
+def warm_side_stream(warm_up):
+    """A new stream with warm_up() run on it once, and warm_up's result. A stream's first launches
+    allocate (the caching allocator keeps its blocks per stream; torch's cuBLAS takes a workspace
+    per stream) for longer than a sleep need last, so a stream test that queues its ops behind a
+    sleep on a side stream warms them on that stream first."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out = warm_up()
+    torch.cuda.synchronize()
+    return side, out
+
+
 _XDIST_WORKER = False  # this process is an xdist worker (its reports also reach the controller)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dqn_ops
-from conftest import DEVICES, behind_a_sleep, requires_cuda
+from conftest import DEVICES, behind_a_sleep, requires_cuda, warm_side_stream
 from dqn_ops import DQNConfig, DuelingBranchQNet, Trainer, TrainerConfig
 from dqn_ops.trainer import greedy_actions, greedy_from_logits
 from poison import poison_cuda_cache
@@ -656,13 +656,12 @@ def test_cuda_runs_on_the_tensors_device_and_current_stream():
     net = make_net(c, "cuda")
     s = torch.randn(64, c.state_dim, device="cuda")
     fresh = torch.randn(64, c.state_dim, device="cuda")
-    expected = call_act(net, fresh, eps_of(0.0, "cuda"), rng_of(0, 0, "cuda"))
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
+    eps = eps_of(0.0, "cuda")
+    side, expected = warm_side_stream(lambda: call_act(net, fresh, eps, rng_of(0, 0, "cuda")))
     rng = rng_of(0, 0, "cuda")
     with torch.cuda.stream(side), behind_a_sleep():
         s.copy_(fresh)
-        out = call_act(net, s, eps_of(0.0, "cuda"), rng)
+        out = call_act(net, s, eps, rng)
     torch.cuda.synchronize()
     assert torch.equal(out.actions, expected.actions) and torch.equal(out.greedy_q, expected.greedy_q)
     assert rng.tolist() == [0, 1]

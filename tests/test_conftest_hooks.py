@@ -27,13 +27,22 @@ def test_setup_fails(broken):
 '''
 
 
+def _demo_env(**settings):
+    """The environment of a pytest run over a demo file: this one's, without the selection the
+    outer run was given (a shard or the CUDA-only filter would drop the demo's tests), plus
+    `settings`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DQN_OPS_TEST_SHARD", "DQN_OPS_TEST_CUDA_ONLY", "DQN_OPS_FAILURE_LOG")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
+    return dict(env, **settings)
+
+
 @pytest.mark.parametrize("workers", [None, 2])
 def test_failures_are_logged_as_they_happen(tmp_path, workers):
     shutil.copy(os.path.join(HERE, "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_demo.py").write_text(DEMO)
     log = tmp_path / "failures.log"
-    env = dict(os.environ, DQN_OPS_FAILURE_LOG=str(log), PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = _demo_env(DQN_OPS_FAILURE_LOG=str(log))
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_demo.py"]
     if workers:
         pytest.importorskip("xdist", reason="pytest-xdist is not installed (the GPU runs use it)")
@@ -71,8 +80,7 @@ def test_refuses_cuda_tensors_named():
 def test_cuda_only_selection_keeps_what_touches_cuda(tmp_path):
     shutil.copy(os.path.join(HERE, "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_sel.py").write_text(SELECTION_DEMO)
-    env = dict(os.environ, DQN_OPS_TEST_CUDA_ONLY="1", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = _demo_env(DQN_OPS_TEST_CUDA_ONLY="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
                           "test_sel.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr

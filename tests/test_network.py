@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import dqn_ops
-from conftest import DEVICES, behind_a_sleep, requires_cuda
+from conftest import DEVICES, behind_a_sleep, requires_cuda, warm_side_stream
 from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout
 from poison import poison_cuda_cache
 from reference import (CONFIGS, TINY, ReferenceNet, dueling_head_grad, reference_backward, reference_net_like,
@@ -479,9 +479,7 @@ def test_ops_run_on_the_current_side_stream():
     s = random_states(c, 64, "cuda")
     args = (net.flat_params.detach(), net.params_bf16, net._layout_ints)
     fresh = random_states(c, 64, "cuda")
-    expected = dqn_ops.bf16_dueling_forward(fresh, *args).q_logits
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
+    side, expected = warm_side_stream(lambda: dqn_ops.bf16_dueling_forward(fresh, *args).q_logits)
     with torch.cuda.stream(side), behind_a_sleep():
         # The side stream is busy, then writes the new states: an op that launched on any
         # other stream would run at once on the old states.

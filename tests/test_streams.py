@@ -3,15 +3,14 @@ import pytest
 import torch
 
 import dqn_ops
-from conftest import SLEEP_CYCLES, behind_a_sleep, requires_cuda
+from conftest import SLEEP_CYCLES, behind_a_sleep, requires_cuda, warm_side_stream
 
 
-def _on_busy_side_stream(prepare, run):
-    """On a side stream: sleep, then `prepare()` writes the inputs, then `run()`. An op that
-    launched on any other stream would run at once, on the inputs before prepare(). `run`'s ops
-    must have run once before (warm), so that the host enqueues them within the sleep."""
+def _on_busy_side_stream(side, prepare, run):
+    """On `side`: sleep, then `prepare()` writes the inputs, then `run()`. An op that launched on
+    any other stream would run at once, on the inputs before prepare(). `run`'s ops must have run
+    on `side` once before (`warm_side_stream`), so that the host enqueues them within the sleep."""
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
     with torch.cuda.stream(side), behind_a_sleep():
         prepare()
         out = run()
@@ -26,8 +25,8 @@ def test_dqn_loss_on_a_side_stream():
     fresh = torch.randn(B, 6, NA, device="cuda")
     a = torch.randint(0, 3, (B, 2), device="cuda")
     r, d = torch.randn(B, device="cuda"), torch.zeros(B, device="cuda")
-    expected = dqn_ops.dqn_loss(fresh, qn, qn, a, r, d, br)
-    out = _on_busy_side_stream(lambda: q.copy_(fresh), lambda: dqn_ops.dqn_loss(q, qn, qn, a, r, d, br))
+    side, expected = warm_side_stream(lambda: dqn_ops.dqn_loss(fresh, qn, qn, a, r, d, br))
+    out = _on_busy_side_stream(side, lambda: q.copy_(fresh), lambda: dqn_ops.dqn_loss(q, qn, qn, a, r, d, br))
     for x, y in zip(out, expected):
         assert torch.equal(x, y)
 
@@ -45,10 +44,13 @@ def test_optimizer_ema_and_spectral_norm_on_a_side_stream():
     target, target_twin = dqn_ops.DuelingBranchQNet().cuda(), dqn_ops.DuelingBranchQNet().cuda()
     target_twin.load_state_dict(target.state_dict())
 
-    twin.flat_params.grad = grads.clone()
-    opt_twin.step()
-    sn_twin()
-    dqn_ops.ema_update_(target_twin, twin, 0.3)
+    def run_twin():
+        twin.flat_params.grad = grads.clone()
+        opt_twin.step()
+        sn_twin()
+        dqn_ops.ema_update_(target_twin, twin, 0.3)
+
+    side, _ = warm_side_stream(run_twin)
 
     net.flat_params.grad = torch.zeros_like(grads)
 
@@ -57,7 +59,7 @@ def test_optimizer_ema_and_spectral_norm_on_a_side_stream():
         sn()
         dqn_ops.ema_update_(target, net, 0.3)
 
-    _on_busy_side_stream(lambda: net.flat_params.grad.copy_(grads), run)
+    _on_busy_side_stream(side, lambda: net.flat_params.grad.copy_(grads), run)
     for x, y in [(net.flat_params, twin.flat_params), (net.params_bf16, twin.params_bf16), (sn.u, sn_twin.u),
                  (target.flat_params, target_twin.flat_params), (target.params_bf16, target_twin.params_bf16)]:
         assert torch.equal(x, y)
