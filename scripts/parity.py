@@ -38,7 +38,9 @@ had NaN/Inf, else "inconclusive" if any figure is, else "pass"; "pass" is true o
 
 `--reanalyze FILE` recomputes the figures and the verdict from the per-seed numbers of an
 existing result file (no training), keeping its runs and meta (device, torch, date) and adding
-the analysis date, and rewrites FILE and its .md beside it.
+the analysis date, and rewrites FILE and its .md beside it. `--merge FILE FILE ...` analyses the
+seeds of several files as one (waves of seeds run in separate calls; they must have trained alike
+on disjoint seeds) into <out>/<name>.json and .md.
 
 "Final Sharpe" is the mean of the last 5 epochs' held-out evaluations (each a greedy episode
 on 128 unseen markets), so that one noisy evaluation does not decide it.
@@ -280,24 +282,63 @@ def write_result(result: dict, stem: str) -> list:
     return lines
 
 
-def reanalyze(path: str, confidence: float = CONFIDENCE) -> tuple[dict, list]:
-    """Re-analyses an existing result file from its runs' per-seed numbers (no training): keeps
-    its runs and meta, adds meta["analysis"] (date, method) and rewrites it and its .md."""
+ANALYSIS_METHOD = ("paired per-seed differences BF16 - F32 relative to |mean F32|, Student-t interval of their "
+                   "mean; pass inside the band, fail outside, else inconclusive")
+
+# What every merged file must agree on: the runs are one experiment's only if they trained alike.
+MERGE_KEYS = ("epochs", "steps_per_epoch", "batch", "device", "tiny_network", "train_args", "torch_exploration",
+              "f32_path", "bf16_path")
+
+
+def _load_runs(path: str) -> tuple[dict, dict, dict]:
+    """A result file's contents, its meta and its per-seed runs keyed by int seed, every seed present."""
     with open(path) as f:
         old = json.load(f)
     meta = dict(old["meta"])
-    seeds = list(meta["seeds"])
     runs = {p: {int(s): r for s, r in old["runs"][p].items()} for p in ("f32", "bf16")}
-    missing = [(p, s) for p in runs for s in seeds if s not in runs[p]]
+    missing = [(p, s) for p in runs for s in meta["seeds"] if s not in runs[p]]
     if missing:
-        raise SystemExit(f"parity.py --reanalyze {path}: the file has no per-seed figures for {missing}")
-    meta["analysis"] = dict(date=datetime.date.today().isoformat(), confidence=confidence,
-                            method="paired per-seed differences BF16 - F32 relative to |mean F32|, Student-t "
-                                   "interval of their mean; pass inside the band, fail outside, else inconclusive",
+        raise SystemExit(f"parity.py: {path} has no per-seed figures for {missing}")
+    return old, meta, runs
+
+
+def reanalyze(path: str, confidence: float = CONFIDENCE) -> tuple[dict, list]:
+    """Re-analyses an existing result file from its runs' per-seed numbers (no training): keeps
+    its runs and meta, adds meta["analysis"] (date, method) and rewrites it and its .md."""
+    old, meta, runs = _load_runs(path)
+    meta["analysis"] = dict(date=datetime.date.today().isoformat(), confidence=confidence, method=ANALYSIS_METHOD,
                             original=dict(passed=old.get("pass"),
                                           compared=sorted({f.get("compared", "") for f in old["figures"].values()})))
-    result = analyse(runs, seeds, meta, confidence)
+    result = analyse(runs, list(meta["seeds"]), meta, confidence)
     stem = path[:-len(".json")] if path.endswith(".json") else path
+    return result, write_result(result, stem)
+
+
+def merge(paths: list, stem: str, confidence: float = CONFIDENCE) -> tuple[dict, list]:
+    """One analysis of the seeds of several result files (waves of seeds run in separate calls,
+    e.g. a device's time limit): they must have trained alike (MERGE_KEYS) on disjoint seeds.
+    Writes <stem>.json / .md; meta["parts"] keeps each file's seeds, GPU, torch and date."""
+    parts = [(p, *_load_runs(p)[1:]) for p in paths]
+    first = parts[0][1]
+    for path, meta, _ in parts[1:]:
+        differ = [k for k in MERGE_KEYS if meta.get(k) != first.get(k)]
+        if differ:
+            raise SystemExit(f"parity.py --merge: {path} differs from {parts[0][0]} in {differ}: not one experiment")
+    seeds = [s for _, meta, _ in parts for s in meta["seeds"]]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"parity.py --merge: a seed is in more than one file: {sorted(seeds)}")
+    runs = {p: {s: r for _, _, part in parts for s, r in part[p].items()} for p in ("f32", "bf16")}
+    gpus = sorted({meta.get("gpu") or meta["device"] for _, meta, _ in parts})
+    today = datetime.date.today().isoformat()
+    meta = {k: first.get(k) for k in MERGE_KEYS}
+    meta.update(seeds=sorted(seeds), gpu=" + ".join(gpus), torch=" + ".join(sorted({m["torch"] for _, m, _ in parts})),
+                date=" .. ".join(sorted({m["date"] for _, m, _ in parts})),
+                jobs=" / ".join(sorted({str(m.get("jobs")) for _, m, _ in parts})),
+                parts=[dict(file=os.path.basename(path), seeds=m["seeds"], gpu=m.get("gpu"), torch=m["torch"],
+                            date=m["date"], jobs=m.get("jobs")) for path, m, _ in parts],
+                **{k: first[k] for k in ("final_sharpe_definition", "vram_criterion") if k in first},
+                analysis=dict(date=today, confidence=confidence, method=ANALYSIS_METHOD))
+    result = analyse(runs, meta["seeds"], meta, confidence)
     return result, write_result(result, stem)
 
 
@@ -339,11 +380,20 @@ def main():
     ap.add_argument("--reanalyze", metavar="FILE",
                     help="re-analyse an existing result file from its per-seed figures (no training) and rewrite "
                          "it and its .md")
+    ap.add_argument("--merge", metavar="FILE", nargs="+",
+                    help="one analysis of the seeds of several result files (the same training on disjoint seeds, "
+                         "run in separate calls), written as <out>/<name>.json and .md (no training)")
     args = ap.parse_args()
     if not 0 < args.confidence < 1:
         ap.error(f"--confidence: expected a number in (0, 1), got {args.confidence}")
-    if args.reanalyze:
-        result, lines = reanalyze(args.reanalyze, args.confidence)
+    if args.reanalyze and args.merge:
+        ap.error("--reanalyze and --merge: one at a time")
+    if args.reanalyze or args.merge:
+        if args.merge:
+            os.makedirs(args.out, exist_ok=True)
+            result, lines = merge(args.merge, os.path.join(args.out, args.name), args.confidence)
+        else:
+            result, lines = reanalyze(args.reanalyze, args.confidence)
         print("\n".join(lines))
         return
     if args.jobs < 1:
@@ -396,10 +446,7 @@ def main():
                 else "dqn_ops.Trainer with an F32 mirror (TrainerConfig(mirror='f32'): the same kernels, nothing rounded)",
                 bf16_path="dqn_ops.Trainer (BF16 forward, bf16 backward, CUDA graph)" if args.bf16_backend == "dqn_ops"
                 else "dqn_ops.rl.baseline.TorchTrainer under torch.autocast(bfloat16)",
-                analysis=dict(date=today, confidence=args.confidence,
-                              method="paired per-seed differences BF16 - F32 relative to |mean F32|, Student-t "
-                                     "interval of their mean; pass inside the band, fail outside, else "
-                                     "inconclusive"))
+                analysis=dict(date=today, confidence=args.confidence, method=ANALYSIS_METHOD))
     result = analyse(runs, seeds, meta, args.confidence)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name)

@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import loads_strict_json  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from parity import compare, paired_analysis, reanalyze, t_quantile  # noqa: E402
+from parity import compare, merge, paired_analysis, reanalyze, t_quantile  # noqa: E402
 
 
 def test_parity_script_runs_concurrent_jobs_and_writes_its_result(tmp_path):
@@ -173,3 +175,44 @@ def test_reanalyze_rewrites_a_result_file_from_its_per_seed_numbers(tmp_path):
     # reanalysing again gives the same figures (idempotent)
     reanalyze(str(path))
     assert loads_strict_json(path.read_text())["figures"] == result["figures"]
+
+
+def _split(result: dict, seeds: list, path, **meta) -> str:
+    """A result file holding `seeds` of `result` alone (one wave of a run split across calls)."""
+    part = json.loads(json.dumps(result))
+    part["meta"].update(seeds=seeds, **meta)
+    part["runs"] = {p: {str(s): r for s, r in part["runs"][p].items() if int(s) in seeds} for p in part["runs"]}
+    path.write_text(json.dumps(part))
+    return str(path)
+
+
+def test_merge_analyses_waves_of_seeds_as_one_run(tmp_path):
+    src = os.path.join(ROOT, "bench", "results", "parity.json")
+    whole = json.loads(open(src).read())
+    seeds = whole["meta"]["seeds"]
+    a = _split(whole, seeds[:2], tmp_path / "a.json", gpu="GPU A", date="2026-01-01")
+    b = _split(whole, seeds[2:], tmp_path / "b.json", gpu="GPU B", date="2026-01-02")
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "parity.py"), "--merge", b, a, "--out",
+                    str(tmp_path / "out"), "--name", "merged"], check=True, cwd=ROOT, capture_output=True)
+    merged = loads_strict_json((tmp_path / "out" / "merged.json").read_text())
+    reanalyzed = tmp_path / "whole.json"
+    reanalyzed.write_text(json.dumps(whole))
+    reanalyze(str(reanalyzed))
+    assert merged["figures"] == loads_strict_json(reanalyzed.read_text())["figures"]  # one analysis of all seeds
+    assert merged["meta"]["seeds"] == sorted(seeds) and merged["runs"] == whole["runs"]
+    assert merged["meta"]["gpu"] == "GPU A + GPU B" and merged["meta"]["date"] == "2026-01-01 .. 2026-01-02"
+    assert [p["seeds"] for p in merged["meta"]["parts"]] == [seeds[2:], seeds[:2]]
+    assert "GPU A + GPU B" in (tmp_path / "out" / "merged.md").read_text()
+
+
+def test_merge_refuses_runs_that_trained_differently_or_share_a_seed(tmp_path):
+    whole = json.loads(open(os.path.join(ROOT, "bench", "results", "parity.json")).read())
+    seeds = whole["meta"]["seeds"]
+    a = _split(whole, seeds[:3], tmp_path / "a.json")
+    other = _split(whole, seeds[3:], tmp_path / "b.json", train_args="--n-step 3")
+    with pytest.raises(SystemExit, match="differs .* in \\['train_args'\\]"):
+        merge([a, other], str(tmp_path / "m"))
+    overlapping = _split(whole, seeds[2:], tmp_path / "c.json")
+    with pytest.raises(SystemExit, match="a seed is in more than one file"):
+        merge([a, overlapping], str(tmp_path / "m"))
+
