@@ -9,10 +9,9 @@ each other (``dqn_ops.step.GroupsStep``), the trainer's TD-error copy and readba
 spectral norm and the EMA. Inside a CUDA-graph capture the fork and the join become edges of
 the graph. The results are the same bits with the side streams on or off.
 
-Measured faster on the H200 and off by default until the whole suite and the sanitizers have
-run with them on (``bench/NOTES.md``): ``DQN_OPS_SIDE_STREAM=1`` in the
-environment (read once) or ``set_enabled(True)`` turns them on for the process; set it before a
-trainer's first step (its graph keeps the streams in force when it was captured, and the side
+On by default (the step is faster with them, ``bench/NOTES.md``): ``DQN_OPS_SIDE_STREAM=0`` in
+the environment (read once) or ``set_enabled(False)`` turns them off for the process; set it
+before a trainer's first step (its graph keeps the streams in force when it was captured, and the side
 streams are best made before a capture: torch gives each stream a GEMM runs on a cuBLAS
 workspace of its own).
 

@@ -14,10 +14,11 @@ each tree's µs per step (``Trainer.step()`` replaying its CUDA graph on a fixed
 base. The files are rewritten after every row, so a run cut short keeps the rows it finished.
 
 The base may be this tree itself under other environment variables (a switch read at run time),
-and the new tree's processes may take some of their own (a switch that is off by default):
+and the new tree's processes may take some of their own (a switch that is off by default). The
+side streams' file is the base with them off against the default:
 
     python3 scripts/bench_ab.py --base . --base-env DQN_OPS_PDL=0 --name step-ab-pdl --out bench/results
-    python3 scripts/bench_ab.py --base . --new-env DQN_OPS_SIDE_STREAM=1 --name step-ab-side-stream
+    python3 scripts/bench_ab.py --base . --base-env DQN_OPS_SIDE_STREAM=0 --name step-ab-side-stream
 
 ``--networks`` times other networks of scripts/bench_networks.py (their trainer settings
 included) than the reference one, one after the other into the same files; the base must have

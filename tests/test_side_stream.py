@@ -52,7 +52,7 @@ def test_set_enabled_returns_the_previous_setting_and_the_hooks_agree():
     assert side_stream.enabled() is False
 
 
-@pytest.mark.parametrize("value,want", [(None, False), ("0", False), ("1", True), ("yes", None)],
+@pytest.mark.parametrize("value,want", [(None, True), ("0", False), ("1", True), ("yes", None)],
                          ids=["unset", "0", "1", "yes"])
 def test_the_environment_variable_sets_the_switch_at_its_first_use(value, want):
     env = {k: v for k, v in os.environ.items() if k != ENV}
