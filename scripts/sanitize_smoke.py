@@ -2,6 +2,7 @@
 the program scripts/verify_gpu.sh runs under compute-sanitizer (memcheck, racecheck, initcheck,
 synccheck). Small configs keep the sanitizer's slowdown to minutes."""
 import torch
+from bench_common import run_meta, switches_note
 
 import dqn_ops
 from dqn_ops import DQNConfig, Trainer, TrainerConfig
@@ -20,6 +21,10 @@ CONFIGS = [DQNConfig(state_dim=37, trunk_hidden=(61, 45), value_hidden=(29,), ad
 
 
 def main():
+    # The log says what it checked: the device, the versions and the code-path switches.
+    meta = run_meta()
+    print(f"sanitize_smoke: {meta['device']}, torch {meta['torch']}, CUDA {meta['cuda']}, {meta['date']}, "
+          f"{switches_note(meta['switches'])}", flush=True)
     torch.manual_seed(0)
     dev = "cuda"
     for c in CONFIGS:
