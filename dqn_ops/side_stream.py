@@ -25,6 +25,7 @@ outputs are read before the next fork of its lane, and freed after its join).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -51,6 +52,14 @@ def group_lane(group: int) -> int:
     return LANE_GROUPS + group - 1
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_kernels_built() -> bool:
+    """dqn_ops.cuda_kernels_built(), asked once (a Branch is made on every step's host path)."""
+    from . import cuda_kernels_built  # (the package imports this module)
+
+    return cuda_kernels_built()
+
+
 def _side_stream(device: torch.device, lane: int) -> torch.cuda.ExternalStream:
     """The extension's side stream of (device, current stream, lane, this thread), made and kept
     by the C++ registry (csrc/cuda/side_stream.h), wrapped for torch."""
@@ -65,7 +74,8 @@ class Branch:
     current for its body, ``join()`` makes the current stream wait for the side stream's work.
     Join before anything reads what the branch wrote; ``join()`` may be called more than once.
     Inactive (the body runs on the current stream, fork and join do nothing) when the switch is
-    off or ``device`` is not a CUDA device::
+    off, ``device`` is not a CUDA device or the extension was built without its CUDA kernels
+    (whose ops then raise their own clear error)::
 
         branch = Branch(device, LANE_STEP)
         try:
@@ -80,7 +90,7 @@ class Branch:
         if isinstance(lane, bool) or not isinstance(lane, int) or lane < 1:
             raise ValueError(f"Branch: lane must be an int >= 1 (lane 0 is the CUDA ops' own), got {lane!r}")
         device = torch.device(device)
-        self.active = device.type == "cuda" and enabled()
+        self.active = device.type == "cuda" and enabled() and _cuda_kernels_built()
         self._main: Optional[torch.cuda.Stream] = None
         self._side: Optional[torch.cuda.ExternalStream] = None
         self._open = False

@@ -20,6 +20,10 @@ side streams' file is the base with them off against the default:
     python3 scripts/bench_ab.py --base . --base-env DQN_OPS_PDL=0 --name step-ab-pdl --out bench/results
     python3 scripts/bench_ab.py --base . --base-env DQN_OPS_SIDE_STREAM=0 --name step-ab-side-stream
 
+The side streams are on by default in this tree and off in trees before it, so an A/B against
+such a base that is not about them sets them on there (``--base-env DQN_OPS_SIDE_STREAM=1``);
+each row records what each side's processes had (``side_streams``, the .md's last column).
+
 ``--networks`` times other networks of scripts/bench_networks.py (their trainer settings
 included) than the reference one, one after the other into the same files; the base must have
 the features those networks use.
@@ -62,11 +66,18 @@ for _ in range(10):
     t.step()
 assert t.graphed, "the step did not capture"
 us = time_us(t.step, iters, repeats)
-print(json.dumps(dict(us=us, dqn_ops=dqn_ops.__file__)))
+try:  # the side streams as this process had them (their default differs between trees)
+    from dqn_ops import side_stream
+    side_streams = side_stream.enabled()
+except ImportError:  # a tree from before them
+    side_streams = None
+print(json.dumps(dict(us=us, dqn_ops=dqn_ops.__file__, side_streams=side_streams)))
 """
 
 
 def time_tree(tree, B, iters, repeats, network="reference", extra_env=None, unset=()):
+    """µs per step of `tree`'s graphed step, and whether its process had the side streams on
+    (None: a tree without them)."""
     # the tree's dqn_ops first; this tree's scripts/ for the timing helper both trees share; the
     # variables either side sets are not inherited by the other (`unset`)
     env = {k: v for k, v in os.environ.items() if k not in unset}
@@ -81,7 +92,7 @@ def time_tree(tree, B, iters, repeats, network="reference", extra_env=None, unse
     expected = os.path.join(os.path.abspath(tree), "dqn_ops")
     if not result["dqn_ops"].startswith(expected):
         raise SystemExit(f"bench_ab: {tree} imported dqn_ops from {result['dqn_ops']}, not from {expected}")
-    return result["us"]
+    return result["us"], result["side_streams"]
 
 
 def main():
@@ -124,13 +135,18 @@ def main():
     for network in args.networks:
         for B in args.batches:
             times = {name: [] for name in trees}
+            side_streams = {name: set() for name in trees}
             for r in range(args.rounds):
                 order = list(trees) if r % 2 == 0 else list(reversed(trees))  # neither always goes first
                 for name in order:
-                    times[name].append(time_tree(trees[name], B, args.iters, 3, network, env[name], unset))
+                    us, side = time_tree(trees[name], B, args.iters, 3, network, env[name], unset)
+                    times[name].append(us)
+                    side_streams[name].add(side)
             med = {name: statistics.median(v) for name, v in times.items()}
             rows.append(dict(network=network, batch=B, base_us=round(med["base"], 2), new_us=round(med["new"], 2),
-                             ratio=round(med["new"] / med["base"], 4), base_all=times["base"], new_all=times["new"]))
+                             ratio=round(med["new"] / med["base"], 4), base_all=times["base"], new_all=times["new"],
+                             side_streams={name: v.pop() if len(v) == 1 else "mixed"
+                                           for name, v in side_streams.items()}))
             print(f"{network:16s} B={B:6d}  base {med['base']:8.1f} us  new {med['new']:8.1f} us  "
                   f"new/base {med['new'] / med['base']:.3f}", flush=True)
             write(args, meta, rows)  # after every row: a run cut short keeps what it measured
@@ -151,8 +167,10 @@ def write(args, meta, rows):
              f"{meta['device']}, torch {meta['torch']}, {meta['date']}", "",
              f"Median of {args.rounds} alternating rounds (each the median of 3 x {args.iters} steps)."
              + ("" if done else f" Unfinished: {len(rows)} of {len(args.networks) * len(args.batches)} rows."), "",
-             "| network | B | base µs | new µs | new / base |", "|---|---|---|---|---|"]
-    lines += [f"| {r['network']} | {r['batch']} | {r['base_us']} | {r['new_us']} | {r['ratio']:.3f} |" for r in rows]
+             "| network | B | base µs | new µs | new / base | side streams, base / new |", "|---|---|---|---|---|---|"]
+    said = {True: "on", False: "off", None: "none", "mixed": "mixed"}
+    lines += [f"| {r['network']} | {r['batch']} | {r['base_us']} | {r['new_us']} | {r['ratio']:.3f} | "
+              f"{said[r['side_streams']['base']]} / {said[r['side_streams']['new']]} |" for r in rows]
     with open(os.path.join(args.out, args.name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

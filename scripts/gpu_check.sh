@@ -29,6 +29,7 @@
 #   SOAK=1 bash scripts/gpu_check.sh             # also scripts/soak.py (100,000 graphed + 10,000 eager steps)
 #   AB_BASE=.base bash scripts/gpu_check.sh      # also the graphed step of the tree in .base vs this one, timed
 #       alternately (scripts/bench_ab.py); make .base first: git archive <commit> csrc dqn_ops scripts setup.py | tar -x -C .base
+#       (a base from before the side streams were on by default: AB_ARGS="--base-env DQN_OPS_SIDE_STREAM=1")
 #   AB_BASE=. AB_ARGS="--base-env DQN_OPS_SIDE_STREAM=0 --networks reference iqn_32 --name step-ab-side-stream" bash scripts/gpu_check.sh
 #       # this tree against itself under a run-time switch (no second build), several networks in one file
 # Sanitizers: scripts/verify_gpu.sh.

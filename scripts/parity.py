@@ -71,6 +71,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_common import code_path_switches  # noqa: E402  (this script's folder is on the path)
 from dqn_ops.rl.results import dump_json  # noqa: E402
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -285,17 +286,22 @@ def write_result(result: dict, stem: str) -> list:
 ANALYSIS_METHOD = ("paired per-seed differences BF16 - F32 relative to |mean F32|, Student-t interval of their "
                    "mean; pass inside the band, fail outside, else inconclusive")
 
-# What every merged file must agree on: the runs are one experiment's only if they trained alike.
+# What every merged file must agree on: the runs are one experiment's only if they trained alike
+# (a key absent from a file, as in files written before it was recorded, agrees only with absent).
 MERGE_KEYS = ("epochs", "steps_per_epoch", "batch", "device", "tiny_network", "train_args", "torch_exploration",
-              "f32_path", "bf16_path")
+              "f32_path", "bf16_path", "switches")
 
 
 def _load_runs(path: str) -> tuple[dict, dict, dict]:
-    """A result file's contents, its meta and its per-seed runs keyed by int seed, every seed present."""
+    """A result file's contents, its meta and the runs of its seeds (meta["seeds"]) keyed by int
+    seed, every seed present."""
     with open(path) as f:
         old = json.load(f)
     meta = dict(old["meta"])
-    runs = {p: {int(s): r for s, r in old["runs"][p].items()} for p in ("f32", "bf16")}
+    absent = [k for k in ("seeds", "device", "torch", "date") if k not in meta]
+    if absent:
+        raise SystemExit(f"parity.py: {path} is not a parity result file: its meta has no {absent}")
+    runs = {p: {int(s): r for s, r in old["runs"][p].items() if int(s) in meta["seeds"]} for p in ("f32", "bf16")}
     missing = [(p, s) for p in runs for s in meta["seeds"] if s not in runs[p]]
     if missing:
         raise SystemExit(f"parity.py: {path} has no per-seed figures for {missing}")
@@ -329,11 +335,12 @@ def merge(paths: list, stem: str, confidence: float = CONFIDENCE) -> tuple[dict,
         raise SystemExit(f"parity.py --merge: a seed is in more than one file: {sorted(seeds)}")
     runs = {p: {s: r for _, _, part in parts for s, r in part[p].items()} for p in ("f32", "bf16")}
     gpus = sorted({meta.get("gpu") or meta["device"] for _, meta, _ in parts})
+    jobs = sorted({m["jobs"] for _, m, _ in parts if m.get("jobs") is not None})
     today = datetime.date.today().isoformat()
-    meta = {k: first.get(k) for k in MERGE_KEYS}
+    meta = {k: first[k] for k in MERGE_KEYS if k in first}
     meta.update(seeds=sorted(seeds), gpu=" + ".join(gpus), torch=" + ".join(sorted({m["torch"] for _, m, _ in parts})),
                 date=" .. ".join(sorted({m["date"] for _, m, _ in parts})),
-                jobs=" / ".join(sorted({str(m.get("jobs")) for _, m, _ in parts})),
+                jobs=jobs[0] if len(jobs) == 1 else " / ".join(map(str, jobs)) or None,
                 parts=[dict(file=os.path.basename(path), seeds=m["seeds"], gpu=m.get("gpu"), torch=m["torch"],
                             date=m["date"], jobs=m.get("jobs")) for path, m, _ in parts],
                 **{k: first[k] for k in ("final_sharpe_definition", "vram_criterion") if k in first},
@@ -437,6 +444,8 @@ def main():
                 torch_exploration=(args.torch_exploration
                                    if args.f32_backend == "torch" or args.bf16_backend == "torch-bf16" else None),
                 gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
+                # dqn_ops's code-path switches, as the training processes inherit them
+                switches=code_path_switches() if args.device.startswith("cuda") else None,
                 torch=torch.__version__, date=today,
                 final_sharpe_definition="mean of the last 5 epochs' held-out evaluations",
                 vram_criterion="the spec's 'zero regression: no memory leaks (same peak VRAM +/- 10%)': "

@@ -52,7 +52,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--num-envs", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda where torch has a CUDA device)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--gamma", type=float, default=0.9, help="discount per environment step")
     ap.add_argument("--n-step", type=int, default=1, help="n-step returns (the loss discounts by gamma ** n)")
@@ -100,6 +100,12 @@ def parse_args(argv=None):
         ap.error(f"--gamma must lie in (0, 1], got {args.gamma}")
     if args.act_ucb != 0.0 and args.ensemble == 1:
         ap.error("--act-ucb scores actions over an ensemble's members: it needs --ensemble > 1")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.device == "cpu" and not args.quiet:
+            # The CPU kernels are references: the full-size run takes about a minute an epoch there.
+            print("train.py: no CUDA device here, training on the CPU (slow at full size; a smoke run: "
+                  "--tiny --steps 20 --batch 32)", file=sys.stderr)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: this torch has no CUDA device (pass --device cpu)")
     return args

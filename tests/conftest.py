@@ -40,6 +40,7 @@ def warm_side_stream(warm_up):
     allocate (the caching allocator keeps its blocks per stream; torch's cuBLAS takes a workspace
     per stream) for longer than a sleep need last, so a stream test that queues its ops behind a
     sleep on a side stream warms them on that stream first."""
+    torch.cuda.synchronize()  # the inputs, written on the current stream, which `side` does not wait for
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         out = warm_up()

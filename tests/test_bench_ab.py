@@ -25,7 +25,7 @@ def run(bench_ab, monkeypatch, tmp_path, fail_after=None):
             raise RuntimeError("the device call's limit")
         calls.append((os.path.abspath(tree), B, network, dict(extra_env)))
         new = os.path.abspath(tree) == ROOT
-        return (80.0 if new else 100.0) + B / 100 + (len(calls) % 3)  # new faster, a little noise
+        return (80.0 if new else 100.0) + B / 100 + (len(calls) % 3), new  # new faster, a little noise
 
     monkeypatch.setattr(bench_ab, "time_tree", fake_time_tree)
     monkeypatch.setattr(sys, "argv", ["bench_ab.py", "--base", str(tmp_path), "--new-env", "DQN_OPS_SIDE_STREAM=1",
@@ -43,6 +43,7 @@ def test_rows_per_network_and_batch_in_one_file(bench_ab, monkeypatch, tmp_path)
     for r in result["rows"]:
         assert len(r["base_all"]) == len(r["new_all"]) == 3
         assert r["ratio"] == pytest.approx(r["new_us"] / r["base_us"], abs=1e-4) and r["ratio"] < 1
+        assert r["side_streams"] == {"base": False, "new": True}  # as each side's processes said
     assert result["meta"]["networks"] == ["reference", "cleanrl_c51"]
     assert result["meta"]["new_env"] == {"DQN_OPS_SIDE_STREAM": "1"} and result["meta"]["base_env"] == {}
     # alternating: round 0 base first, round 1 new first; the new side alone gets its switch
@@ -50,7 +51,7 @@ def test_rows_per_network_and_batch_in_one_file(bench_ab, monkeypatch, tmp_path)
     assert [c[0] == ROOT for c in first] == [False, True, True, False]
     assert all(c[3] == ({"DQN_OPS_SIDE_STREAM": "1"} if c[0] == ROOT else {}) for c in calls)
     md = (tmp_path / "out" / "ab.md").read_text()
-    assert "| cleanrl_c51 | 4096 |" in md and "Unfinished" not in md
+    assert "| cleanrl_c51 | 4096 |" in md and "| off / on |" in md and "Unfinished" not in md
 
 
 def test_a_run_cut_short_keeps_its_finished_rows(bench_ab, monkeypatch, tmp_path):

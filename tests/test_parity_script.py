@@ -202,7 +202,10 @@ def test_merge_analyses_waves_of_seeds_as_one_run(tmp_path):
     assert merged["meta"]["seeds"] == sorted(seeds) and merged["runs"] == whole["runs"]
     assert merged["meta"]["gpu"] == "GPU A + GPU B" and merged["meta"]["date"] == "2026-01-01 .. 2026-01-02"
     assert [p["seeds"] for p in merged["meta"]["parts"]] == [seeds[2:], seeds[:2]]
-    assert "GPU A + GPU B" in (tmp_path / "out" / "merged.md").read_text()
+    md = (tmp_path / "out" / "merged.md").read_text().splitlines()
+    assert md[0].startswith("# Convergence parity") and "GPU A + GPU B" in md[0] and "2026-01-01 .. 2026-01-02" in md[0]
+    assert f"seeds {sorted(seeds)}, {whole['meta']['jobs']} run(s) at a time" in md[2]
+    assert merged["meta"]["jobs"] == whole["meta"]["jobs"]  # one number where the parts agree
 
 
 def test_merge_refuses_runs_that_trained_differently_or_share_a_seed(tmp_path):
@@ -215,4 +218,22 @@ def test_merge_refuses_runs_that_trained_differently_or_share_a_seed(tmp_path):
     overlapping = _split(whole, seeds[2:], tmp_path / "c.json")
     with pytest.raises(SystemExit, match="a seed is in more than one file"):
         merge([a, overlapping], str(tmp_path / "m"))
+    switched = _split(whole, seeds[3:], tmp_path / "d.json", switches=dict(side_streams=True, pdl=True))
+    with pytest.raises(SystemExit, match="differs .* in \\['switches'\\]"):  # recorded in one, not the other
+        merge([a, switched], str(tmp_path / "m"))
+
+
+def test_merge_takes_only_the_runs_of_each_files_seeds(tmp_path):
+    """A run left in a file beside its seeds (a seed dropped from meta) must not replace another
+    file's run of that seed."""
+    whole = json.loads(open(os.path.join(ROOT, "bench", "results", "parity.json")).read())
+    seeds = whole["meta"]["seeds"]
+    a = _split(whole, seeds[:3], tmp_path / "a.json")
+    b = json.loads(json.dumps(whole))
+    b["meta"]["seeds"] = seeds[3:]
+    for p in b["runs"]:
+        b["runs"][p][str(seeds[0])] = dict(b["runs"][p][str(seeds[0])], final_sharpe=-99.0)  # a stale run
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    result, _ = merge([a, str(tmp_path / "b.json")], str(tmp_path / "m"))
+    assert result["runs"]["f32"][seeds[0]]["final_sharpe"] == whole["runs"]["f32"][str(seeds[0])]["final_sharpe"]
 

@@ -102,6 +102,22 @@ def test_a_branch_off_cuda_runs_its_body_in_place_and_the_lanes_are_checked(swit
             group_lane(g)
 
 
+def test_a_branch_is_inactive_in_a_build_without_the_cuda_kernels():
+    """There the ops refuse CUDA tensors with their own error; a Branch must not fail first
+    asking the C++ registry for a stream it cannot make."""
+    if dqn_ops.cuda_kernels_built():
+        pytest.skip("this build has its CUDA kernels: there a Branch on a CUDA device forks")
+    previous = side_stream.set_enabled(True)
+    try:
+        branch = Branch("cuda", LANE_STEP)
+        with branch:
+            pass
+        branch.join()
+        assert not branch.active
+    finally:
+        side_stream.set_enabled(previous)
+
+
 def test_the_side_stream_hook_refuses_lane_0_and_needs_the_cuda_kernels():
     for lane in (0, -1):
         with pytest.raises(ValueError, match=r"lane must be >= 1"):
