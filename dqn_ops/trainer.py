@@ -495,7 +495,7 @@ class Trainer:
         """The checkpoint (``torch.save`` it; ``load_state_dict`` restores it). As
         ``nn.Module.state_dict``, the networks' and the optimizer's entries are the trainer's own
         tensors, which the next steps overwrite: ``copy.deepcopy`` it for a snapshot in memory."""
-        return dict(online=self.online.state_dict(), target=self.target.state_dict(),
+        return dict(trainer="Trainer", online=self.online.state_dict(), target=self.target.state_dict(),
                     optimizer=self.optimizer.state_dict(),
                     spectral=self.spectral.state_dict() if self.spectral is not None else None,
                     lr=self.lr.clone(), explore_rng=self.explore_rng.clone(), mask_seed=self.mask_seed,
@@ -510,22 +510,7 @@ class Trainer:
         re-capture the graph. The optimizer's hyper-parameters (lr, betas, eps, weight decay)
         become the checkpoint's, as ``torch.optim``'s ``load_state_dict`` restores them, and
         ``self.config`` says so; ``set_lr`` after loading sets another learning rate."""
-        # (checked before the network as a whole: a clearer error for the one change that keeps
-        # every other size)
-        members = int(state["net_config"].get("ensemble", 1))
-        if members != self.net_config.members:
-            raise ValueError(f"Trainer.load_state_dict: the checkpoint's network is an ensemble of {members} "
-                             f"member(s), this trainer's of {self.net_config.members} (DQNConfig.ensemble): each "
-                             f"member has its own heads, so the parameters do not fit")
-        if DQNConfig.from_dict(state["net_config"]) != self.net_config:
-            raise ValueError(f"Trainer.load_state_dict: the checkpoint's network {state['net_config']} is not "
-                             f"this trainer's {dataclasses.asdict(self.net_config)}")
-        # C51 and QR heads have the same shape: the loss type tells their outputs apart
-        saved = resolve_loss_type(state.get("config", {}).get("loss_type"), self.net_config.atoms,
-                                  "Trainer.load_state_dict", self.net_config.iqn)
-        if saved != self.loss_type:
-            raise ValueError(f"Trainer.load_state_dict: the checkpoint was trained with loss_type {saved!r}, this "
-                             f"trainer's is {self.loss_type!r} (the outputs mean different things)")
+        check_checkpoint(state, "Trainer", self.net_config, self.loss_type)
         self.online.load_state_dict(state["online"])
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -549,6 +534,32 @@ class Trainer:
         self.stats.set_next_step(self.steps)  # the rows recorded from now on are numbered from there
         self._runner.reset()  # the optimizer's state tensors are new: capture again after warm-up
         self.state_generation += 1
+
+
+def check_checkpoint(state: dict, trainer: str, net_config: DQNConfig, loss_type: str):
+    """That a checkpoint (a trainer's ``state_dict``) fits `trainer`'s ``load_state_dict`` with
+    this network and loss type: written by the same kind of trainer (their optimizers' states
+    differ; a checkpoint without the key is a Trainer's), the same network, the same loss."""
+    owner = f"{trainer}.load_state_dict"
+    saved_by = state.get("trainer", "Trainer")
+    if saved_by != trainer:
+        raise ValueError(f"{owner}: the checkpoint is a {saved_by}'s (its optimizer's state is of another kind); "
+                         f"load it into a {saved_by}")
+    # (checked before the network as a whole: a clearer error for the one change that keeps
+    # every other size)
+    members = int(state["net_config"].get("ensemble", 1))
+    if members != net_config.members:
+        raise ValueError(f"{owner}: the checkpoint's network is an ensemble of {members} member(s), this trainer's "
+                         f"of {net_config.members} (DQNConfig.ensemble): each member has its own heads, so the "
+                         f"parameters do not fit")
+    if DQNConfig.from_dict(state["net_config"]) != net_config:
+        raise ValueError(f"{owner}: the checkpoint's network {state['net_config']} is not this trainer's "
+                         f"{dataclasses.asdict(net_config)}")
+    # C51 and QR heads have the same shape: the loss type tells their outputs apart
+    saved = resolve_loss_type(state.get("config", {}).get("loss_type"), net_config.atoms, owner, net_config.iqn)
+    if saved != loss_type:
+        raise ValueError(f"{owner}: the checkpoint was trained with loss_type {saved!r}, this trainer's is "
+                         f"{loss_type!r} (the outputs mean different things)")
 
 
 def check_trainer_args(owner: str, net_config, config, device, seed) -> Tuple[DQNConfig, "TrainerConfig", torch.device]:

@@ -210,11 +210,7 @@ def train(args) -> dict:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(strict_json(rows))  # a non-finite figure: an empty cell, as a missing one
-    if isinstance(trainer, Trainer):
-        torch.save(trainer.state_dict(), os.path.join(out, "checkpoint.pt"))
-    else:
-        torch.save(dict(online=trainer.online.state_dict(), target=trainer.target.state_dict()),
-                   os.path.join(out, "checkpoint.pt"))
+    torch.save(trainer.state_dict(), os.path.join(out, "checkpoint.pt"))
     whole_run = trainer.metrics()
     finite = all(all(v == v and abs(v) != float("inf") for v in r.values()) for r in trainer.stats.rows)
     summary = dict(backend=args.backend, loss_type=args.loss_type, atoms=trainer.net_config.atoms,

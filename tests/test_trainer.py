@@ -1,5 +1,6 @@
 """Trainer: the whole step eager on the CPU (and on CUDA), graph replay vs eager, no host
 sync, deferred readback, non-finite handling, checkpoints; against the plain-PyTorch step."""
+import dataclasses
 import io
 import math
 
@@ -212,6 +213,54 @@ def test_checkpoint_round_trip_continues_identically(device):
         assert torch.equal(x, y)
     sa, sc = a.optimizer.state[a.online.flat_params], c.optimizer.state[c.online.flat_params]
     assert all(torch.equal(sa[k], sc[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_torch_trainer_checkpoint_round_trip_continues_identically(device, graphed):
+    """The plain-PyTorch baseline checkpoints as Trainer does: a trainer loaded from another's
+    checkpoint (another seed: other weights, streams and mask key) then trains and explores
+    exactly as the saved one goes on to."""
+    if graphed and device == "cpu":
+        pytest.skip("CUDA graphs are CUDA's")
+    c = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3),
+                  ensemble=2)
+    cfg = TrainerConfig(batch_size=32, readback_interval=4, use_cuda_graph=graphed, warmup_steps=2,
+                        bootstrap_p=0.5, lr=3e-3)
+    batches = [dict(batch_for(c, 32, device, seed=i), indices=torch.arange(32, device=device) + i)
+               for i in range(10)]
+    eps = torch.full((1,), 0.5, device=device)
+    a = TorchTrainer(c, cfg, device=device, seed=3)
+    for b in batches[:5]:
+        a.step(b)
+        a.act_explore(b["states"], eps)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    acted = []
+    for b in batches[5:]:
+        a.step(b)
+        acted.append(a.act_explore(b["states"], eps)[0])
+    b_ = TorchTrainer(c, dataclasses.replace(cfg, lr=1e-4), device=device, seed=11)
+    b_.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert b_.steps == 5 and b_.config.lr == cfg.lr  # the optimizer's settings come with its state
+    for batch, act in zip(batches[5:], acted):
+        b_.step(batch)
+        assert torch.equal(b_.act_explore(batch["states"], eps)[0], act)  # the exploration stream continues
+    for x, y in zip(list(a.online.parameters()) + list(a.target.parameters()) + a.us,
+                    list(b_.online.parameters()) + list(b_.target.parameters()) + b_.us):
+        assert torch.equal(x, y)
+    assert a.readback()["steps"] == b_.readback()["steps"] == 10
+
+
+def test_a_checkpoint_loads_only_into_its_own_kind_of_trainer():
+    trainer, baseline = make(), TorchTrainer(TINY_C51, TrainerConfig(batch_size=32), device="cpu")
+    with pytest.raises(ValueError, match=r"^TorchTrainer.load_state_dict: the checkpoint is a Trainer's"):
+        baseline.load_state_dict(trainer.state_dict())
+    with pytest.raises(ValueError, match=r"^Trainer.load_state_dict: the checkpoint is a TorchTrainer's"):
+        trainer.load_state_dict(baseline.state_dict())
+    other = TorchTrainer(TINY_Q, TrainerConfig(batch_size=32), device="cpu")
+    with pytest.raises(ValueError, match=r"^TorchTrainer.load_state_dict: the checkpoint's network"):
+        baseline.load_state_dict(other.state_dict())
 
 
 @requires_cuda

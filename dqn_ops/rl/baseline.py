@@ -3,6 +3,8 @@ builds it): the baseline the benchmarks compare against and the reference the te
 state-dict names are DuelingBranchQNet's, so weights move both ways (``dqn_ops.from_torch`` / ``dqn_ops.to_torch``)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,8 +16,8 @@ from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
 from ..step import quantile_midpoints
-from ..trainer import (STAT_FIELDS, TrainerConfig, check_device_available, check_epsilon, check_trainer_args,
-                       ensemble_score, expected_q, greedy_from_logits, group_loss_types, group_mask_seed,
+from ..trainer import (STAT_FIELDS, TrainerConfig, check_checkpoint, check_device_available, check_epsilon,
+                       check_trainer_args, ensemble_score, expected_q, greedy_from_logits, group_loss_types, group_mask_seed,
                        input_buffers, load_batch, resolve_loss_type)
 
 
@@ -471,3 +473,40 @@ class TorchTrainer:
         return greedy_from_logits(self._forward_q(self.online, states, self._at_midpoints(states))[0],
                                   self.net_config.branches,
                                   self.config.v_min, self.config.v_max, self.loss_type)
+
+    # -- checkpoints (as dqn_ops.Trainer's; a TorchTrainer loads only its own) ------------------
+    def state_dict(self) -> dict:
+        """The checkpoint (``torch.save`` it; ``load_state_dict`` restores it): the networks, the
+        optimizer, the spectral-norm vectors, the random streams, the masks' key and the step
+        count. As ``nn.Module.state_dict``, the entries are the trainer's own tensors, which the
+        next steps overwrite: ``copy.deepcopy`` it for a snapshot in memory."""
+        return dict(trainer="TorchTrainer", online=self.online.state_dict(), target=self.target.state_dict(),
+                    optimizer=self.optimizer.state_dict(), spectral_u=[u.clone() for u in self.us],
+                    explore_rng=self.explore_rng.clone(), fraction_rng=self.fraction_rng.clone(),
+                    mask_seed=self.seed, steps=self.steps,
+                    net_config=dataclasses.asdict(self.net_config), config=dataclasses.asdict(self.config))
+
+    def load_state_dict(self, state: dict):
+        """Restores a checkpoint of a TorchTrainer of this network and loss type (the step count
+        too); the next steps warm up and re-capture the graph. The optimizer's hyper-parameters
+        become the checkpoint's, as ``torch.optim``'s ``load_state_dict`` restores them, and
+        ``self.config`` says so."""
+        check_checkpoint(state, "TorchTrainer", self.net_config, self.loss_type)
+        if len(state["spectral_u"]) != len(self.us):
+            raise ValueError(f"TorchTrainer.load_state_dict: the checkpoint has {len(state['spectral_u'])} "
+                             f"spectral-norm vectors, this trainer {len(self.us)}")
+        self.online.load_state_dict(state["online"])
+        self.target.load_state_dict(state["target"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        group = self.optimizer.param_groups[0]
+        self.config = dataclasses.replace(self.config, lr=float(group["lr"]), betas=tuple(group["betas"]),
+                                          adam_eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+        with torch.no_grad():
+            for u, saved in zip(self.us, state["spectral_u"]):
+                u.copy_(saved)
+            self.explore_rng.copy_(state["explore_rng"])
+            self.fraction_rng.copy_(state["fraction_rng"])
+        self.seed = int(state["mask_seed"])  # the replay rows keep the masks they had
+        self.steps = int(state["steps"])
+        self.stats.set_next_step(self.steps)
+        self._runner.reset()  # the optimizer's state tensors are new: capture again after warm-up
