@@ -167,7 +167,8 @@ def write(args, meta, rows):
              f"{meta['device']}, torch {meta['torch']}, {meta['date']}", "",
              f"Median of {args.rounds} alternating rounds (each the median of 3 x {args.iters} steps)."
              + ("" if done else f" Unfinished: {len(rows)} of {len(args.networks) * len(args.batches)} rows."), "",
-             "| network | B | base µs | new µs | new / base | side streams, base / new |", "|---|---|---|---|---|---|"]
+             "| network | B | base µs | new µs | new / base | side streams, base / new |",
+             "|---|---|---|---|---|---|"]
     said = {True: "on", False: "off", None: "none", "mixed": "mixed"}
     lines += [f"| {r['network']} | {r['batch']} | {r['base_us']} | {r['new_us']} | {r['ratio']:.3f} | "
               f"{said[r['side_streams']['base']]} / {said[r['side_streams']['new']]} |" for r in rows]

@@ -17,8 +17,8 @@ from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
 from ..step import quantile_midpoints
 from ..trainer import (STAT_FIELDS, TrainerConfig, check_checkpoint, check_device_available, check_epsilon,
-                       check_trainer_args, ensemble_score, expected_q, greedy_from_logits, group_loss_types, group_mask_seed,
-                       input_buffers, load_batch, resolve_loss_type)
+                       check_trainer_args, ensemble_score, expected_q, greedy_from_logits, group_loss_types,
+                       group_mask_seed, input_buffers, load_batch, resolve_loss_type)
 
 
 class TorchQNet(nn.Module):
