@@ -188,26 +188,31 @@ def test_load_batch_op_copies_checks_and_passes_opcheck(device):
                                       [torch.zeros(1, device=device) for _ in range(9)])
 
 
+def resume_and_compare(a, b, batches, saved_at: int, eps):
+    """Steps `a` (exploring) over batches[:saved_at], saves its checkpoint, goes on over the rest;
+    then loads the checkpoint into `b` and checks that `b` explores over the rest exactly as `a`
+    did (the exploration stream continues too)."""
+    for batch in batches[:saved_at]:
+        a.step(batch)
+        a.act_explore(batch["states"], eps)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    acted = []
+    for batch in batches[saved_at:]:
+        a.step(batch)
+        acted.append(a.act_explore(batch["states"], eps)[0])
+    b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert b.steps == saved_at
+    for batch, act in zip(batches[saved_at:], acted):
+        b.step(batch)
+        assert torch.equal(b.act_explore(batch["states"], eps)[0], act)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_checkpoint_round_trip_continues_identically(device):
     batches = [batch_for(TINY_C51, 32, device, seed=i) for i in range(12)]
-    eps = torch.full((1,), 0.5, device=device)
-    a = make(device=device, use_cuda_graph=False)
-    for b in batches[:6]:
-        a.step(b)
-        a.act_explore(b["states"], eps)
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
-    acted_a = []
-    for b in batches[6:]:
-        a.step(b)
-        acted_a.append(a.act_explore(b["states"], eps)[0])
-    c = make(device=device, use_cuda_graph=False)
-    c.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
-    assert c.steps == 6
-    for b, acted in zip(batches[6:], acted_a):
-        c.step(b)
-        assert torch.equal(c.act_explore(b["states"], eps)[0], acted)  # the exploration stream continues too
+    a, c = make(device=device, use_cuda_graph=False), make(device=device, use_cuda_graph=False)
+    resume_and_compare(a, c, batches, 6, torch.full((1,), 0.5, device=device))
     for x, y in [(a.online.flat_params, c.online.flat_params), (a.target.flat_params, c.target.flat_params),
                  (a.online.params_bf16, c.online.params_bf16), (a.spectral.u, c.spectral.u)]:
         assert torch.equal(x, y)
@@ -229,27 +234,14 @@ def test_torch_trainer_checkpoint_round_trip_continues_identically(device, graph
                         bootstrap_p=0.5, lr=3e-3)
     batches = [dict(batch_for(c, 32, device, seed=i), indices=torch.arange(32, device=device) + i)
                for i in range(10)]
-    eps = torch.full((1,), 0.5, device=device)
     a = TorchTrainer(c, cfg, device=device, seed=3)
-    for b in batches[:5]:
-        a.step(b)
-        a.act_explore(b["states"], eps)
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
-    acted = []
-    for b in batches[5:]:
-        a.step(b)
-        acted.append(a.act_explore(b["states"], eps)[0])
-    b_ = TorchTrainer(c, dataclasses.replace(cfg, lr=1e-4), device=device, seed=11)
-    b_.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
-    assert b_.steps == 5 and b_.config.lr == cfg.lr  # the optimizer's settings come with its state
-    for batch, act in zip(batches[5:], acted):
-        b_.step(batch)
-        assert torch.equal(b_.act_explore(batch["states"], eps)[0], act)  # the exploration stream continues
+    b = TorchTrainer(c, dataclasses.replace(cfg, lr=1e-4), device=device, seed=11)
+    resume_and_compare(a, b, batches, 5, torch.full((1,), 0.5, device=device))
+    assert b.config.lr == cfg.lr  # the optimizer's settings came with its state
     for x, y in zip(list(a.online.parameters()) + list(a.target.parameters()) + a.us,
-                    list(b_.online.parameters()) + list(b_.target.parameters()) + b_.us):
+                    list(b.online.parameters()) + list(b.target.parameters()) + b.us):
         assert torch.equal(x, y)
-    assert a.readback()["steps"] == b_.readback()["steps"] == 10
+    assert a.readback()["steps"] == b.readback()["steps"] == 10
 
 
 def test_a_checkpoint_loads_only_into_its_own_kind_of_trainer():
