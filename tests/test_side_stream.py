@@ -3,6 +3,7 @@ its environment variable, Branch and its lanes, and the claim that the side stre
 work runs, not what it computes: the ops, the steps and the graphed trainer give the same bits
 with the switch on and off, and a captured graph is one chain with it off and forks and joins
 with it on."""
+import contextlib
 import os
 import re
 import subprocess
@@ -243,15 +244,22 @@ def test_a_branch_forks_after_and_joins_before_the_current_streams_work():
     side_stream.set_enabled(True)
     x = torch.zeros(1 << 20, device="cuda")
     y = torch.zeros_like(x)
-    torch.cuda.synchronize()
-    with behind_a_sleep():
-        x.fill_(1)  # behind a sleep: a branch that did not wait for it copies the zeros
+
+    def fork_copy_join(sleep):
         branch = Branch(x.device, LANE_STEP)
         try:
-            with branch, behind_a_sleep():
+            with branch, sleep():
                 y.copy_(x).add_(1)  # behind a sleep on the side stream: the read below must wait for it
         finally:
             branch.join()
+
+    fork_copy_join(contextlib.nullcontext)  # the lane's first fork makes its stream and events: longer than a sleep
+    torch.cuda.synchronize()
+    x.zero_()
+    y.zero_()
+    with behind_a_sleep():
+        x.fill_(1)  # behind a sleep: a branch that did not wait for it copies the zeros
+        fork_copy_join(behind_a_sleep)
     assert torch.equal(y.clone(), torch.full_like(x, 2))
 
 

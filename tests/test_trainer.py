@@ -238,9 +238,13 @@ def test_torch_trainer_checkpoint_round_trip_continues_identically(device, graph
     b = TorchTrainer(c, dataclasses.replace(cfg, lr=1e-4), device=device, seed=11)
     resume_and_compare(a, b, batches, 5, torch.full((1,), 0.5, device=device))
     assert b.config.lr == cfg.lr  # the optimizer's settings came with its state
+    # Bit for bit on the CPU. On CUDA plain PyTorch's scatter_add_ (the target's projection, the
+    # backward of the taken action's gather) sums with atomics in no fixed order, so two runs of
+    # the same step may differ in the last bits.
+    tol = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-5, atol=1e-6)
     for x, y in zip(list(a.online.parameters()) + list(a.target.parameters()) + a.us,
                     list(b.online.parameters()) + list(b.target.parameters()) + b.us):
-        assert torch.equal(x, y)
+        torch.testing.assert_close(x, y, **tol)
     assert a.readback()["steps"] == b.readback()["steps"] == 10
 
 
