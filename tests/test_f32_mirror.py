@@ -14,10 +14,13 @@ from test_optim import _adam_args
 from test_spectral_norm import _op_args as _spectral_args
 from test_trainer import TINY_C51, TINY_Q, batch_for
 
-# network, trainer settings: the fused-loss path's C51, the composed path's QR (with clipping
+# network, trainer settings: the fused-loss path's C51 (also with weight decay), the composed path's QR (with clipping
 # and the spectral clamp binding), one-atom Huber, an ensemble without dueling, IQN, head groups
 CASES = {
     "c51": (TINY_C51, {}),
+    # weight decay both ways: Adam's L2 term in the gradient, AdamW's decoupled shrink
+    "c51_l2": (TINY_C51, dict(weight_decay=0.5)),
+    "c51_adamw": (TINY_C51, dict(weight_decay=0.5, decoupled_weight_decay=True)),
     "qr": (dataclasses.replace(TINY_C51, atoms=16), dict(loss_type="qr", max_grad_norm=0.5, sigma_max=0.8)),
     "huber": (TINY_Q, {}),
     "ensemble": (DQNConfig(state_dim=6, trunk_hidden=(16,), value_hidden=(), adv_hidden=(8,), atoms=11,

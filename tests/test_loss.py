@@ -6,6 +6,7 @@ import torch
 
 from conftest import DEVICES, requires_cuda
 from dqn_ops import dqn_loss
+from dqn_ops.rl.baseline import taken_rows, torch_dqn_loss
 from poison import poison_cuda_cache
 
 
@@ -207,6 +208,45 @@ def test_out_of_range_action_poisons_the_loss_on_cuda(atoms, loss_type):
     assert loss.isnan() and mean_q.isnan() and td[5].isnan()
     assert grad_q[5].isnan().any()  # so that the optimizer skips the step
     assert torch.isfinite(td[others]).all() and torch.isfinite(grad_q[others]).all()
+
+
+@pytest.mark.parametrize("atoms,loss_type", [(5, "c51"), (5, "qr"), (1, "mse")])
+def test_plain_pytorch_loss_refuses_an_out_of_range_action_on_cpu(atoms, loss_type):
+    q, qo, qt, actions, rewards, dones, weights = sample_batch(16, (2, 3), atoms, "cpu")
+    actions[5, 1] = 3
+    with pytest.raises(ValueError, match=r"^torch_dqn_loss: actions: sample 5 takes action 3 in branch 1, which "
+                                         r"has 3 actions$"):
+        torch_dqn_loss(q, qo, qt, actions, rewards, dones, [2, 3], -2.0, 2.0, 0.9, loss_type, weights)
+
+
+def test_taken_rows_poisons_an_out_of_range_action_and_its_gradient():
+    """The plain-PyTorch loss's gather (what its CUDA path runs on a bad action, here on the CPU)."""
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    actions = torch.tensor([0, 2, 3, -1])
+    out = taken_rows(x, actions)
+    assert torch.equal(out[:2], x[[0, 1], [0, 2]]) and out[2:].isnan().all()
+    out.pow(2).sum().backward()  # a loss of the rows: its derivative at a NaN row is NaN
+    expected = torch.zeros(2, 3, 5, dtype=torch.float64)
+    expected[[0, 1], [0, 2]] = 2 * x.detach()[[0, 1], [0, 2]]
+    assert torch.equal(x.grad[:2], expected)
+    assert x.grad[2:].isnan().any(dim=(1, 2)).all()  # so that the trainer skips the step
+
+
+@requires_cuda
+@pytest.mark.parametrize("atoms,loss_type", [(5, "c51"), (5, "qr"), (1, "mse")])
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_plain_pytorch_loss_poisons_an_out_of_range_action_on_cuda(atoms, loss_type, bad):
+    """As dqn_loss's CUDA kernel: the sample's TD error, the loss and the sample's gradient NaN
+    (so a trainer skips the step), the other samples' finite; no device-side assert."""
+    q, qo, qt, actions, rewards, dones, weights = sample_batch(16, (2, 3), atoms, "cuda")
+    actions[5, 1] = bad
+    q.requires_grad_(True)
+    loss, td, mean_q = torch_dqn_loss(q, qo, qt, actions, rewards, dones, [2, 3], -2.0, 2.0, 0.9, loss_type, weights)
+    loss.backward()
+    others = torch.arange(16, device="cuda") != 5
+    assert loss.isnan() and mean_q.isnan() and td[5].isnan()
+    assert q.grad[5].isnan().any()
+    assert torch.isfinite(td[others]).all() and torch.isfinite(q.grad[others]).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -231,13 +231,14 @@ def test_torch_trainer_checkpoint_round_trip_continues_identically(device, graph
     c = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3),
                   ensemble=2)
     cfg = TrainerConfig(batch_size=32, readback_interval=4, use_cuda_graph=graphed, warmup_steps=2,
-                        bootstrap_p=0.5, lr=3e-3)
+                        bootstrap_p=0.5, lr=3e-3, weight_decay=0.01, decoupled_weight_decay=True)
     batches = [dict(batch_for(c, 32, device, seed=i), indices=torch.arange(32, device=device) + i)
                for i in range(10)]
     a = TorchTrainer(c, cfg, device=device, seed=3)
-    b = TorchTrainer(c, dataclasses.replace(cfg, lr=1e-4), device=device, seed=11)
+    b = TorchTrainer(c, dataclasses.replace(cfg, lr=1e-4, decoupled_weight_decay=False), device=device, seed=11)
     resume_and_compare(a, b, batches, 5, torch.full((1,), 0.5, device=device))
-    assert b.config.lr == cfg.lr  # the optimizer's settings came with its state
+    # the optimizer's settings came with its state
+    assert (b.config.lr, b.config.decoupled_weight_decay) == (cfg.lr, True)
     # Bit for bit on the CPU. On CUDA plain PyTorch's scatter_add_ (the target's projection, the
     # backward of the taken action's gather) sums with atomics in no fixed order, so two runs of
     # the same step may differ in the last bits.
@@ -279,6 +280,41 @@ def test_out_of_range_action_on_cuda_is_reported_as_non_finite():
         for _ in range(3):
             t.step(bad)
         t.readback()
+
+
+def test_torch_trainer_refuses_an_out_of_range_action_on_cpu():
+    t = TorchTrainer(TINY_C51, TrainerConfig(batch_size=32, use_cuda_graph=False), device="cpu")
+    b = batch_for(TINY_C51, 32, "cpu")
+    b["actions"][4, 1] = 7
+    with pytest.raises(ValueError, match=r"torch_dqn_loss: actions: sample 4 takes action 7 in branch 1"):
+        t.step(b)
+
+
+def test_compiled_torch_trainer_poisons_an_out_of_range_action():
+    """Under torch.compile the CPU check (a data-dependent branch) is left out: the sample is
+    poisoned as on CUDA, and the step's readback row says so."""
+    t = TorchTrainer(TINY_C51, TrainerConfig(batch_size=32, use_cuda_graph=False, readback_interval=1), device="cpu")
+    t.compile_parts()
+    b = batch_for(TINY_C51, 32, "cpu")
+    b["actions"][4, 1] = 7
+    t.step(b)
+    m = t.readback()
+    assert m["skipped"] == 1 and math.isnan(m["loss_last"])
+
+
+@requires_cuda
+def test_torch_trainer_reports_an_out_of_range_action_on_cuda_as_non_finite():
+    """A non-finite step in the baseline's readback, not a device-side assert (which would end
+    the process's CUDA context). The plain-PyTorch step does not skip it, as Trainer does."""
+    t = TorchTrainer(TINY_C51, TrainerConfig(batch_size=32, readback_interval=4, warmup_steps=2), device="cuda")
+    b = batch_for(TINY_C51, 32, "cuda")
+    for _ in range(3):
+        t.step(b)  # warm-up + capture
+    bad = dict(b, actions=b["actions"].clone())
+    bad["actions"][0, 1] = 7
+    t.step(bad)
+    m = t.readback()
+    assert m["steps"] == 4 and m["skipped"] == 1 and math.isnan(m["loss_last"])
 
 
 @requires_cuda

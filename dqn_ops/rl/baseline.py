@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from .. import ops
 from ..graphed import CapturedStep, on_device
@@ -145,6 +145,35 @@ def iqn_cosines(tau, n):
 TorchDuelingBranchNet = TorchQNet
 
 
+def check_actions_on_cpu(actions: Tensor, branches) -> None:
+    """An action outside its branch's [0, n) raises on the CPU, as ``dqn_ops.dqn_loss``'s CPU
+    kernel does; on CUDA, where only a host sync could find it, and in a ``torch.compile``d loss
+    (a data-dependent branch there would break the graph), ``taken_rows`` poisons its sample."""
+    if actions.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    sizes = torch.tensor(branches, device=actions.device)
+    bad = ((actions < 0) | (actions >= sizes)).nonzero()
+    if len(bad):
+        b, d = (int(i) for i in bad[0])
+        raise ValueError(f"torch_dqn_loss: actions: sample {b} takes action {int(actions[b, d])} in branch {d}, "
+                         f"which has {branches[d]} actions")
+
+
+def taken_rows(x: Tensor, actions: Tensor) -> Tensor:
+    """x[b, actions[b]] for each sample b (x: one branch's [B, n, ...]). An action outside [0, n)
+    (on CUDA: ``check_actions_on_cpu`` refuses it on the CPU) reads row 0 plus NaN: the sample's
+    loss and its gradient become NaN, as with dqn_ops's CUDA kernels, and the step's readback row
+    says so (an index out of range would be a device-side assert, fatal to the process's CUDA
+    context)."""
+    n = x.shape[1]
+    valid = (actions >= 0) & (actions < n)
+    rows = torch.arange(x.shape[0], device=x.device)
+    picked = x[rows, torch.where(valid, actions, torch.zeros_like(actions))]
+    # added, not filled: the NaN must reach the gradient of q (a fill would stop it there)
+    poison = torch.where(valid, 0.0, float("nan")).to(x.dtype)
+    return picked + poison.view(-1, *[1] * (picked.dim() - 1))
+
+
 def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, branches, v_min, v_max, gamma,
                    loss_type="c51", weights=None, masks=None, fractions=None):
     """The loss of ``dqn_ops.dqn_loss`` in plain PyTorch ops (the anchor's C51 loop; QR-DQN's
@@ -165,6 +194,7 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
     if fractions is not None and tuple(fractions.shape) != (B, NA):
         raise ValueError(f"torch_dqn_loss: fractions must be [B, N] = {[B, NA]} (q's samples and slots), got "
                          f"{list(fractions.shape)}")
+    check_actions_on_cpu(actions, branches)
     w = torch.ones(B, device=q.device, dtype=q.dtype) if weights is None else weights
     mask = torch.ones(B, E, device=q.device, dtype=q.dtype) if masks is None else masks
     if E > 1:  # each (sample, member) as a sample of its own, the per-sample inputs repeated
@@ -191,7 +221,7 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
                 m = torch.zeros(q.shape[0], NA, device=q.device, dtype=q.dtype)
                 m.scatter_add_(1, lo, p_next * (hi.to(q.dtype) - bj))
                 m.scatter_add_(1, hi, p_next * (bj - lo.to(q.dtype)))
-            logits = q[:, off:off + n][rows, actions[:, i]]
+            logits = taken_rows(q[:, off:off + n], actions[:, i])
             per_branch.append(-(m * logits.log_softmax(-1)).sum(-1))
             q_taken.append((logits.detach().softmax(-1) * support).sum(-1))
             off += n
@@ -204,7 +234,7 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
             with torch.no_grad():
                 a_star = q_next_online[:, off:off + n].mean(-1).argmax(1)
                 target = rewards[:, None] + gamma * (1 - dones[:, None]) * q_next_target[:, off:off + n][rows, a_star]
-            theta = q[:, off:off + n][rows, actions[:, i]]          # [B, N]
+            theta = taken_rows(q[:, off:off + n], actions[:, i])    # [B, N]
             u = target[:, None, :] - theta[:, :, None]              # [B, N (i), N' (j)]
             huber = F.huber_loss(u, torch.zeros_like(u), reduction="none", delta=1.0)
             per_branch.append(((tau[:, :, None] - (u.detach() < 0).to(q.dtype)).abs() * huber).mean(2).sum(1))
@@ -222,7 +252,7 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
             y = rewards + gamma * (1 - dones) * torch.stack(targets, 1).mean(1)
         off = 0
         for i, n in enumerate(branches):
-            q_taken.append(q[:, off:off + n, 0][rows, actions[:, i]])
+            q_taken.append(taken_rows(q[:, off:off + n, 0], actions[:, i]))
             off += n
         qa = torch.stack(q_taken, 1)
         if loss_type == "mse":
@@ -317,8 +347,10 @@ class TorchTrainer:
         self.target.load_state_dict(self.online.state_dict())
         self.target.requires_grad_(False)
         cuda = self.device.type == "cuda"
-        self.optimizer = torch.optim.Adam(self.online.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                          weight_decay=cfg.weight_decay, capturable=cuda, fused=cuda)
+        # AdamW for decoupled weight decay: Adam takes decoupled_weight_decay only from torch 2.6 on
+        adam = torch.optim.AdamW if cfg.decoupled_weight_decay else torch.optim.Adam
+        self.optimizer = adam(self.online.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                              weight_decay=cfg.weight_decay, capturable=cuda, fused=cuda)
         params = dict(self.online.named_parameters())
         self.weights = [params[name] for name in init_sn.names]
         rows = [w.shape[0] for w in self.weights]
@@ -500,7 +532,9 @@ class TorchTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         group = self.optimizer.param_groups[0]
         self.config = dataclasses.replace(self.config, lr=float(group["lr"]), betas=tuple(group["betas"]),
-                                          adam_eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+                                          adam_eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                                          decoupled_weight_decay=bool(group.get(
+                                              "decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))))
         with torch.no_grad():
             for u, saved in zip(self.us, state["spectral_u"]):
                 u.copy_(saved)
