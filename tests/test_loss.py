@@ -84,12 +84,11 @@ def sample_batch(B, branches, atoms, device, v_max=10.0, terminal_fraction=0.2, 
 C51_CASES = [((3, 3, 3), 51, -10.0, 10.0), ((2, 5), 11, -3.0, 7.0), ((4,), 21, -1.0, 1.0), ((1, 1), 2, 0.0, 1.0),
              # more branches than a sample's 8 warps (a warp takes two)
              ((3,) * 10, 31, -5.0, 5.0),
-             # the CUDA kernel's register version at its edges (lanes owning 1 or 2 atoms up to 64,
-             # 3 or 4 up to 128), more actions than it reduces at once (4)
-             ((6, 2), 33, -2.0, 3.0), ((3, 5), 64, -8.0, 8.0), ((3, 3), 65, -5.0, 5.0), ((2, 6), 97, -4.0, 4.0),
-             ((4,), 128, -10.0, 10.0),
+             # the CUDA kernel's <= 64-atom version at its edges (lanes owning 1 or 2 atoms), more
+             # actions than it reduces at once (4)
+             ((6, 2), 33, -2.0, 3.0), ((3, 5), 64, -8.0, 8.0),
              # the general version: rows staged in shared memory
-             ((3, 3), 129, -5.0, 5.0),
+             ((3, 3), 65, -5.0, 5.0),
              # uneven branches, rows too large to stage: read from global memory
              ((2, 3, 1, 4, 3, 2, 5, 2, 3, 1), 201, -20.0, 20.0)]
 
