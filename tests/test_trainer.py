@@ -222,23 +222,26 @@ def test_checkpoint_round_trip_continues_identically(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-def test_torch_trainer_checkpoint_round_trip_continues_identically(device, graphed):
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
+def test_torch_trainer_checkpoint_round_trip_continues_identically(device, graphed, decoupled):
     """The plain-PyTorch baseline checkpoints as Trainer does: a trainer loaded from another's
-    checkpoint (another seed: other weights, streams and mask key) then trains and explores
-    exactly as the saved one goes on to."""
+    checkpoint (another seed: other weights, streams and mask key; another learning rate and
+    kind of weight decay) then trains and explores exactly as the saved one goes on to."""
     if graphed and device == "cpu":
         pytest.skip("CUDA graphs are CUDA's")
     c = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3),
                   ensemble=2)
     cfg = TrainerConfig(batch_size=32, readback_interval=4, use_cuda_graph=graphed, warmup_steps=2,
-                        bootstrap_p=0.5, lr=3e-3, weight_decay=0.01, decoupled_weight_decay=True)
+                        bootstrap_p=0.5, lr=3e-3, weight_decay=0.05, decoupled_weight_decay=decoupled)
     batches = [dict(batch_for(c, 32, device, seed=i), indices=torch.arange(32, device=device) + i)
                for i in range(10)]
     a = TorchTrainer(c, cfg, device=device, seed=3)
-    b = TorchTrainer(c, dataclasses.replace(cfg, lr=1e-4, decoupled_weight_decay=False), device=device, seed=11)
+    b = TorchTrainer(c, dataclasses.replace(cfg, lr=1e-4, decoupled_weight_decay=not decoupled), device=device,
+                     seed=11)
     resume_and_compare(a, b, batches, 5, torch.full((1,), 0.5, device=device))
     # the optimizer's settings came with its state
-    assert (b.config.lr, b.config.decoupled_weight_decay) == (cfg.lr, True)
+    assert (b.config.lr, b.config.decoupled_weight_decay) == (cfg.lr, decoupled)
+    assert isinstance(b.optimizer, torch.optim.AdamW) == decoupled
     # Bit for bit on the CPU. On CUDA plain PyTorch's scatter_add_ (the target's projection, the
     # backward of the taken action's gather) sums with atomics in no fixed order, so two runs of
     # the same step may differ in the last bits.
@@ -304,8 +307,9 @@ def test_compiled_torch_trainer_poisons_an_out_of_range_action():
 
 @requires_cuda
 def test_torch_trainer_reports_an_out_of_range_action_on_cuda_as_non_finite():
-    """A non-finite step in the baseline's readback, not a device-side assert (which would end
-    the process's CUDA context). The plain-PyTorch step does not skip it, as Trainer does."""
+    """A non-finite step in the baseline's readback (its `skipped` flag), not a device-side
+    assert (which would end the process's CUDA context). Unlike Trainer, the plain-PyTorch step
+    still applies the update: its parameters become NaN."""
     t = TorchTrainer(TINY_C51, TrainerConfig(batch_size=32, readback_interval=4, warmup_steps=2), device="cuda")
     b = batch_for(TINY_C51, 32, "cuda")
     for _ in range(3):

@@ -346,11 +346,7 @@ class TorchTrainer:
         self.target = TorchQNet(c).to(self.device)
         self.target.load_state_dict(self.online.state_dict())
         self.target.requires_grad_(False)
-        cuda = self.device.type == "cuda"
-        # AdamW for decoupled weight decay: Adam takes decoupled_weight_decay only from torch 2.6 on
-        adam = torch.optim.AdamW if cfg.decoupled_weight_decay else torch.optim.Adam
-        self.optimizer = adam(self.online.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                              weight_decay=cfg.weight_decay, capturable=cuda, fused=cuda)
+        self.optimizer = self._adam(cfg.decoupled_weight_decay)
         params = dict(self.online.named_parameters())
         self.weights = [params[name] for name in init_sn.names]
         rows = [w.shape[0] for w in self.weights]
@@ -507,6 +503,14 @@ class TorchTrainer:
                                   self.config.v_min, self.config.v_max, self.loss_type)
 
     # -- checkpoints (as dqn_ops.Trainer's; a TorchTrainer loads only its own) ------------------
+    def _adam(self, decoupled_weight_decay: bool) -> torch.optim.Optimizer:
+        """The online network's optimizer with this trainer's settings: AdamW for decoupled weight
+        decay (torch's Adam takes ``decoupled_weight_decay`` only in recent versions), else Adam."""
+        cfg, cuda = self.config, self.device.type == "cuda"
+        adam = torch.optim.AdamW if decoupled_weight_decay else torch.optim.Adam
+        return adam(self.online.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                    weight_decay=cfg.weight_decay, capturable=cuda, fused=cuda)
+
     def state_dict(self) -> dict:
         """The checkpoint (``torch.save`` it; ``load_state_dict`` restores it): the networks, the
         optimizer, the spectral-norm vectors, the random streams, the masks' key and the step
@@ -529,12 +533,14 @@ class TorchTrainer:
                              f"spectral-norm vectors, this trainer {len(self.us)}")
         self.online.load_state_dict(state["online"])
         self.target.load_state_dict(state["target"])
+        decoupled = bool(state["config"]["decoupled_weight_decay"])
+        if decoupled != isinstance(self.optimizer, torch.optim.AdamW):  # the other kind of weight decay
+            self.optimizer = self._adam(decoupled)
         self.optimizer.load_state_dict(state["optimizer"])
         group = self.optimizer.param_groups[0]
         self.config = dataclasses.replace(self.config, lr=float(group["lr"]), betas=tuple(group["betas"]),
                                           adam_eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                                          decoupled_weight_decay=bool(group.get(
-                                              "decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))))
+                                          decoupled_weight_decay=decoupled)
         with torch.no_grad():
             for u, saved in zip(self.us, state["spectral_u"]):
                 u.copy_(saved)
