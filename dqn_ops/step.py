@@ -163,7 +163,6 @@ class InternalOpsStep(_Step):
         if online.config.aux:
             raise ValueError("InternalOpsStep: networks with head groups run GroupsStep")
         self.batch_networks = bool(batch_networks)
-        self._loss_counter = None  # the loss kernel's block counter, this step's own (ops.new_loss_counter)
 
     def forward(self, state_pairs: Tensor, fractions=None) -> ops.Logits:
         p = self._params()
@@ -176,11 +175,9 @@ class InternalOpsStep(_Step):
     def loss(self, fwd: ops.Logits, actions, rewards, dones, weights=None, masks=None,
              fractions=None) -> ops.LossOnLogits:
         p, B = self._params(), actions.shape[0]
-        if self._loss_counter is None or self._loss_counter.device != actions.device:
-            self._loss_counter = ops.new_loss_counter(actions.device)
         return ops._dqn_loss_on_logits(fwd.logits[:B], fwd.logits[B:], fwd.logits_next_target, p.online, p.target,
                                        actions, rewards, dones, weights, p.layout, self.v_min, self.v_max, self.gamma,
-                                       self.loss_type, masks, self._loss_counter)
+                                       self.loss_type, masks)
 
     def backward(self, fwd: ops.Logits, loss_out: ops.LossOnLogits) -> Tensor:
         p = self._params()
