@@ -8,10 +8,8 @@
 // reduced together), the projection of the target distribution onto the support, the
 // cross-entropy and its gradient. Two versions of the branch, chosen at launch (two kernel
 // instantiations, so each gets its own register allocation):
-//   atoms <= 128 (C51's 51, CleanRL's 101; the register version): a lane owns atoms `lane` and
-//     `lane + 32` (up to 64 atoms), or also `lane + 64` and `lane + 96` (up to 128, a kernel
-//     instantiation of its own, so that the 64-atom one keeps its registers); every row is read
-//     straight into registers, the target rows together with the online rows
+//   atoms <= 64 (C51's 51; the register version): a lane owns atoms `lane` and `lane + 32`;
+//     every row is read straight into registers, the target rows together with the online rows
 //     they are chosen by (no dependent load after the argmax); the projection is a segmented
 //     scan over the warp (project_by_runs), the same steps for every transition.
 //   general (staged rows): the warp stages its rows in shared memory (all loads in flight at
@@ -99,18 +97,15 @@ struct LossResults {
 
 using Kernel = void (*)(const BranchTable, const LossParams);
 
-// The register (c51_branch_small) version of the kernel for rows kRows: a lane owns 2 atoms up
-// to kTwoSlotMaxAtoms atoms, 4 up to kDuelingMaxAtoms.
+// The <= 64-atom (c51_branch_small) version of the kernel for rows kRows.
 template <LossRows kRows>
-Kernel register_kernel(int64_t atoms, bool in_registers) {
-  if (atoms <= kTwoSlotMaxAtoms)
-    return in_registers ? dqn_loss_kernel<2, kRows, true> : dqn_loss_kernel<2, kRows, false>;
-  return in_registers ? dqn_loss_kernel<4, kRows, true> : dqn_loss_kernel<4, kRows, false>;
+Kernel small_atoms_kernel(bool in_registers) {
+  return in_registers ? dqn_loss_kernel<true, kRows, true> : dqn_loss_kernel<true, kRows, false>;
 }
 
 // Sizes the launch, allocates the scalar outputs and launches. P arrives with the inputs, the
 // gradient outputs, total_actions and the loss constants set; `rows` says what its rows are
-// (the fused loss's only with C51 and atoms <= kDuelingMaxAtoms: the register version).
+// (the fused loss's only with C51 and atoms <= kDuelingMaxAtoms).
 LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms,
                         LossType type, LossRows rows, const at::TensorOptions& f32) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -124,29 +119,29 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   int max_actions = 1;
   for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
   const int warps = threads / 32;
-  const bool register_version = c51 && atoms <= kDuelingMaxAtoms;
-  DQN_CHECK(rows == LossRows::kQ || (register_version && br.count <= kMaxWarps && br.count == br.per_member), op,
+  const bool small_atoms = c51 && atoms <= kDuelingMaxAtoms;
+  DQN_CHECK(rows == LossRows::kQ || (small_atoms && br.count <= kMaxWarps && br.count == br.per_member), op,
             ": the fused loss kernel takes C51 with at most ", kDuelingMaxAtoms, " atoms and ", kMaxWarps,
             " branches of one network (no ensemble), got ", atoms, " atoms and ", br.count, " branches");
-  const bool in_registers = register_version && max_actions <= kQChunk;
-  const Kernel kernel = iqn                              ? dqn_loss_kernel<0, LossRows::kQ, false, true, true>
-                        : qr                             ? dqn_loss_kernel<0, LossRows::kQ, false, true>
-                        : !register_version              ? dqn_loss_kernel<0, LossRows::kQ, false>
-                        : rows == LossRows::kHeadDueling ? register_kernel<LossRows::kHeadDueling>(atoms, in_registers)
-                        : rows == LossRows::kHeadPlain   ? register_kernel<LossRows::kHeadPlain>(atoms, in_registers)
-                                                         : register_kernel<LossRows::kQ>(atoms, in_registers);
+  const bool in_registers = small_atoms && max_actions <= kQChunk;
+  const Kernel kernel = iqn                               ? dqn_loss_kernel<false, LossRows::kQ, false, true, true>
+                        : qr                              ? dqn_loss_kernel<false, LossRows::kQ, false, true>
+                        : !small_atoms                    ? dqn_loss_kernel<false, LossRows::kQ, false>
+                        : rows == LossRows::kHeadDueling ? small_atoms_kernel<LossRows::kHeadDueling>(in_registers)
+                        : rows == LossRows::kHeadPlain   ? small_atoms_kernel<LossRows::kHeadPlain>(in_registers)
+                                                         : small_atoms_kernel<LossRows::kQ>(in_registers);
   // The general version stages the rows where they fit in what the kernel may have without an
   // opt-in above 48 KiB: rows that do not fit are read from global memory instead (the same
   // results), and the launches that fit keep the shape they have always had.
   const size_t budget = dynamic_smem_limit(kernel, SmemLimit::kDefault);
-  const bool staged = c51 && !register_version &&
+  const bool staged = c51 && !small_atoms &&
                       size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= budget;
-  const int64_t work_floats = qr                 ? qr_floats_per_warp(atoms, P.target_atoms)
-                              : !c51              ? 0
-                              : register_version ? 4 * atoms
-                                                 : c51_floats_per_warp(atoms, max_actions, staged);
+  const int64_t work_floats = qr           ? qr_floats_per_warp(atoms, P.target_atoms)
+                              : !c51        ? 0
+                              : small_atoms ? 4 * atoms
+                                            : c51_floats_per_warp(atoms, max_actions, staged);
   const size_t smem = size_t(warps) * work_floats * sizeof(float);
-  // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 129 atoms, 24 KiB at
+  // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 128 atoms, 24 KiB at
   // kLossCudaMaxAtoms), QR's and IQN's at most 5,136 bytes (the sorted targets and their double
   // prefix sums at N' = kLossCudaMaxAtoms: 41,088 bytes at 8 warps): within the budget of any device
   // these kernels build for.

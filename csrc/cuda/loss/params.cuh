@@ -18,9 +18,8 @@ namespace {
 // Warps per block. The fused loss runs a warp per branch of a sample in one block.
 constexpr int kMaxWarps = kFusedLossMaxBranches;
 // C51 with at most this many atoms runs the register version (c51_branch_small: a lane owns
-// atoms `lane + 32 e`, 2 or 4 of them), the only one the fused loss has.
+// atoms `lane` and `lane + 32`), the only one the fused loss has.
 constexpr int kDuelingMaxAtoms = kFusedLossMaxAtoms;
-constexpr int kTwoSlotMaxAtoms = 64;  // up to this many a lane owns 2 atoms (the 64-atom instantiation)
 constexpr int kQChunk = 4;        // actions whose expected Q reduce together
 constexpr int kStageUnroll = 12;  // loads in flight per lane while staging
 
