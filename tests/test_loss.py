@@ -229,7 +229,7 @@ def test_taken_rows_poisons_an_out_of_range_action_and_its_gradient():
     expected = torch.zeros(2, 3, 5, dtype=torch.float64)
     expected[[0, 1], [0, 2]] = 2 * x.detach()[[0, 1], [0, 2]]
     assert torch.equal(x.grad[:2], expected)
-    assert x.grad[2:].isnan().any(dim=(1, 2)).all()  # so that the trainer skips the step
+    assert x.grad[2:].isnan().any(dim=(1, 2)).all()  # so that the step's gradient norm is not finite
 
 
 @requires_cuda
@@ -237,7 +237,7 @@ def test_taken_rows_poisons_an_out_of_range_action_and_its_gradient():
 @pytest.mark.parametrize("bad", [-1, 3])
 def test_plain_pytorch_loss_poisons_an_out_of_range_action_on_cuda(atoms, loss_type, bad):
     """As dqn_loss's CUDA kernel: the sample's TD error, the loss and the sample's gradient NaN
-    (so a trainer skips the step), the other samples' finite; no device-side assert."""
+    (so the step's gradient norm is not finite), the other samples' finite; no device-side assert."""
     q, qo, qt, actions, rewards, dones, weights = sample_batch(16, (2, 3), atoms, "cuda")
     actions[5, 1] = bad
     q.requires_grad_(True)
