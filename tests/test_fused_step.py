@@ -215,9 +215,8 @@ def _internal_op_args(s: Sample):
         "_online_and_target_logits": [(b["state_pairs"], p, p_lp, tp, tp_lp, layout, batch_networks)
                                       for batch_networks in (False, True)],
         "_dqn_loss_on_logits": [(logits[0], logits[1], f.logits_next_target, p, tp, b["actions"], b["rewards"],
-                                 b["dones"], weights, layout, V_MIN, V_MAX, GAMMA, s.loss_type, None, counter)
-                                for weights, counter in ((None, None), (b["weights"], None),
-                                                         (b["weights"], ops.new_loss_counter(p.device)))],
+                                 b["dones"], weights, layout, V_MIN, V_MAX, GAMMA, s.loss_type)
+                                for weights in (None, b["weights"])],
         "_mixed_backward_from_head": [(head.grad_head, head.grad_head_bf16, saved, p, p_lp, layout, precision)
                                       for precision in ("bf16", "tf32")],
     }
@@ -266,13 +265,8 @@ def test_online_and_target_logits_rejects_bad_input(device, what, match):
     ("logits", r"logits: expected shape \[\*, "),
     ("target_params", "target_params: expected dtype Float"),
     ("actions", r"actions: expected shape \[16, 2\]"),
-    ("counter_dtype", "counter: expected dtype Int, got Long"),
-    ("counter_shape", r"counter: expected shape \[1\], got \[2\]"),
-    pytest.param("counter_device", "counter: expected a tensor on cuda", marks=requires_cuda),
 ])
 def test_loss_on_logits_rejects_bad_input(device, what, match):
-    if what == "counter_device" and device == "cpu":
-        pytest.skip("one device here")
     s = sample_inputs("two_branches_11_atoms", device, B=16)
     B, config = 16, s.config
     logits = torch.zeros(B, config.head_ld, device=device)
@@ -285,11 +279,8 @@ def test_loss_on_logits_rejects_bad_input(device, what, match):
         args["target_params"] = p.double()
     if what == "actions":
         args["actions"] = torch.zeros(B, 3, dtype=torch.long, device=device)
-    counter = {"counter_dtype": torch.zeros(1, dtype=torch.long, device=device),
-               "counter_shape": torch.zeros(2, dtype=torch.int32, device=device),
-               "counter_device": torch.zeros(1, dtype=torch.int32)}.get(what)
     with pytest.raises(RuntimeError, match=match):
-        ops._dqn_loss_on_logits(*args.values(), s.online._layout_ints, V_MIN, V_MAX, GAMMA, counter=counter)
+        ops._dqn_loss_on_logits(*args.values(), s.online._layout_ints, V_MIN, V_MAX, GAMMA)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -354,13 +345,6 @@ def test_fake_kernels_give_the_internal_ops_their_shapes():
         with pytest.raises(RuntimeError, match=r"dqn_ops._dqn_loss_on_logits: loss_type: expected one of "
                                                r"\('c51', 'qr', 'mse', 'huber'\), got 'l1'"):
             ops._dqn_loss_on_logits(*loss_args, loss_type="l1")
-        r = ops._dqn_loss_on_logits(*loss_args, counter=torch.empty(1, dtype=torch.int32, device="cuda"))
-        assert r.grad_head.shape == (B, c.head_out)
-        for bad, match in ((torch.empty(1, dtype=torch.long, device="cuda"), "counter: expected dtype Int, got "),
-                           (torch.empty(2, dtype=torch.int32, device="cuda"),
-                            r"counter: expected shape \[1\], got \[2\]")):
-            with pytest.raises(RuntimeError, match=match):
-                ops._dqn_loss_on_logits(*loss_args, counter=bad)
         grad = ops._mixed_backward_from_head(r.grad_head, r.grad_head_bf16, [t[:B] for t in f.activations], p, p_lp,
                                              layout)
         assert grad.shape == (n,) and grad.dtype == torch.float32

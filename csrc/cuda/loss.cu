@@ -44,9 +44,7 @@
 //     the forward's bias (+ dueling aggregation) of each pass, dqn_loss's kernel,
 //     mixed_backward's dueling backward (without dueling: d(head) = grad_q); 5 launches (and
 //     the memset).
-// Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh). With a
-// caller's counter (the trainer's step passes one) neither has the memset: the kernel's last
-// block leaves the counter at 0 for the next launch.
+// Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh).
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -107,11 +105,9 @@ Kernel small_atoms_kernel(bool in_registers) {
 
 // Sizes the launch, allocates the scalar outputs and launches. P arrives with the inputs, the
 // gradient outputs, total_actions and the loss constants set; `rows` says what its rows are
-// (the fused loss's only with C51 and atoms <= kDuelingMaxAtoms). `counter`: the blocks'
-// counter, 0 at the launch, which the kernel's last block sets back to 0 (_dqn_loss_on_logits'
-// caller-owned one); nullptr: one of the launch's own, zeroed by a memset.
+// (the fused loss's only with C51 and atoms <= kDuelingMaxAtoms).
 LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms,
-                        LossType type, LossRows rows, const at::TensorOptions& f32, unsigned* counter = nullptr) {
+                        LossType type, LossRows rows, const at::TensorOptions& f32) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Block shape: C51 and QR give each sample min(D, kMaxWarps) warps (warp k takes branches k,
   // k + kMaxWarps, ...) and a block as many whole samples as fit in kMaxWarps warps; MSE /
@@ -161,16 +157,13 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
                                                       std::max(resident, 1) * sms));
 
   LossResults out{at::empty({}, f32), at::empty({batch}, f32), at::empty({}, f32)};
-  Tensor partials = at::empty({2 * grid + (counter ? 0 : 1)}, f32);  // and the launch's own counter
+  Tensor partials = at::empty({2 * grid + 1}, f32);  // and the counter, zeroed below
   P.td_error = out.td_error.data_ptr<float>();
   P.loss = out.loss.data_ptr<float>();
   P.mean_q = out.mean_q.data_ptr<float>();
   P.partials = partials.data_ptr<float>();
-  P.counter = counter;
-  if (!counter) {
-    P.counter = reinterpret_cast<unsigned*>(P.partials + 2 * grid);
-    C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
-  }
+  P.counter = reinterpret_cast<unsigned*>(P.partials + 2 * grid);
+  C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
   P.batch = static_cast<int>(batch);
   P.atoms = static_cast<int>(atoms);
   P.warps_per_sample = warps_per_sample;
@@ -238,14 +231,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
     const Tensor& logits, const Tensor& logits_next_online, const Tensor& logits_next_target, const Tensor& params,
     const Tensor& target_params, const Tensor& actions, const Tensor& rewards, const Tensor& dones,
     const c10::optional<Tensor>& weights, c10::IntArrayRef layout, double v_min, double v_max, double gamma,
-    c10::string_view loss_type, const c10::optional<Tensor>& masks, const c10::optional<Tensor>& counter) {
+    c10::string_view loss_type, const c10::optional<Tensor>& masks) {
   const char* op = kLossOnLogitsOp;
   const NetLayout L = parse_layout(layout, op);
   const LossType type = check_loss_on_logits_args(logits, logits_next_online, logits_next_target, params,
-                                                  target_params, actions, rewards, dones, weights, masks, counter, L,
-                                                  v_min, v_max, gamma, std::string(loss_type));
-  // int32 as torch has no uint32 arithmetic on CUDA; the kernel counts up to its grid size only
-  unsigned* blocks_done = counter.has_value() ? reinterpret_cast<unsigned*>(counter->data_ptr<int32_t>()) : nullptr;
+                                                  target_params, actions, rewards, dones, weights, masks, L, v_min,
+                                                  v_max, gamma, std::string(loss_type));
   const int64_t B = logits.size(0);
   check_loss_cuda_limits(op, B, L.q_rows(), L.atoms);
   const BranchTable br = make_branch_table(L, op);
@@ -269,7 +260,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
     P.head_ld = L.head_ld;
     P.head_out = L.head_out;
     const LossRows rows = L.dueling ? LossRows::kHeadDueling : LossRows::kHeadPlain;
-    const LossResults r = launch_loss(op, br, P, B, L.atoms, type, rows, f32, blocks_done);
+    const LossResults r = launch_loss(op, br, P, B, L.atoms, type, rows, f32);
     return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};
   }
   // Composed: q of each pass as bf16_dueling_forward forms it (the compact head it also writes
@@ -288,7 +279,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
   P.q_next_online = q[1].data_ptr<float>();
   P.q_next_target = q[2].data_ptr<float>();
   P.grad_q = grad_q.data_ptr<float>();
-  const LossResults r = launch_loss(op, br, P, B, L.atoms, type, LossRows::kQ, f32, blocks_done);
+  const LossResults r = launch_loss(op, br, P, B, L.atoms, type, LossRows::kQ, f32);
   launch_dueling_backward(grad_q.data_ptr<float>(), nullptr, grad_head.data_ptr<float>(),
                           static_cast<__nv_bfloat16*>(grad_head_bf16.data_ptr()), B, L, br, stream);
   return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};

@@ -497,9 +497,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
     // samples): the fence makes this block's partials visible before its ticket is taken.
     __threadfence();
     last_block = atomicAdd(P.counter, 1u) == gridDim.x - 1;
-    // Every block has taken its ticket: the counter is 0 again for the next launch (a caller's
-    // counter needs no memset before it; loss.cu's launch_loss).
-    if (last_block) *P.counter = 0u;
   }
   __syncthreads();
   if (last_block) {

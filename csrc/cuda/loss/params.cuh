@@ -54,7 +54,7 @@ struct LossParams {
   float* loss;
   float* mean_q;
   float* partials;    // [2, gridDim.x]
-  unsigned* counter;  // blocks finished: 0 at launch, and again after it (the last block resets it)
+  unsigned* counter;  // blocks finished: 0 at launch
   int batch, total_actions, atoms;
   int next_atoms, target_atoms;  // q_next_online's and q_next_target's slots (IQN's K and N'; else atoms)
   int warps_per_sample, samples_per_block;
