@@ -156,6 +156,19 @@ class NonFiniteError(RuntimeError):
     """A training step produced a non-finite loss or gradient (the optimizer skipped it)."""
 
 
+def report_non_finite(stats: DeferredReadback, non_finite_steps: List[int], on_non_finite: str, message) -> None:
+    """What both trainers do with the rows a readback set apart as non-finite or skipped: their
+    step numbers appended to `non_finite_steps`, and with ``on_non_finite='raise'`` a
+    NonFiniteError of ``message(first step, its row, how many)``."""
+    bad = stats.take_bad_rows()
+    if not bad:
+        return
+    new = [step for step, _ in bad]
+    non_finite_steps.extend(new)
+    if on_non_finite == "raise":
+        raise NonFiniteError(message(new[0], bad[0][1], len(new)))
+
+
 class Trainer:
     """Owns the online and target networks, the optimizer, spectral norm and EMA, and runs the
     training step.
@@ -433,14 +446,7 @@ class Trainer:
         self._check_rows()
 
     def _check_rows(self):
-        # the readback sets apart the non-finite / skipped rows with their step numbers
-        bad = self.stats.take_bad_rows()
-        if not bad:
-            return
-        new = [step for step, _ in bad]
-        self.non_finite_steps.extend(new)
-        if self.config.on_non_finite == "raise":
-            raise NonFiniteError(self._non_finite_message(new[0], bad[0][1], len(new)))
+        report_non_finite(self.stats, self.non_finite_steps, self.config.on_non_finite, self._non_finite_message)
 
     def _non_finite_message(self, step: int, r: Dict[str, float], count: int) -> str:
         """What the non-finite step `step` changed, exactly (``_step_body``'s order: the

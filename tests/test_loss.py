@@ -219,6 +219,21 @@ def test_plain_pytorch_loss_refuses_an_out_of_range_action_on_cpu(atoms, loss_ty
         torch_dqn_loss(q, qo, qt, actions, rewards, dones, [2, 3], -2.0, 2.0, 0.9, loss_type, weights)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_pytorch_c51_poisons_a_non_finite_reward_or_done(device):
+    """As dqn_loss's kernels: the sample's TD error and gradient NaN (an Inf reward too, which a
+    clamp onto the support would hide), the others finite; a NaN position never indexes."""
+    q, qo, qt, actions, rewards, dones, weights = sample_batch(16, (2, 3), 11, device)
+    rewards[3], rewards[5], dones[7] = float("nan"), float("inf"), float("nan")
+    q.requires_grad_(True)
+    loss, td, mean_q = torch_dqn_loss(q, qo, qt, actions, rewards, dones, [2, 3], -2.0, 2.0, 0.9, "c51", weights)
+    loss.backward()
+    bad = torch.zeros(16, dtype=torch.bool, device=device)
+    bad[[3, 5, 7]] = True
+    assert loss.isnan() and td[bad].isnan().all() and q.grad[bad].isnan().flatten(1).any(1).all()
+    assert torch.isfinite(td[~bad]).all() and torch.isfinite(q.grad[~bad]).all()
+
+
 def test_taken_rows_poisons_an_out_of_range_action_and_its_gradient():
     """The plain-PyTorch loss's gather (what its CUDA path runs on a bad action, here on the CPU)."""
     x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)

@@ -293,32 +293,60 @@ def test_torch_trainer_refuses_an_out_of_range_action_on_cpu():
         t.step(b)
 
 
+def _torch_trainer_state(t):
+    """The parameters and the Adam state a skipped step leaves as they were (with sigma_max=None:
+    the spectral-norm clamp, which still runs, may rescale the weights)."""
+    opt = [v.clone() for st in t.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    return [p.detach().clone() for p in t.online.parameters()] + opt
+
+
 def test_compiled_torch_trainer_poisons_an_out_of_range_action():
     """Under torch.compile the CPU check (a data-dependent branch) is left out: the sample is
-    poisoned as on CUDA, and the step's readback row says so."""
-    t = TorchTrainer(TINY_C51, TrainerConfig(batch_size=32, use_cuda_graph=False, readback_interval=1), device="cpu")
+    poisoned as on CUDA, and the step is skipped and counted."""
+    t = TorchTrainer(TINY_C51, TrainerConfig(batch_size=32, use_cuda_graph=False, readback_interval=1,
+                                             on_non_finite="flag", sigma_max=None), device="cpu")
     t.compile_parts()
     b = batch_for(TINY_C51, 32, "cpu")
+    t.step(b)
+    before = _torch_trainer_state(t)
     b["actions"][4, 1] = 7
     t.step(b)
     m = t.readback()
-    assert m["skipped"] == 1 and math.isnan(m["loss_last"])
+    assert m["skipped"] == 1 and math.isnan(m["loss_last"]) and t.non_finite_steps == [1]
+    assert all(torch.equal(x, y) for x, y in zip(_torch_trainer_state(t), before))
 
 
-@requires_cuda
-def test_torch_trainer_reports_an_out_of_range_action_on_cuda_as_non_finite():
-    """A non-finite step in the baseline's readback (its `skipped` flag), not a device-side
-    assert (which would end the process's CUDA context). Unlike Trainer, the plain-PyTorch step
-    still applies the update: its parameters become NaN."""
-    t = TorchTrainer(TINY_C51, TrainerConfig(batch_size=32, readback_interval=4, warmup_steps=2), device="cuda")
-    b = batch_for(TINY_C51, 32, "cuda")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("on_non_finite", ["raise", "flag"])
+def test_torch_trainer_skips_and_reports_a_non_finite_step_as_trainer_does(device, on_non_finite):
+    """A NaN reward (on CUDA also an out-of-range action, no device-side assert): the update is
+    skipped (the parameters, the Adam moments and its step count unchanged; on CUDA inside the
+    captured graph), the step raises NonFiniteError or is counted in non_finite_steps, and the
+    next finite step trains on."""
+    cfg = TrainerConfig(batch_size=32, readback_interval=4, warmup_steps=2, on_non_finite=on_non_finite,
+                        sigma_max=None)
+    t = TorchTrainer(TINY_C51, cfg, device=device)
+    b = batch_for(TINY_C51, 32, device)
     for _ in range(3):
-        t.step(b)  # warm-up + capture
-    bad = dict(b, actions=b["actions"].clone())
-    bad["actions"][0, 1] = 7
-    t.step(bad)
-    m = t.readback()
-    assert m["steps"] == 4 and m["skipped"] == 1 and math.isnan(m["loss_last"])
+        t.step(b)  # on CUDA: warm-up and capture
+    t.readback()
+    before = _torch_trainer_state(t)
+    bad = dict(b, rewards=b["rewards"].clone(), actions=b["actions"].clone())
+    bad["rewards"][3] = float("nan")
+    if device == "cuda":
+        bad["actions"][0, 1] = 7
+    if on_non_finite == "raise":
+        with pytest.raises(NonFiniteError, match=r"^TorchTrainer: step 3 was non-finite .* The optimizer skipped it"):
+            t.step(bad)
+            t.readback()
+    else:
+        t.step(bad)
+        m = t.readback()
+        assert m["skipped"] == 1 and t.non_finite_steps == [3]
+    assert all(torch.equal(x, y) for x, y in zip(_torch_trainer_state(t), before))
+    t.step(b)
+    t.readback()
+    assert not all(torch.equal(x, y) for x, y in zip(_torch_trainer_state(t), before))
 
 
 @requires_cuda

@@ -4,6 +4,7 @@ state-dict names are DuelingBranchQNet's, so weights move both ways (``dqn_ops.f
 from __future__ import annotations
 
 import dataclasses
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from ..spectral import SpectralNorm
 from ..step import quantile_midpoints
 from ..trainer import (STAT_FIELDS, TrainerConfig, check_checkpoint, check_device_available, check_epsilon,
                        check_trainer_args, ensemble_score, expected_q, greedy_from_logits, group_loss_types,
-                       group_mask_seed, input_buffers, load_batch, resolve_loss_type)
+                       group_mask_seed, input_buffers, load_batch, report_non_finite, resolve_loss_type)
 
 
 class TorchQNet(nn.Module):
@@ -209,8 +210,13 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
         support = torch.linspace(v_min, v_max, NA, device=q.device, dtype=q.dtype)
         dz = (v_max - v_min) / (NA - 1)
         with torch.no_grad():
+            # A non-finite reward or done poisons its sample, as dqn_ops's kernels do (clamping
+            # would hide an Inf; a NaN position would index out of range): its target row is NaN,
+            # read from a position of 0.
+            finite = torch.isfinite(rewards) & torch.isfinite(dones)
             tz = (rewards[:, None] + gamma * (1 - dones[:, None]) * support).clamp(v_min, v_max)
-            bj = ((tz - v_min) / dz).clamp(0, NA - 1)
+            bj = torch.where(finite[:, None], (tz - v_min) / dz, 0.0).clamp(0, NA - 1)
+            poison = torch.where(finite, 0.0, float("nan")).to(q.dtype)[:, None]
             lo, hi = bj.floor().long(), bj.ceil().long()
             lo = torch.where((hi > 0) & (lo == hi), lo - 1, lo)
             hi = torch.where((lo < NA - 1) & (lo == hi), hi + 1, hi)
@@ -221,6 +227,7 @@ def torch_dqn_loss(q, q_next_online, q_next_target, actions, rewards, dones, bra
                 m = torch.zeros(q.shape[0], NA, device=q.device, dtype=q.dtype)
                 m.scatter_add_(1, lo, p_next * (hi.to(q.dtype) - bj))
                 m.scatter_add_(1, hi, p_next * (bj - lo.to(q.dtype)))
+                m += poison
             logits = taken_rows(q[:, off:off + n], actions[:, i])
             per_branch.append(-(m * logits.log_softmax(-1)).sum(-1))
             q_taken.append((logits.detach().softmax(-1) * support).sum(-1))
@@ -305,6 +312,10 @@ class TorchTrainer:
     the dqn_ops one (``torch.optim.Adam(capturable=True)``). Ensembles as ``Trainer``: the same
     bootstrap masks (``ops.bootstrap_masks`` of the batch's ``indices``, keyed by the seed) and
     the same acting scores (exploring: mean + ``act_ucb`` * std over the members; ``act``: the mean).
+    Non-finite steps as ``Trainer``'s: a non-finite gradient skips the update (on CUDA on the
+    device, the fused Adam's ``found_inf``), a non-finite reward or done or an out-of-range action
+    (on CUDA; the CPU refuses it) poisons its sample, and ``TrainerConfig.on_non_finite`` says
+    whether such a step raises ``NonFiniteError`` or is counted in ``non_finite_steps``.
 
     ``exploration`` says where ``act_explore``'s random numbers come from: ``"philox"`` (the
     default) draws them with ``ops.epsilon_greedy`` from ``explore_rng`` = (the seed's Philox key,
@@ -364,8 +375,9 @@ class TorchTrainer:
         self.fraction_rng = ops.philox_rng(seed, dev)
         # IQN: the K = N midpoints every row acts and picks the next action at (as Trainer's)
         self._midpoints = quantile_midpoints(cfg.iqn_fractions, torch.empty(0, device=dev))[None]
-        self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev)
+        self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev, bad_field="skipped")
         self.steps = 0
+        self.non_finite_steps: List[int] = []  # as Trainer's (TrainerConfig.on_non_finite='flag')
         self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
 
     def step(self, batch=None):
@@ -383,7 +395,21 @@ class TorchTrainer:
 
     def after_steps(self, count: int):
         self.steps += count
-        self.stats.after_step(count)
+        if self.stats.after_step(count):  # a non-finite step seen: reported now, as Trainer does
+            self.stats.readback()
+            self.stats.reset_flag()
+            self._check_rows()
+
+    def _check_rows(self):
+        report_non_finite(self.stats, self.non_finite_steps, self.config.on_non_finite, self._non_finite_message)
+
+    def _non_finite_message(self, step: int, r: dict, count: int) -> str:
+        what = ("The optimizer skipped it (non-finite gradient): the parameters, the Adam moments and the step "
+                "count are unchanged; the spectral-norm clamp and the target network's EMA still ran."
+                if r["skipped"] > 0 else "The gradient was finite, so the optimizer applied it.")
+        return (f"TorchTrainer: step {step} was non-finite (loss={r['loss']}, grad_norm={r['grad_norm']}, "
+                f"mean_q={r['mean_q']}). {what} {count} such step(s) so far. TrainerConfig(on_non_finite='flag') "
+                f"counts them in trainer.non_finite_steps instead.")
 
     def _on_device(self):
         return on_device(self.device)
@@ -482,15 +508,25 @@ class TorchTrainer:
         grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=True)
                      if cfg.max_grad_norm is not None else torch.linalg.vector_norm(
                          torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
-        self.optimizer.step()
+        bad = (~torch.isfinite(grad_norm)).float().detach()
+        # A non-finite gradient skips the update, as Trainer's optimizer does: on CUDA on the device
+        # (the fused Adam's found_inf, GradScaler's mechanism: the moments and the step count
+        # stay too), on the CPU by the host (no graph there to keep free of syncs).
+        if self.device.type == "cuda":
+            self.optimizer.found_inf = bad
+            self.optimizer.step()
+        elif not bad.item():
+            self.optimizer.step()
         self._post_part()
         with torch.no_grad():
             self.td_error.copy_(td)
-            bad = (~torch.isfinite(grad_norm)).float()
             self.stats.record([loss.detach(), grad_norm, mean_q, bad], bad)
 
     def readback(self):
+        """Reads every step's scalars up to now (synchronises) and returns metrics(); a non-finite
+        step raises NonFiniteError or is counted, as ``TrainerConfig.on_non_finite`` says."""
         self.stats.readback()
+        self._check_rows()
         return self.metrics()
 
     def metrics(self, last=None):
