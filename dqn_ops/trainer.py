@@ -156,20 +156,31 @@ class NonFiniteError(RuntimeError):
     """A training step produced a non-finite loss or gradient (the optimizer skipped it)."""
 
 
-def report_non_finite(stats: DeferredReadback, non_finite_steps: List[int], on_non_finite: str, message) -> None:
-    """What both trainers do with the rows a readback set apart as non-finite or skipped: their
-    step numbers appended to `non_finite_steps`, and with ``on_non_finite='raise'`` a
-    NonFiniteError of ``message(first step, its row, how many)``."""
-    bad = stats.take_bad_rows()
-    if not bad:
-        return
-    new = [step for step, _ in bad]
-    non_finite_steps.extend(new)
-    if on_non_finite == "raise":
-        raise NonFiniteError(message(new[0], bad[0][1], len(new)))
+class NonFiniteSteps:
+    """How a trainer reports its non-finite steps (``TrainerConfig.on_non_finite``), the same for
+    ``Trainer`` and the plain-PyTorch ``TorchTrainer``. The trainer has ``stats`` (a
+    DeferredReadback that sets apart the skipped rows), ``config``, ``non_finite_steps`` and
+    ``_non_finite_message(step, row, count)``."""
+
+    def _handle_non_finite(self):
+        """The readback's flag rose after steps were enqueued: read their rows now and report them."""
+        self.stats.readback()
+        self.stats.reset_flag()
+        self._check_rows()
+
+    def _check_rows(self):
+        """The rows the readback set apart: their step numbers appended to ``non_finite_steps``,
+        and with ``on_non_finite='raise'`` a NonFiniteError naming the first."""
+        bad = self.stats.take_bad_rows()
+        if not bad:
+            return
+        new = [step for step, _ in bad]
+        self.non_finite_steps.extend(new)
+        if self.config.on_non_finite == "raise":
+            raise NonFiniteError(self._non_finite_message(new[0], bad[0][1], len(new)))
 
 
-class Trainer:
+class Trainer(NonFiniteSteps):
     """Owns the online and target networks, the optimizer, spectral norm and EMA, and runs the
     training step.
 
@@ -439,14 +450,6 @@ class Trainer:
         if "sigma" in self.stats.extra:
             out["sigma_max_seen"] = max(self.stats.extra["sigma"])
         return out
-
-    def _handle_non_finite(self):
-        self.stats.readback()
-        self.stats.reset_flag()
-        self._check_rows()
-
-    def _check_rows(self):
-        report_non_finite(self.stats, self.non_finite_steps, self.config.on_non_finite, self._non_finite_message)
 
     def _non_finite_message(self, step: int, r: Dict[str, float], count: int) -> str:
         """What the non-finite step `step` changed, exactly (``_step_body``'s order: the

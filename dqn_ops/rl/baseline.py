@@ -17,9 +17,9 @@ from ..network import DuelingBranchQNet
 from ..readback import DeferredReadback
 from ..spectral import SpectralNorm
 from ..step import quantile_midpoints
-from ..trainer import (STAT_FIELDS, TrainerConfig, check_checkpoint, check_device_available, check_epsilon,
-                       check_trainer_args, ensemble_score, expected_q, greedy_from_logits, group_loss_types,
-                       group_mask_seed, input_buffers, load_batch, report_non_finite, resolve_loss_type)
+from ..trainer import (STAT_FIELDS, NonFiniteSteps, TrainerConfig, check_checkpoint, check_device_available,
+                       check_epsilon, check_trainer_args, ensemble_score, expected_q, greedy_from_logits,
+                       group_loss_types, group_mask_seed, input_buffers, load_batch, resolve_loss_type)
 
 
 class TorchQNet(nn.Module):
@@ -304,7 +304,7 @@ def torch_groups_loss(config: DQNConfig, qs, qs_next_online, qs_next_target, act
     return total, td, mean_q
 
 
-class TorchTrainer:
+class TorchTrainer(NonFiniteSteps):
     """The training step of ``dqn_ops.Trainer`` in plain PyTorch, F32 (TF32 off): the F32 path
     of the convergence-parity check and the baseline of the benchmarks. Same constructor,
     ``step``, ``act``, ``readback`` and ``metrics``; ``amp=True`` runs the forwards under
@@ -396,12 +396,7 @@ class TorchTrainer:
     def after_steps(self, count: int):
         self.steps += count
         if self.stats.after_step(count):  # a non-finite step seen: reported now, as Trainer does
-            self.stats.readback()
-            self.stats.reset_flag()
-            self._check_rows()
-
-    def _check_rows(self):
-        report_non_finite(self.stats, self.non_finite_steps, self.config.on_non_finite, self._non_finite_message)
+            self._handle_non_finite()
 
     def _non_finite_message(self, step: int, r: dict, count: int) -> str:
         what = ("The optimizer skipped it (non-finite gradient): the parameters, the Adam moments and the step "
