@@ -249,7 +249,13 @@ TORCH_LIBRARY(dqn_ops, m) {
   //     compact [B, head_out] and BF16 padded [B, head_ld] (padding 0). F32 logits and params
   //     only, as dqn_loss takes F32 only. On CUDA, C51 with atoms <= FUSED_LOSS_MAX_ATOMS and
   //     branches <= FUSED_LOSS_MAX_BRANCHES runs as one fused kernel; anything else runs the
-  //     public ops' kernels in sequence. The same bits either way.
+  //     public ops' kernels in sequence. The same bits either way. counter (int32 [1], 0, on
+  //     the logits' device): the CUDA loss kernel's block counter, owned by the caller, which
+  //     the kernel's last block sets back to 0, so that the launch needs no memset of its own
+  //     (a node fewer in a captured step; the trainer's step passes one of its own). It must be
+  //     0 at the call: a counter left at another value makes every later call wrong. Calls
+  //     that may run at the same time (other streams, two replays of graphs that captured it)
+  //     must not share one. The CPU kernel only checks it.
   //   _mixed_backward_from_head: mixed_backward from that head gradient (no dueling step). On
   //     CUDA the `bf16` GEMMs read grad_head_bf16; the CPU kernel reads grad_head and rounds it
   //     itself, as mixed_backward's does. grad_head has params' dtype, grad_head_bf16 is BF16
@@ -262,8 +268,8 @@ TORCH_LIBRARY(dqn_ops, m) {
   m.def(
       "_dqn_loss_on_logits(Tensor logits, Tensor logits_next_online, Tensor logits_next_target, Tensor params, "
       "Tensor target_params, Tensor actions, Tensor rewards, Tensor dones, Tensor? weights, int[] layout, "
-      "float v_min, float v_max, float gamma, str loss_type=\"c51\", Tensor? masks=None) -> (Tensor loss, "
-      "Tensor grad_head, Tensor grad_head_bf16, Tensor td_error, Tensor mean_q)");
+      "float v_min, float v_max, float gamma, str loss_type=\"c51\", Tensor? masks=None, Tensor(a!)? counter=None) "
+      "-> (Tensor loss, Tensor grad_head, Tensor grad_head_bf16, Tensor td_error, Tensor mean_q)");
   m.def(
       "_mixed_backward_from_head(Tensor grad_head, Tensor grad_head_bf16, Tensor[] activations, Tensor params, "
       "Tensor params_bf16, int[] layout, str precision=\"bf16\") -> Tensor");

@@ -6,8 +6,9 @@
 
 namespace dqn_ops {
 
-// A lane holds atoms `lane` and `lane + 32` of a row in registers.
-constexpr int kFusedLossMaxAtoms = 64;
+// A lane holds atoms `lane` and `lane + 32` of a row in registers, and up to this many also
+// `lane + 64` and `lane + 96`.
+constexpr int kFusedLossMaxAtoms = 128;
 // A warp per branch, all of a sample's branches in one block of at most this many warps (with
 // dueling, the value column's gradient sums the branches' partial sums in that block's shared
 // memory). The same limit holds without dueling, so that whether the fused kernel runs depends

@@ -199,7 +199,8 @@ inline LossType check_loss_on_logits_args(const at::Tensor& logits, const at::Te
                                           const at::Tensor& target_params, const at::Tensor& actions,
                                           const at::Tensor& rewards, const at::Tensor& dones,
                                           const c10::optional<at::Tensor>& weights,
-                                          const c10::optional<at::Tensor>& masks, const NetLayout& L, double v_min,
+                                          const c10::optional<at::Tensor>& masks,
+                                          const c10::optional<at::Tensor>& counter, const NetLayout& L, double v_min,
                                           double v_max, double gamma, const std::string& loss_type) {
   const char* op = kLossOnLogitsOp;
   DQN_CHECK(!L.iqn(), op, ": takes no IQN network (its head rows are per (sample, fraction); an IQN network's step "
@@ -215,6 +216,7 @@ inline LossType check_loss_on_logits_args(const at::Tensor& logits, const at::Te
   check_tensor(params, op, "params", dev, at::kFloat, {L.numel});
   check_tensor(target_params, op, "target_params", dev, at::kFloat, {L.numel});
   check_sample_args(op, actions, rewards, dones, weights, masks, B, L.num_branches(), L.members, dev);
+  if (counter.has_value()) check_tensor(*counter, op, "counter", dev, at::kInt, {1});
   return type;
 }
 

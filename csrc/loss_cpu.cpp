@@ -382,12 +382,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cpu(
     const Tensor& logits, const Tensor& logits_next_online, const Tensor& logits_next_target, const Tensor& params,
     const Tensor& target_params, const Tensor& actions, const Tensor& rewards, const Tensor& dones,
     const c10::optional<Tensor>& weights, c10::IntArrayRef layout, double v_min, double v_max, double gamma,
-    c10::string_view loss_type, const c10::optional<Tensor>& masks) {
+    c10::string_view loss_type, const c10::optional<Tensor>& masks, const c10::optional<Tensor>& counter) {
   const char* op = kLossOnLogitsOp;
   const NetLayout L = parse_layout(layout, op);
   LossShape S;
   S.type = check_loss_on_logits_args(logits, logits_next_online, logits_next_target, params, target_params, actions,
-                                     rewards, dones, weights, masks, L, v_min, v_max, gamma, std::string(loss_type));
+                                     rewards, dones, weights, masks, counter, L, v_min, v_max, gamma,
+                                     std::string(loss_type));
   S.batch = logits.size(0);
   S.members = L.members;
   S.total_actions = L.total_actions;

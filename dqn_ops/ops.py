@@ -564,20 +564,29 @@ class LossOnLogits(NamedTuple):
 def _dqn_loss_on_logits(logits: Tensor, logits_next_online: Tensor, logits_next_target: Tensor, params: Tensor,
                         target_params: Tensor, actions: Tensor, rewards: Tensor, dones: Tensor,
                         weights: Optional[Tensor], layout: Sequence[int], v_min: float, v_max: float,
-                        gamma: float, loss_type: str = "c51", masks: Optional[Tensor] = None) -> LossOnLogits:
+                        gamma: float, loss_type: str = "c51", masks: Optional[Tensor] = None,
+                        counter: Optional[Tensor] = None) -> LossOnLogits:
     """dqn_loss on the output layer's logits (biases read from each network's params),
     returning d(loss)/d(head logits) as mixed_backward's dueling step would form it. One fused
     kernel on CUDA for C51 with at most FUSED_LOSS_MAX_ATOMS atoms and FUSED_LOSS_MAX_BRANCHES
     branches, one member and no masks; the public kernels' arithmetic otherwise. ``masks``:
-    [B, E] bootstrap masks (E = the layout's ensemble members) or None, as for ``dqn_loss``."""
+    [B, E] bootstrap masks (E = the layout's ensemble members) or None, as for ``dqn_loss``.
+    ``counter``: an int32 [1] tensor at 0 on the logits' device, the CUDA kernel's block counter,
+    which the kernel leaves at 0 again: the launch then needs no memset of its own (one graph node
+    fewer). Calls that can run at the same time must not share one (``new_loss_counter``)."""
     return LossOnLogits(*_call("_dqn_loss_on_logits", logits, logits_next_online, logits_next_target, params,
                                target_params, actions, rewards, dones, weights, list(layout), v_min, v_max, gamma,
-                               loss_type, masks))
+                               loss_type, masks, counter))
+
+
+def new_loss_counter(device) -> Tensor:
+    """A zeroed block counter for ``_dqn_loss_on_logits`` on `device`."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 @torch.library.register_fake("dqn_ops::_dqn_loss_on_logits")
 def _(logits, logits_next_online, logits_next_target, params, target_params, actions, rewards, dones, weights,
-      layout, v_min, v_max, gamma, loss_type="c51", masks=None):
+      layout, v_min, v_max, gamma, loss_type="c51", masks=None, counter=None):
     c = decode_config(layout)
     op = "dqn_ops._dqn_loss_on_logits"
     _check_loss_type(op, loss_type)
@@ -585,6 +594,11 @@ def _(logits, logits_next_online, logits_next_target, params, target_params, act
            f"{op}: logits: expected shape [*, {c.head_ld}], got {list(logits.shape)}")
     B = logits.shape[0]
     _check_masks(op, masks, B, c.members)
+    if counter is not None:
+        _check(counter.device == logits.device,
+               f"{op}: counter: expected a tensor on {logits.device}, got one on {counter.device}")
+        _check(counter.dtype == torch.int32, f"{op}: counter: expected dtype Int, got {counter.dtype}")
+        _check(tuple(counter.shape) == (1,), f"{op}: counter: expected shape [1], got {list(counter.shape)}")
     return (logits.new_empty(()), logits.new_empty(B, c.head_out), logits.new_empty(B, c.head_ld, dtype=torch.bfloat16),
             logits.new_empty(B), logits.new_empty(()))
 

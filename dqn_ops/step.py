@@ -163,6 +163,11 @@ class InternalOpsStep(_Step):
         if online.config.aux:
             raise ValueError("InternalOpsStep: networks with head groups run GroupsStep")
         self.batch_networks = bool(batch_networks)
+        # The loss kernel's block counters, this step's own, by device (ops.new_loss_counter): made
+        # here, not in a capture (where every replay would zero it again); kept, since a graph
+        # captured on one device keeps using that device's after the networks move.
+        self._loss_counters = {}
+        self._loss_counter(online.flat_params.device)
 
     def forward(self, state_pairs: Tensor, fractions=None) -> ops.Logits:
         p = self._params()
@@ -177,7 +182,15 @@ class InternalOpsStep(_Step):
         p, B = self._params(), actions.shape[0]
         return ops._dqn_loss_on_logits(fwd.logits[:B], fwd.logits[B:], fwd.logits_next_target, p.online, p.target,
                                        actions, rewards, dones, weights, p.layout, self.v_min, self.v_max, self.gamma,
-                                       self.loss_type, masks)
+                                       self.loss_type, masks, self._loss_counter(actions.device))
+
+    def _loss_counter(self, device: torch.device) -> Optional[Tensor]:
+        """This step's counter on `device`; None (the launch zeroes one of its own) for a device
+        first met inside a CUDA-graph capture."""
+        counter = self._loss_counters.get(device)
+        if counter is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            counter = self._loss_counters[device] = ops.new_loss_counter(device)
+        return counter
 
     def backward(self, fwd: ops.Logits, loss_out: ops.LossOnLogits) -> Tensor:
         p = self._params()

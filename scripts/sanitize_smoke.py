@@ -17,7 +17,9 @@ CONFIGS = [DQNConfig(state_dim=37, trunk_hidden=(61, 45), value_hidden=(29,), ad
            DQNConfig(state_dim=10, trunk_hidden=(32, 24, 16), value_hidden=(12, 6), adv_hidden=(8, 5), atoms=7,
                      branches=(2, 4, 3)),
            DQNConfig(state_dim=8, trunk_hidden=(20, 16), adv_hidden=(), atoms=5, branches=(3, 3, 1), dueling=False),
-           DQNConfig(state_dim=8, trunk_hidden=(20,), value_hidden=(), adv_hidden=(), atoms=1, branches=(3, 1, 4))]
+           DQNConfig(state_dim=8, trunk_hidden=(20,), value_hidden=(), adv_hidden=(), atoms=1, branches=(3, 1, 4)),
+           # CleanRL's c51 shape: the fused loss's version with 4 atoms a lane, no value head
+           DQNConfig(state_dim=4, trunk_hidden=(120, 84), adv_hidden=(), atoms=101, branches=(2,), dueling=False)]
 
 
 def main():
@@ -49,10 +51,13 @@ def main():
             for _ in range(3):
                 t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=r, dones=d))
             t.readback()
-    # the loss kernel's general version (more atoms than the fused loss takes), at the edges of
-    # its shared-memory budget (staged rows just below 48 KiB, global rows at and above it)
-    for B, branches, atoms in ((9, (3, 2), dqn_ops.ops.FUSED_LOSS_MAX_ATOMS + 6), (9, (4,), 127), (9, (4,), 128),
-                               (9, (3, 3, 3), 204), (9, (2, 2), 192)):
+    # the loss kernel's register version at 65 and 128 atoms (a lane's third and fourth atoms; rows
+    # in registers, and read twice with more than 4 actions), and its general version (more atoms
+    # than the fused loss takes) at the edges of its shared-memory budget (staged rows just below
+    # 48 KiB, global rows at and above it)
+    for B, branches, atoms in ((9, (4,), 65), (9, (4,), 128), (9, (6, 2), 100),
+                               (9, (3, 2), dqn_ops.ops.FUSED_LOSS_MAX_ATOMS + 6),
+                               (9, (3,), 152), (9, (3,), 153), (9, (3, 3, 3), 204), (9, (2, 2), 192)):
         q = [torch.randn(B, sum(branches), atoms, device=dev) for _ in range(3)]
         a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in branches], 1)
         dqn_ops.dqn_loss(*q, a, torch.randn(B, device=dev) * 20, (torch.rand(B, device=dev) < 0.3).float(), branches)

@@ -25,24 +25,29 @@ from step_check import check_trainer_step_is_the_public_ops_step, same_bits
 
 V_MIN, V_MAX, GAMMA = -10.0, 10.0, 0.97
 
-CASES = {  # branches, atoms, loss type
+CASES = {  # branches, atoms, loss type (and dueling=False: no value head)
     "reference": ((3, 3, 3), 51, "c51"),
     "two_branches_11_atoms": ((2, 5), 11, "c51"),
     "one_action_two_atoms": ((1,), 2, "c51"),
     "lanes_with_one_or_two_atoms": ((6, 2), 33, "c51"),
     "64_atoms": ((3, 5), 64, "c51"),
     "eight_uneven_branches": ((2, 3, 1, 4, 3, 2, 5, 2), 7, "c51"),
-    # beyond the fused loss kernel: on CUDA the internal loss op composes the public kernels
+    # the fused kernel's version with 3 or 4 atoms a lane: rows in registers (<= 4 actions) or not
     "65_atoms": ((3, 2), 65, "c51"),
+    "128_atoms_five_actions": ((5, 2), 128, "c51"),
+    "cleanrl_like_101_atoms_no_dueling": ((2,), 101, "c51", False),
+    "no_dueling_51_atoms": ((3, 2), 51, "c51", False),
+    # beyond the fused loss kernel: on CUDA the internal loss op composes the public kernels
+    "129_atoms": ((3, 2), 129, "c51"),
     "nine_branches": ((2, 3, 1, 2, 4, 2, 3, 1, 2), 5, "c51"),
     "one_atom_mse": ((3, 3, 3), 1, "mse"),
     "one_atom_huber": ((2, 4), 1, "huber"),
 }
 
 
-def _config(branches, atoms):
-    return DQNConfig(state_dim=24, trunk_hidden=(64, 48), value_hidden=32, adv_hidden=24, atoms=atoms,
-                     branches=branches)
+def _config(branches, atoms, dueling=True):
+    return DQNConfig(state_dim=24, trunk_hidden=(64, 48), value_hidden=32 if dueling else (), adv_hidden=24,
+                     atoms=atoms, branches=branches, dueling=dueling)
 
 
 def _net(config, seed, device):
@@ -75,8 +80,8 @@ class Sample(NamedTuple):
 
 def sample_inputs(case, device, B=37, seed=3, poison_samples=False) -> Sample:
     """The inputs of the step family: a case's networks (online and target differ) and a batch."""
-    branches, atoms, loss_type = CASES[case]
-    config = _config(branches, atoms)
+    branches, atoms, loss_type, *dueling = CASES[case]
+    config = _config(branches, atoms, *dueling)
     return Sample(config, loss_type, _net(config, 1, device), _net(config, 2, device),
                   _batch(config, B, seed, device, poison_samples))
 
@@ -128,8 +133,8 @@ def test_non_finite_samples_give_the_public_ops_bits(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "lanes_with_one_or_two_atoms",
-                                  "nine_branches", "one_atom_mse"])
+@pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "lanes_with_one_or_two_atoms", "65_atoms",
+                                  "128_atoms_five_actions", "nine_branches", "one_atom_mse"])
 def test_head_gradient_is_the_dueling_backward_of_grad_q(device, case):
     """grad_head against the dueling aggregate's backward written out in PyTorch: value column
     = sum over every action of d(q); a branch's advantage columns = d(q) minus its mean over the
@@ -182,13 +187,14 @@ def test_batched_networks_give_the_two_passes_bits_in_either_memory_order(device
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["reference", "two_branches_11_atoms", "65_atoms", "nine_branches", "one_atom_mse",
+@pytest.mark.parametrize("case", ["reference", "two_branches_11_atoms", "65_atoms",
+                                  "cleanrl_like_101_atoms_no_dueling", "129_atoms", "nine_branches", "one_atom_mse",
                                   "one_atom_huber"])
 def test_trainer_step_is_the_public_ops_step(device, case):
     """The trainer's one path (graphed on CUDA) against PublicOpsStep on copies of its networks
     taken before the step: the same gradient, TD errors, loss and mean Q, bit for bit."""
-    branches, atoms, loss_type = CASES[case]
-    config, B = _config(branches, atoms), 64
+    branches, atoms, loss_type, *dueling = CASES[case]
+    config, B = _config(branches, atoms, *dueling), 64
     cfg = TrainerConfig(batch_size=B, loss_type=loss_type, gamma=GAMMA, v_min=V_MIN, v_max=V_MAX, readback_interval=1,
                         on_non_finite="flag")
     t = Trainer(config, cfg, device=device, seed=7)
@@ -215,8 +221,9 @@ def _internal_op_args(s: Sample):
         "_online_and_target_logits": [(b["state_pairs"], p, p_lp, tp, tp_lp, layout, batch_networks)
                                       for batch_networks in (False, True)],
         "_dqn_loss_on_logits": [(logits[0], logits[1], f.logits_next_target, p, tp, b["actions"], b["rewards"],
-                                 b["dones"], weights, layout, V_MIN, V_MAX, GAMMA, s.loss_type)
-                                for weights in (None, b["weights"])],
+                                 b["dones"], weights, layout, V_MIN, V_MAX, GAMMA, s.loss_type, None, counter)
+                                for weights, counter in ((None, None), (b["weights"], None),
+                                                         (b["weights"], ops.new_loss_counter(p.device)))],
         "_mixed_backward_from_head": [(head.grad_head, head.grad_head_bf16, saved, p, p_lp, layout, precision)
                                       for precision in ("bf16", "tf32")],
     }
@@ -265,8 +272,13 @@ def test_online_and_target_logits_rejects_bad_input(device, what, match):
     ("logits", r"logits: expected shape \[\*, "),
     ("target_params", "target_params: expected dtype Float"),
     ("actions", r"actions: expected shape \[16, 2\]"),
+    ("counter_dtype", "counter: expected dtype Int, got Long"),
+    ("counter_shape", r"counter: expected shape \[1\], got \[2\]"),
+    pytest.param("counter_device", "counter: expected a tensor on cuda", marks=requires_cuda),
 ])
 def test_loss_on_logits_rejects_bad_input(device, what, match):
+    if what == "counter_device" and device == "cpu":
+        pytest.skip("one device here")
     s = sample_inputs("two_branches_11_atoms", device, B=16)
     B, config = 16, s.config
     logits = torch.zeros(B, config.head_ld, device=device)
@@ -279,8 +291,11 @@ def test_loss_on_logits_rejects_bad_input(device, what, match):
         args["target_params"] = p.double()
     if what == "actions":
         args["actions"] = torch.zeros(B, 3, dtype=torch.long, device=device)
+    counter = {"counter_dtype": torch.zeros(1, dtype=torch.long, device=device),
+               "counter_shape": torch.zeros(2, dtype=torch.int32, device=device),
+               "counter_device": torch.zeros(1, dtype=torch.int32)}.get(what)
     with pytest.raises(RuntimeError, match=match):
-        ops._dqn_loss_on_logits(*args.values(), s.online._layout_ints, V_MIN, V_MAX, GAMMA)
+        ops._dqn_loss_on_logits(*args.values(), s.online._layout_ints, V_MIN, V_MAX, GAMMA, counter=counter)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -345,6 +360,13 @@ def test_fake_kernels_give_the_internal_ops_their_shapes():
         with pytest.raises(RuntimeError, match=r"dqn_ops._dqn_loss_on_logits: loss_type: expected one of "
                                                r"\('c51', 'qr', 'mse', 'huber'\), got 'l1'"):
             ops._dqn_loss_on_logits(*loss_args, loss_type="l1")
+        r = ops._dqn_loss_on_logits(*loss_args, counter=torch.empty(1, dtype=torch.int32, device="cuda"))
+        assert r.grad_head.shape == (B, c.head_out)
+        for bad, match in ((torch.empty(1, dtype=torch.long, device="cuda"), "counter: expected dtype Int, got "),
+                           (torch.empty(2, dtype=torch.int32, device="cuda"),
+                            r"counter: expected shape \[1\], got \[2\]")):
+            with pytest.raises(RuntimeError, match=match):
+                ops._dqn_loss_on_logits(*loss_args, counter=bad)
         grad = ops._mixed_backward_from_head(r.grad_head, r.grad_head_bf16, [t[:B] for t in f.activations], p, p_lp,
                                              layout)
         assert grad.shape == (n,) and grad.dtype == torch.float32

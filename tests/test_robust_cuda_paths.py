@@ -182,9 +182,10 @@ def test_spectral_graph_capture_under_forced_cooperative():
 # has a few hundred bytes of static shared memory, so 48,881-49,152 bytes of staging do not fit
 # beside it in 48 KiB: those read their rows from global memory, the cases below them stage.
 LOSS_EDGE_CASES = [
-    ((4,), 127),      # 8 warps, 48,768 B: staged
-    ((4,), 128),      # 8 warps, 49,152 B: exactly 48 KiB of dynamic memory: global rows
-    ((4,), 129),      # 49,536 B: global rows
+    ((3,), 152),      # 8 warps, 48,640 B: staged
+    ((3,), 153),      # 48,960 B: global rows
+    ((4,), 129),      # 8 warps, 49,536 B: global rows (4 actions stage up to 48 KiB at 128 atoms, the
+                      # register version's)
     ((3, 3, 3), 203),  # 6 warps, 48,720 B: staged
     ((3, 3, 3), 204),  # 48,960 B: global rows
     ((3, 3, 3), 205),  # 49,200 B

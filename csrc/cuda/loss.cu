@@ -8,8 +8,10 @@
 // reduced together), the projection of the target distribution onto the support, the
 // cross-entropy and its gradient. Two versions of the branch, chosen at launch (two kernel
 // instantiations, so each gets its own register allocation):
-//   atoms <= 64 (C51's 51; the register version): a lane owns atoms `lane` and `lane + 32`;
-//     every row is read straight into registers, the target rows together with the online rows
+//   atoms <= 128 (C51's 51, CleanRL's 101; the register version): a lane owns atoms `lane` and
+//     `lane + 32` (up to 64 atoms), or also `lane + 64` and `lane + 96` (up to 128, a kernel
+//     instantiation of its own, so that the 64-atom one keeps its registers); every row is read
+//     straight into registers, the target rows together with the online rows
 //     they are chosen by (no dependent load after the argmax); the projection is a segmented
 //     scan over the warp (project_by_runs), the same steps for every transition.
 //   general (staged rows): the warp stages its rows in shared memory (all loads in flight at
@@ -44,7 +46,9 @@
 //     the forward's bias (+ dueling aggregation) of each pass, dqn_loss's kernel,
 //     mixed_backward's dueling backward (without dueling: d(head) = grad_q); 5 launches (and
 //     the memset).
-// Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh).
+// Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh). With a
+// caller's counter (the trainer's step passes one) neither has the memset: the kernel's last
+// block leaves the counter at 0 for the next launch.
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -97,17 +101,22 @@ struct LossResults {
 
 using Kernel = void (*)(const BranchTable, const LossParams);
 
-// The <= 64-atom (c51_branch_small) version of the kernel for rows kRows.
+// The register (c51_branch_small) version of the kernel for rows kRows: a lane owns 2 atoms up
+// to kTwoSlotMaxAtoms atoms, 4 up to kDuelingMaxAtoms.
 template <LossRows kRows>
-Kernel small_atoms_kernel(bool in_registers) {
-  return in_registers ? dqn_loss_kernel<true, kRows, true> : dqn_loss_kernel<true, kRows, false>;
+Kernel register_kernel(int64_t atoms, bool in_registers) {
+  if (atoms <= kTwoSlotMaxAtoms)
+    return in_registers ? dqn_loss_kernel<2, kRows, true> : dqn_loss_kernel<2, kRows, false>;
+  return in_registers ? dqn_loss_kernel<4, kRows, true> : dqn_loss_kernel<4, kRows, false>;
 }
 
 // Sizes the launch, allocates the scalar outputs and launches. P arrives with the inputs, the
 // gradient outputs, total_actions and the loss constants set; `rows` says what its rows are
-// (the fused loss's only with C51 and atoms <= kDuelingMaxAtoms).
+// (the fused loss's only with C51 and atoms <= kDuelingMaxAtoms: the register version). `counter`:
+// the blocks' counter, 0 at the launch, which the kernel's last block sets back to 0
+// (_dqn_loss_on_logits' caller-owned one); nullptr: one of the launch's own, zeroed by a memset.
 LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms,
-                        LossType type, LossRows rows, const at::TensorOptions& f32) {
+                        LossType type, LossRows rows, const at::TensorOptions& f32, unsigned* counter = nullptr) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Block shape: C51 and QR give each sample min(D, kMaxWarps) warps (warp k takes branches k,
   // k + kMaxWarps, ...) and a block as many whole samples as fit in kMaxWarps warps; MSE /
@@ -119,29 +128,29 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   int max_actions = 1;
   for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
   const int warps = threads / 32;
-  const bool small_atoms = c51 && atoms <= kDuelingMaxAtoms;
-  DQN_CHECK(rows == LossRows::kQ || (small_atoms && br.count <= kMaxWarps && br.count == br.per_member), op,
+  const bool register_version = c51 && atoms <= kDuelingMaxAtoms;
+  DQN_CHECK(rows == LossRows::kQ || (register_version && br.count <= kMaxWarps && br.count == br.per_member), op,
             ": the fused loss kernel takes C51 with at most ", kDuelingMaxAtoms, " atoms and ", kMaxWarps,
             " branches of one network (no ensemble), got ", atoms, " atoms and ", br.count, " branches");
-  const bool in_registers = small_atoms && max_actions <= kQChunk;
-  const Kernel kernel = iqn                               ? dqn_loss_kernel<false, LossRows::kQ, false, true, true>
-                        : qr                              ? dqn_loss_kernel<false, LossRows::kQ, false, true>
-                        : !small_atoms                    ? dqn_loss_kernel<false, LossRows::kQ, false>
-                        : rows == LossRows::kHeadDueling ? small_atoms_kernel<LossRows::kHeadDueling>(in_registers)
-                        : rows == LossRows::kHeadPlain   ? small_atoms_kernel<LossRows::kHeadPlain>(in_registers)
-                                                         : small_atoms_kernel<LossRows::kQ>(in_registers);
+  const bool in_registers = register_version && max_actions <= kQChunk;
+  const Kernel kernel = iqn                              ? dqn_loss_kernel<0, LossRows::kQ, false, true, true>
+                        : qr                             ? dqn_loss_kernel<0, LossRows::kQ, false, true>
+                        : !register_version              ? dqn_loss_kernel<0, LossRows::kQ, false>
+                        : rows == LossRows::kHeadDueling ? register_kernel<LossRows::kHeadDueling>(atoms, in_registers)
+                        : rows == LossRows::kHeadPlain   ? register_kernel<LossRows::kHeadPlain>(atoms, in_registers)
+                                                         : register_kernel<LossRows::kQ>(atoms, in_registers);
   // The general version stages the rows where they fit in what the kernel may have without an
   // opt-in above 48 KiB: rows that do not fit are read from global memory instead (the same
   // results), and the launches that fit keep the shape they have always had.
   const size_t budget = dynamic_smem_limit(kernel, SmemLimit::kDefault);
-  const bool staged = c51 && !small_atoms &&
+  const bool staged = c51 && !register_version &&
                       size_t(warps) * c51_floats_per_warp(atoms, max_actions, true) * sizeof(float) <= budget;
-  const int64_t work_floats = qr           ? qr_floats_per_warp(atoms, P.target_atoms)
-                              : !c51        ? 0
-                              : small_atoms ? 4 * atoms
-                                            : c51_floats_per_warp(atoms, max_actions, staged);
+  const int64_t work_floats = qr                 ? qr_floats_per_warp(atoms, P.target_atoms)
+                              : !c51              ? 0
+                              : register_version ? 4 * atoms
+                                                 : c51_floats_per_warp(atoms, max_actions, staged);
   const size_t smem = size_t(warps) * work_floats * sizeof(float);
-  // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 128 atoms, 24 KiB at
+  // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 129 atoms, 24 KiB at
   // kLossCudaMaxAtoms), QR's and IQN's at most 5,136 bytes (the sorted targets and their double
   // prefix sums at N' = kLossCudaMaxAtoms: 41,088 bytes at 8 warps): within the budget of any device
   // these kernels build for.
@@ -157,13 +166,16 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
                                                       std::max(resident, 1) * sms));
 
   LossResults out{at::empty({}, f32), at::empty({batch}, f32), at::empty({}, f32)};
-  Tensor partials = at::empty({2 * grid + 1}, f32);  // and the counter, zeroed below
+  Tensor partials = at::empty({2 * grid + (counter ? 0 : 1)}, f32);  // and the launch's own counter
   P.td_error = out.td_error.data_ptr<float>();
   P.loss = out.loss.data_ptr<float>();
   P.mean_q = out.mean_q.data_ptr<float>();
   P.partials = partials.data_ptr<float>();
-  P.counter = reinterpret_cast<unsigned*>(P.partials + 2 * grid);
-  C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
+  P.counter = counter;
+  if (!counter) {
+    P.counter = reinterpret_cast<unsigned*>(P.partials + 2 * grid);
+    C10_CUDA_CHECK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), stream));
+  }
   P.batch = static_cast<int>(batch);
   P.atoms = static_cast<int>(atoms);
   P.warps_per_sample = warps_per_sample;
@@ -231,12 +243,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
     const Tensor& logits, const Tensor& logits_next_online, const Tensor& logits_next_target, const Tensor& params,
     const Tensor& target_params, const Tensor& actions, const Tensor& rewards, const Tensor& dones,
     const c10::optional<Tensor>& weights, c10::IntArrayRef layout, double v_min, double v_max, double gamma,
-    c10::string_view loss_type, const c10::optional<Tensor>& masks) {
+    c10::string_view loss_type, const c10::optional<Tensor>& masks, const c10::optional<Tensor>& counter) {
   const char* op = kLossOnLogitsOp;
   const NetLayout L = parse_layout(layout, op);
   const LossType type = check_loss_on_logits_args(logits, logits_next_online, logits_next_target, params,
-                                                  target_params, actions, rewards, dones, weights, masks, L, v_min,
-                                                  v_max, gamma, std::string(loss_type));
+                                                  target_params, actions, rewards, dones, weights, masks, counter, L,
+                                                  v_min, v_max, gamma, std::string(loss_type));
+  // int32 as torch has no uint32 arithmetic on CUDA; the kernel counts up to its grid size only
+  unsigned* blocks_done = counter.has_value() ? reinterpret_cast<unsigned*>(counter->data_ptr<int32_t>()) : nullptr;
   const int64_t B = logits.size(0);
   check_loss_cuda_limits(op, B, L.q_rows(), L.atoms);
   const BranchTable br = make_branch_table(L, op);
@@ -260,7 +274,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
     P.head_ld = L.head_ld;
     P.head_out = L.head_out;
     const LossRows rows = L.dueling ? LossRows::kHeadDueling : LossRows::kHeadPlain;
-    const LossResults r = launch_loss(op, br, P, B, L.atoms, type, rows, f32);
+    const LossResults r = launch_loss(op, br, P, B, L.atoms, type, rows, f32, blocks_done);
     return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};
   }
   // Composed: q of each pass as bf16_dueling_forward forms it (the compact head it also writes
@@ -279,7 +293,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
   P.q_next_online = q[1].data_ptr<float>();
   P.q_next_target = q[2].data_ptr<float>();
   P.grad_q = grad_q.data_ptr<float>();
-  const LossResults r = launch_loss(op, br, P, B, L.atoms, type, LossRows::kQ, f32);
+  const LossResults r = launch_loss(op, br, P, B, L.atoms, type, LossRows::kQ, f32, blocks_done);
   launch_dueling_backward(grad_q.data_ptr<float>(), nullptr, grad_head.data_ptr<float>(),
                           static_cast<__nv_bfloat16*>(grad_head_bf16.data_ptr()), B, L, br, stream);
   return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};

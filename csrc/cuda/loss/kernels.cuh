@@ -134,8 +134,9 @@ __device__ float2 c51_branch(const BranchTable& br, const LossParams& P, int b, 
   return make_float2(ce, qc);
 }
 
-// c51_branch for atoms <= kDuelingMaxAtoms: lane owns atoms j0 = lane and j1 = lane + 32, those < atoms.
-// The same arithmetic as c51_branch but for the projection's summation order
+// c51_branch for atoms <= 32 * kSlots (kSlots 2: up to 64 atoms, 4: up to kDuelingMaxAtoms): lane
+// owns atoms j_e = lane + 32 e, those < atoms (LaneAtoms). The same arithmetic as c51_branch
+// but for the summation orders of the warp's reductions and of the projection
 // (project_by_runs). `work` holds 4 * atoms floats: the target probabilities, the positions
 // and the two projected halves.
 //
@@ -143,7 +144,7 @@ __device__ float2 c51_branch(const BranchTable& br, const LossParams& P, int b, 
 // and (kHeadDueling) aggregated as they are read (BranchRows), and the gradient is written
 // w.r.t. the head logits (write_branch_head_grad; branch_sum, kHeadDueling: this warp's row of
 // per-atom sums for the value column).
-template <LossRows kRows, bool kRowsInRegisters>
+template <LossRows kRows, bool kRowsInRegisters, int kSlots>
 __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, int b, int d, float scale,
                                    float* work, float* branch_sum, int lane) {
   const int NA = P.atoms, n = br.size[d];
@@ -152,31 +153,47 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
   const float r = P.rewards[b];
   const int64_t a = taken_action(br, P.actions, b, d);
   if (!(a >= 0 && a < n) || !isfinite(r) || !isfinite(discount)) {  // see c51_branch
-    if constexpr (reads_head(kRows)) write_branch_head_grad<kRows>(P, br, b, d, -1, NAN, NAN, branch_sum, lane);
-    else
+    if constexpr (reads_head(kRows)) {
+      const float none[kSlots] = {};
+      write_branch_head_grad<kRows, kSlots>(P, br, b, d, -1, none, branch_sum, lane);
+    } else {
       for (int i = lane; i < n * NA; i += 32) P.grad_q[row0 * NA + i] = NAN;
+    }
     return make_float2(NAN, NAN);
   }
-  const int j0 = lane, j1 = lane + 32;
-  const bool has0 = j0 < NA, has1 = j1 < NA;  // has1 implies has0
-  const float z0 = P.v_min + j0 * P.dz, z1 = P.v_min + j1 * P.dz;
+  const LaneAtoms<kSlots> at(lane, NA);
+  float z[kSlots];
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) z[e] = P.v_min + at.j[e] * P.dz;
   // double DQN: the online network's greedy next action (the first of equal maxima; NaN wins),
   // and the target network's logits of that action, loaded beside the online ones. `choose`
   // takes one chunk of `live` actions (warp-uniform): their expected Q reduced together.
-  float best = -INFINITY, t0 = 0.f, t1 = 0.f;
+  float best = -INFINITY, t[kSlots];
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) t[e] = 0.f;
   bool nan_seen = false;
-  auto choose = [&](int live, const float (&x0)[kQChunk], const float (&x1)[kQChunk], const float (&y0)[kQChunk],
-                    const float (&y1)[kQChunk]) {
+  auto choose = [&](int live, const float (&x)[kSlots][kQChunk], const float (&y)[kSlots][kQChunk]) {
     float mx[kQChunk], s[kQChunk], sz[kQChunk];
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k)
-      if (k < live) mx[k] = warp_max(fmaxf(fmaxf(-INFINITY, x0[k]), x1[k]));
+      if (k < live) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int e = 0; e < kSlots; ++e) m = fmaxf(m, x[e][k]);
+        mx[k] = warp_max(m);
+      }
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k)
       if (k < live) {
-        const float e0 = expf(x0[k] - mx[k]), e1 = expf(x1[k] - mx[k]);
-        s[k] = warp_sum((0.f + e0) + e1);
-        sz[k] = warp_sum(fmaf(e1, z1, fmaf(e0, z0, 0.f)));
+        float es = 0.f, ez = 0.f;
+#pragma unroll
+        for (int e = 0; e < kSlots; ++e) {
+          const float ex = expf(x[e][k] - mx[k]);
+          es = es + ex;
+          ez = fmaf(ex, z[e], ez);
+        }
+        s[k] = warp_sum(es);
+        sz[k] = warp_sum(ez);
       }
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k) {
@@ -184,104 +201,126 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
       const float qv = sz[k] / s[k];
       if (!nan_seen && (qv > best || qv != qv)) {
         best = qv;
-        t0 = y0[k];
-        t1 = y1[k];
+#pragma unroll
+        for (int e = 0; e < kSlots; ++e) t[e] = y[e][k];
         nan_seen = qv != qv;
       }
     }
   };
   // A missing atom reads as -inf: exp(-inf - max) = 0 adds nothing to any sum; nothing is
   // written for it (atoms < 32 leave lanes without one).
-  float xc0 = -INFINITY, xc1 = -INFINITY;  // the taken action's logits
-  if constexpr (kRowsInRegisters) {
-    BranchQ q;
-    branch_q<kRows>(P, br, b, d, j0, j1, has0, has1, q);
+  float xc[kSlots];  // the taken action's logits
 #pragma unroll
-    for (int k = 0; k < kQChunk; ++k)  // a select, not an index: a register array stays in registers
-      if (k == a) {
-        xc0 = q.x0[0][k];
-        xc1 = q.x1[0][k];
+  for (int e = 0; e < kSlots; ++e) xc[e] = -INFINITY;
+  if constexpr (kRowsInRegisters) {
+    BranchQ<kSlots> q;
+    branch_q<kRows, kSlots>(P, br, b, d, at, q);
+    float x[kSlots][kQChunk], y[kSlots][kQChunk];
+#pragma unroll
+    for (int e = 0; e < kSlots; ++e)
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k) {
+        if (k == a) xc[e] = q.x[e][0][k];  // a select, not an index: a register array stays in registers
+        x[e][k] = q.x[e][1][k];
+        y[e][k] = q.x[e][2][k];
       }
-    choose(n, q.x0[1], q.x1[1], q.x0[2], q.x1[2]);
+    choose(n, x, y);
   } else {
-    auto load2 = [&](const BranchRows& rows, int k, float& x0, float& x1) {
-      x0 = has0 ? q_at<kRows>(rows, int64_t(k) * NA + j0, rows.v0, rows.mean0) : -INFINITY;
-      x1 = has1 ? q_at<kRows>(rows, int64_t(k) * NA + j1, rows.v1, rows.mean1) : -INFINITY;
+    BranchRows<kSlots> rows[3];
+    branch_rows<kRows, kSlots>(P, br, b, d, at, rows);
+    auto load = [&](const BranchRows<kSlots>& rw, int k, int e) {
+      return at.has[e] ? q_at<kRows, kSlots>(rw, int64_t(k) * NA + at.j[e], rw.v[e], rw.mean[e]) : -INFINITY;
     };
-    BranchRows rows[3];
-    branch_rows<kRows>(P, br, b, d, j0, j1, has0, has1, rows);
-    load2(rows[0], int(a), xc0, xc1);
+#pragma unroll
+    for (int e = 0; e < kSlots; ++e) xc[e] = load(rows[0], int(a), e);
     for (int a0 = 0; a0 < n && !nan_seen; a0 += kQChunk) {
-      float x0[kQChunk], x1[kQChunk], y0[kQChunk], y1[kQChunk];
+      float x[kSlots][kQChunk], y[kSlots][kQChunk];
       const int live = min(kQChunk, n - a0);
 #pragma unroll
       for (int k = 0; k < kQChunk; ++k)
-        if (k < live) {
-          load2(rows[1], a0 + k, x0[k], x1[k]);
-          load2(rows[2], a0 + k, y0[k], y1[k]);
-        }
-      choose(live, x0, x1, y0, y1);
+        if (k < live)
+#pragma unroll
+          for (int e = 0; e < kSlots; ++e) {
+            x[e][k] = load(rows[1], a0 + k, e);
+            y[e][k] = load(rows[2], a0 + k, e);
+          }
+      choose(live, x, y);
     }
   }
   if constexpr (kRows == LossRows::kQ)
     for (int k = 0; k < n; ++k)  // the other actions' gradient rows are 0
-      if (k != a) {
-        if (has0) P.grad_q[(row0 + k) * NA + j0] = 0.f;
-        if (has1) P.grad_q[(row0 + k) * NA + j1] = 0.f;
-      }
+      if (k != a)
+#pragma unroll
+        for (int e = 0; e < kSlots; ++e)
+          if (at.has[e]) P.grad_q[(row0 + k) * NA + at.j[e]] = 0.f;
 
   // the target network's distribution at the chosen action, and where each atom's return lands
   float* pt = work;        // target probabilities
   float* pos = work + NA;  // position of r + gamma z_i on the support, in atoms
-  const float mt = warp_max(fmaxf(fmaxf(-INFINITY, t0), t1));
-  const float e0 = expf(t0 - mt), e1 = expf(t1 - mt);
-  const float st = warp_sum((0.f + e0) + e1);
+  float mt = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) mt = fmaxf(mt, t[e]);
+  mt = warp_max(mt);
+  float et[kSlots], st = 0.f;
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) {
+    et[e] = expf(t[e] - mt);
+    st = st + et[e];
+  }
+  st = warp_sum(st);
   auto position = [&](int j) {
     const float tz = fminf(fmaxf(fmaf(discount, P.v_min + j * P.dz, r), P.v_min), P.v_max);
     return fminf(fmaxf((tz - P.v_min) / P.dz, 0.f), float(NA - 1));
   };
   float* lower = work + 2 * NA;  // projected mass by atom, from sources it is the lower atom of
   float* upper = work + 3 * NA;  // from sources whose lower atom is this one, for the atom above
-  if (has0) {
-    pt[j0] = e0 / st;
-    pos[j0] = position(j0);
-    lower[j0] = upper[j0] = 0.f;
-  }
-  if (has1) {
-    pt[j1] = e1 / st;
-    pos[j1] = position(j1);
-    lower[j1] = upper[j1] = 0.f;
-  }
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e)
+    if (at.has[e]) {
+      const int j = at.j[e];
+      pt[j] = et[e] / st;
+      pos[j] = position(j);
+      lower[j] = upper[j] = 0.f;
+    }
   __syncwarp();
-  project_by_runs(pt, pos, lower, upper, NA, lane);
+  project_by_runs<kSlots>(pt, pos, lower, upper, NA, lane);
   __syncwarp();
-  const float m0 = has0 ? lower[j0] + (j0 > 0 ? upper[j0 - 1] : 0.f) : 0.f;
-  const float m1 = has1 ? lower[j1] + upper[j1 - 1] : 0.f;
+  float m[kSlots];
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) {
+    const int j = at.j[e];
+    m[e] = at.has[e] ? lower[j] + (j > 0 ? upper[j - 1] : 0.f) : 0.f;
+  }
 
   // cross-entropy on the taken action and its gradient (softmax - m)
-  const float mc = warp_max(fmaxf(fmaxf(-INFINITY, xc0), xc1));
-  const float lse = mc + logf(warp_sum((0.f + expf(xc0 - mc)) + expf(xc1 - mc)));
-  float ce = 0.f, qc = 0.f, g0 = 0.f, g1 = 0.f;
-  if (has0) {
-    const float logp0 = xc0 - lse, p0 = expf(logp0);
-    ce = fmaf(-m0, logp0, ce);
-    qc = fmaf(p0, z0, qc);
-    g0 = __fmul_rn(p0 - m0, scale);  // see g1
-  }
-  if (has1) {
-    const float logp1 = xc1 - lse, p1 = expf(logp1);
-    ce = fmaf(-m1, logp1, ce);
-    qc = fmaf(p1, z1, qc);
-    // Rounded on its own (__fmul_rn is never contracted into an FMA): the fused path subtracts
-    // the branch mean from it next, and must round as the public ops do, which store it first.
-    g1 = __fmul_rn(p1 - m1, scale);
+  float mc = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) mc = fmaxf(mc, xc[e]);
+  mc = warp_max(mc);
+  float sc = 0.f;
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) sc = sc + expf(xc[e] - mc);
+  const float lse = mc + logf(warp_sum(sc));
+  float ce = 0.f, qc = 0.f, g[kSlots];
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) {
+    g[e] = 0.f;
+    if (at.has[e]) {
+      const float logp = xc[e] - lse, p = expf(logp);
+      ce = fmaf(-m[e], logp, ce);
+      qc = fmaf(p, z[e], qc);
+      // Rounded on its own (__fmul_rn is never contracted into an FMA): the fused path subtracts
+      // the branch mean from it next, and must round as the public ops do, which store it first.
+      g[e] = __fmul_rn(p - m[e], scale);
+    }
   }
   if constexpr (reads_head(kRows)) {
-    write_branch_head_grad<kRows>(P, br, b, d, int(a), g0, g1, branch_sum, lane);
+    write_branch_head_grad<kRows, kSlots>(P, br, b, d, int(a), g, branch_sum, lane);
   } else {
-    float* g = P.grad_q + (row0 + a) * NA;
-    if (has0) g[j0] = g0;
-    if (has1) g[j1] = g1;
+    float* gq = P.grad_q + (row0 + a) * NA;
+#pragma unroll
+    for (int e = 0; e < kSlots; ++e)
+      if (at.has[e]) gq[at.j[e]] = g[e];
   }
   ce = warp_sum(ce);
   qc = warp_sum(qc);
@@ -354,13 +393,16 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
   return make_float3(warp_sum(loss) / br.count, warp_sum(td) / br.count, warp_sum(qsum) / br.count);
 }
 
-// kSmallAtoms: C51 with atoms <= 64 (c51_branch_small). kRows: what the rows are (LossRows);
-// the fused loss on head logits is C51 with atoms <= 64, a warp per branch (warps_per_sample ==
-// branches: the value column's gradient, kHeadDueling, sums the sample's warps' branch sums).
-// kSmallAtomsMinBlocks: the <= 64-atom versions are latency-bound, so 3 blocks (24 warps) per
+// kSlots: C51's register version (c51_branch_small) with atoms <= 32 * kSlots (2 or 4); 0: the
+// general version or QR / MSE. kRows: what the rows are (LossRows); the fused loss on head
+// logits is C51's register version, a warp per branch (warps_per_sample == branches: the value
+// column's gradient, kHeadDueling, sums the sample's warps' branch sums).
+// kTwoSlotMinBlocks: the <= 64-atom versions are latency-bound, so 3 blocks (24 warps) per
 // SM: at most 85 registers. Unbounded, the fused version takes more registers than that and
 // fits only 2 blocks per SM, which was slower; with 4 blocks per SM (64 registers) it spills,
-// which was slower still.
+// which was slower still. kFourSlotMinBlocks: the <= 128-atom versions hold twice the values a
+// lane, so 2 blocks per SM (128 registers); their dueling instantiations still spill a little
+// (ptxas -v on sm_90), the others nothing.
 // kRowsInRegisters: every branch has at most kQChunk actions (BranchQ).
 // kQuantiles: QR (qr_branch), a warp per branch as C51's; dqn_loss's rows only (the fused loss
 // is C51's). Its inner loops (the direct pairs' FMAs, the sorted version's dependent shared
@@ -370,19 +412,24 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // kFractions: IQN, kQuantiles' code (qr_branch<true>) with the fractions read per sample and the
 // three inputs' own slot counts; its own instantiation, so that QR's, with N = K = N' and the
 // midpoints known when it compiles, keeps its registers.
-constexpr int kSmallAtomsMinBlocks = 3;
+constexpr int kTwoSlotMinBlocks = 3;
+constexpr int kFourSlotMinBlocks = 2;
 constexpr int kQuantileMinBlocks = 4;
 
-template <bool kSmallAtoms, LossRows kRows, bool kRowsInRegisters, bool kQuantiles = false, bool kFractions = false>
-__global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinBlocks
+template <int kSlots, LossRows kRows, bool kRowsInRegisters, bool kQuantiles = false, bool kFractions = false>
+__global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlocks
+                                                  : kSlots    ? kFourSlotMinBlocks
                                                   : kQuantiles ? kQuantileMinBlocks
                                                                : 1)
     dqn_loss_kernel(const __grid_constant__ BranchTable br, const LossParams P) {
   pdl_enter();
+  constexpr bool kRegisterVersion = kSlots > 0;
   constexpr bool kDueling = kRows == LossRows::kHeadDueling;
-  static_assert(!reads_head(kRows) || kSmallAtoms, "the fused loss runs the <= 64-atom version");
-  static_assert(!kRowsInRegisters || kSmallAtoms, "rows in registers: the <= 64-atom version");
-  static_assert(!kQuantiles || (!kSmallAtoms && kRows == LossRows::kQ), "QR: dqn_loss's rows, its own version");
+  static_assert(kSlots == 0 || kSlots == 2 || kSlots == 4, "a lane owns 2 or 4 atoms");
+  static_assert(32 * 4 >= kDuelingMaxAtoms, "the register versions cover every atom count the fused loss takes");
+  static_assert(!reads_head(kRows) || kRegisterVersion, "the fused loss runs the register version");
+  static_assert(!kRowsInRegisters || kRegisterVersion, "rows in registers: the register version");
+  static_assert(!kQuantiles || (!kRegisterVersion && kRows == LossRows::kQ), "QR: dqn_loss's rows, its own version");
   static_assert(!kFractions || kQuantiles, "IQN runs QR's version");
   // C51 and QR: P.work_floats per warp. 16-byte aligned, as QR reads its stage as float4s
   // (nvcc already aligns an extern shared array to 16 bytes: this states the requirement).
@@ -392,7 +439,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
   // by round parity, so one barrier a round suffices: a round writes the buffer the previous
   // round did not read, and the round before that finished its reads before the last barrier.
   __shared__ float part_a[2][kMaxWarps], part_b[2][kMaxWarps], part_c[2][kMaxWarps], part_d[2][kMaxWarps];
-  __shared__ float branch_sums[2][kDueling ? kMaxWarps * kDuelingMaxAtoms : 1];
+  constexpr int kSumStride = 32 * (kSlots > 0 ? kSlots : 1);  // a warp's row of branch_sums
+  __shared__ float branch_sums[2][kDueling ? kMaxWarps * kSumStride : 1];
   __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int W = P.warps_per_sample, S = P.samples_per_block;
@@ -428,10 +476,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
         for (int d = wi; d < br.count; d += W) {
           const float m = masked ? member_mask(br, P, b, d) : 1.f;
           float2 r;
-          if constexpr (kSmallAtoms)
-            r = c51_branch_small<kRows, kRowsInRegisters>(br, P, b, d, masked ? scale * m : scale, work,
-                                                          kDueling ? branch_sums[buf] + warp * kDuelingMaxAtoms : nullptr,
-                                                          lane);
+          if constexpr (kRegisterVersion)
+            r = c51_branch_small<kRows, kRowsInRegisters, kSlots>(
+                br, P, b, d, masked ? scale * m : scale, work,
+                kDueling ? branch_sums[buf] + warp * kSumStride : nullptr, lane);
           else
             r = c51_branch(br, P, b, d, masked ? scale * m : scale, work, lane);
           if (masked && lane == 0) part_d[buf][warp] += m * r.x;
@@ -452,7 +500,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
     }
     __syncthreads();
     if constexpr (kDueling)  // the sample's warps hold its branches 0 .. W - 1, in order
-      if (live && wi == 0) write_value_grad(P, b, branch_sums[buf] + slot * W * kDuelingMaxAtoms, W, lane);
+      if (live && wi == 0) write_value_grad(P, b, branch_sums[buf] + slot * W * kSumStride, W, kSumStride, lane);
     if constexpr (kQuantiles)  // a branch that poisons its sample poisons every branch's rows
       if (live) {
         bool poisoned = false;
@@ -497,6 +545,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSmallAtoms  ? kSmallAtomsMinB
     // samples): the fence makes this block's partials visible before its ticket is taken.
     __threadfence();
     last_block = atomicAdd(P.counter, 1u) == gridDim.x - 1;
+    // Every block has taken its ticket: the counter is 0 again for the next launch (a caller's
+    // counter needs no memset before it; loss.cu's launch_loss).
+    if (last_block) *P.counter = 0u;
   }
   __syncthreads();
   if (last_block) {

@@ -18,8 +18,9 @@ namespace {
 // Warps per block. The fused loss runs a warp per branch of a sample in one block.
 constexpr int kMaxWarps = kFusedLossMaxBranches;
 // C51 with at most this many atoms runs the register version (c51_branch_small: a lane owns
-// atoms `lane` and `lane + 32`), the only one the fused loss has.
+// atoms `lane + 32 e`, 2 or 4 of them), the only one the fused loss has.
 constexpr int kDuelingMaxAtoms = kFusedLossMaxAtoms;
+constexpr int kTwoSlotMaxAtoms = 64;  // up to this many a lane owns 2 atoms (the 64-atom instantiation)
 constexpr int kQChunk = 4;        // actions whose expected Q reduce together
 constexpr int kStageUnroll = 12;  // loads in flight per lane while staging
 
@@ -54,7 +55,7 @@ struct LossParams {
   float* loss;
   float* mean_q;
   float* partials;    // [2, gridDim.x]
-  unsigned* counter;  // blocks finished: 0 at launch
+  unsigned* counter;  // blocks finished: 0 at launch, and again after it (the last block resets it)
   int batch, total_actions, atoms;
   int next_atoms, target_atoms;  // q_next_online's and q_next_target's slots (IQN's K and N'; else atoms)
   int warps_per_sample, samples_per_block;
