@@ -24,6 +24,8 @@
 #   SANITIZE=1 bash scripts/gpu_check.sh         # also scripts/verify_gpu.sh (compute-sanitizer, 4 tools)
 #   DIST=1 bash scripts/gpu_check.sh             # on a multi-GPU machine: data-parallel scaling, 1 vs all GPUs
 #   NCU=1 NCU_BATCH=256 bash scripts/gpu_check.sh  # also scripts/ncu_step.sh (Nsight Compute counters per kernel)
+#   NCU=1 NCU_NETWORK=qr_dqn_200 NCU_BATCH=4096 NCU_KERNELS='regex:dueling|dqn_loss' bash scripts/gpu_check.sh
+#       # ... of another network of bench_networks.py, some kernels
 #   PROFILE=1 bash scripts/gpu_check.sh          # also scripts/profile_step.py (every kernel of the step, timed)
 #   PROFILE=1 PROFILE_NETWORK=cleanrl_c51 bash scripts/gpu_check.sh   # ... of another network of bench_networks.py
 #   SOAK=1 bash scripts/gpu_check.sh             # also scripts/soak.py (100,000 graphed + 10,000 eager steps)
@@ -122,7 +124,7 @@ if [ -n "${DIST:-}" ]; then
   $PY scripts/bench_distributed.py --merge "$OUT" 2>&1 | tail -12
 fi
 if [ -n "${NCU:-}" ]; then
-  echo "== Nsight Compute (scripts/ncu_step.sh, B = ${NCU_BATCH:-256})"
+  echo "== Nsight Compute (scripts/ncu_step.sh, ${NCU_NETWORK:-reference}, B = ${NCU_BATCH:-256})"
   SKIP_BUILD=1 OUT="$OUT" bash scripts/ncu_step.sh 2>&1 | tail -60 | tee "$OUT/ncu-summary.log"
 fi
 if [ -n "${PROFILE:-}" ]; then

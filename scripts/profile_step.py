@@ -29,7 +29,9 @@ from bench_common import result_path, run_meta, time_us  # noqa: E402
 
 
 def kernel_trace(fn, repeats: int = 5):
-    """[(name, µs)] of the GPU activity of the last of `repeats` calls of fn, in start order."""
+    """[(name, start µs, µs)] of the GPU activity of the last of `repeats` calls of fn, in start
+    order, each start from the first one's (kernels on the side streams, and under PDL a kernel
+    waiting for its predecessor, overlap: a duration alone overstates a kernel's cost)."""
     for _ in range(repeats - 1):
         fn()
     torch.cuda.synchronize()
@@ -39,7 +41,8 @@ def kernel_trace(fn, repeats: int = 5):
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: e.time_range.start)
     span = (events[-1].time_range.end - events[0].time_range.start) if events else 0.0
-    return [(e.name, e.time_range.end - e.time_range.start) for e in events], span
+    t0 = events[0].time_range.start if events else 0.0
+    return [(e.name, e.time_range.start - t0, e.time_range.end - e.time_range.start) for e in events], span
 
 
 def host_us(fn, calls: int = 200, sleep_ms: float = 100.0) -> float:
@@ -76,8 +79,8 @@ def main():
         raise SystemExit("profile_step.py needs a CUDA device")
     meta = run_meta()
     c, trainer_kw = NETWORKS[args.network]
-    lines = ["# dqn_ops training step, kernel traces (µs per kernel, in start order)", f"# {meta}",
-             f"# network {args.network}: {describe(args.network)}", ""]
+    lines = ["# dqn_ops training step, kernel traces (per kernel, in start order: its start from the first's, "
+             "its µs)", f"# {meta}", f"# network {args.network}: {describe(args.network)}", ""]
     for B in args.batches:
         lines += [f"# B = {B}", ""]
         for graph in (False, True):
@@ -86,17 +89,18 @@ def main():
             t = Trainer(c, cfg, device="cuda", seed=0)
             batch = random_batch(c, B, torch.device("cuda"))
             trace, span = kernel_trace(lambda: t.step(batch))
-            busy = sum(us for _, us in trace)
+            busy = sum(us for _, _, us in trace)
             head = (f"## B = {B}, {'graph replay' if graph else 'eager'}: {len(trace)} kernels, sum of kernel times "
                     f"{busy:.1f} µs, first start to last end {span:.1f} µs")
             print(head[3:], flush=True)
-            lines += [head, ""] + [f"{us:8.2f}  {short(name)}" for name, us in trace] + [""]
+            lines += [head, "", "   start       µs  kernel"]
+            lines += [f"{start:8.2f} {us:8.2f}  {short(name)}" for name, start, us in trace] + [""]
             if graph:
                 # The replay alone (no batch copy): its span is the GPU's time for the step's kernels
                 # and the gaps between them; timed back to back, what a step costs once the host
                 # keeps ahead.
                 replay, span = kernel_trace(t._runner)
-                busy = sum(us for _, us in replay)
+                busy = sum(us for _, _, us in replay)
                 back_to_back = time_us(t._runner, 300, 3)
                 step_back_to_back = time_us(t.step, 300, 3)
                 note = (f"B = {B}, graph replay alone: {len(replay)} kernels, sum {busy:.1f} µs, first start to last "
