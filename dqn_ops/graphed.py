@@ -3,6 +3,9 @@ one CUDA graph and replay that graph on every later call."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import inspect
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -12,6 +15,25 @@ def on_device(device: torch.device):
     """A context with `device` current on CUDA (whose current stream is then the one work goes
     on, whichever device the caller had current); nothing on other devices."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """A full garbage collection now, then none until the block ends (the collector's state
+    restored after). For a CUDA graph capture: a graph left in a dead reference cycle is
+    destroyed when a collection reaches it, and inside a capture CUDA refuses that destruction
+    (torch only warns, "operation not permitted when stream is capturing (function reset)") and
+    invalidates the capture, which then fails at a later, unrelated call. torch no longer
+    collects before a capture by default (``torch.compiler.config.force_cudagraph_gc``), and a
+    collection may start at any allocation."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class CapturedStep:
@@ -31,19 +53,30 @@ class CapturedStep:
     current stream of `device` before and after, and replays are launched on that stream (a
     side stream the caller made current included), so the step is ordered with the caller's
     work.
+
+    A bound method as `body` is held weakly: its object owns this step, and a reference cycle
+    would keep the object and its graph alive until a garbage collection, which may come during
+    another capture (``collector_paused``, which guards this object's own capture, says why).
     """
 
     def __init__(self, body: Callable[[], None], device: torch.device, use_graph: bool = True, warmup_steps: int = 3):
         if warmup_steps < 1:
             raise ValueError(f"CapturedStep: warmup_steps must be >= 1 (cuBLAS must be warm before a capture), "
                              f"got {warmup_steps}")
-        self.body = body
+        self._body = weakref.WeakMethod(body) if inspect.ismethod(body) else (lambda: body)
         self.device = torch.device(device)
         self.use_graph = bool(use_graph) and self.device.type == "cuda"
         self.warmup_steps = warmup_steps
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._eager_calls = 0
         self._side_stream = None
+
+    def body(self):
+        """Runs the step's body once (eagerly, or into the capture)."""
+        fn = self._body()
+        if fn is None:
+            raise RuntimeError("CapturedStep: the object whose method is this step's body no longer exists")
+        fn()
 
     @property
     def graphed(self) -> bool:
@@ -73,7 +106,7 @@ class CapturedStep:
             if self._eager_calls >= self.warmup_steps:
                 g = torch.cuda.CUDAGraph()
                 # (torch.cuda.graph synchronises the device before it begins the capture)
-                with torch.cuda.graph(g, stream=self._side_stream):
+                with collector_paused(), torch.cuda.graph(g, stream=self._side_stream):
                     self.body()
                 self.graph = g
                 g.replay()

@@ -1,0 +1,121 @@
+"""CapturedStep (dqn_ops/graphed.py) and garbage collection: a CUDA graph left in a dead
+reference cycle is destroyed whenever a collection reaches it, and inside another capture CUDA
+refuses that destruction and invalidates the capture. The objects that own a CapturedStep are
+freed without a collection, and a CapturedStep's capture runs with the collector paused."""
+import gc
+import weakref
+
+import pytest
+import torch
+
+from conftest import DEVICES, requires_cuda
+from dqn_ops import DQNConfig, Trainer, TrainerConfig
+from dqn_ops.graphed import CapturedStep, collector_paused
+from dqn_ops.rl.baseline import TorchTrainer
+from test_loop import make
+
+NET = DQNConfig(state_dim=6, trunk_hidden=(16, 16), value_hidden=8, adv_hidden=8, atoms=5, branches=(2, 3))
+
+
+def freed_without_a_collection(make_objects):
+    """Whether the objects make_objects() returns are all freed once dropped, the collector off
+    (reference counts alone: no cycle through them)."""
+    gc.collect()
+    refs = [weakref.ref(o) for o in make_objects()]
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return [r() is None for r in refs]
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", [Trainer, TorchTrainer])
+def test_a_dropped_trainer_is_freed_without_a_collection(device, cls):
+    def trained():
+        t = cls(NET, TrainerConfig(batch_size=8, warmup_steps=1), device=device, seed=0)
+        for _ in range(3):  # on its zeroed inputs; on CUDA: the warm-up, the capture and a replay
+            t.step()
+        assert t._runner.graphed == (device == "cuda")
+        return [t]
+    assert freed_without_a_collection(trained) == [True]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dropped_training_loop_is_freed_without_a_collection(device):
+    def ran():
+        t, env, rb, loop = make(device, graph=True, K=2, warmup_chunks=1)
+        loop.prefill(4)
+        loop.run(6)  # on CUDA: the warm-up chunk, the capture and a replay
+        return [loop, t]
+    assert freed_without_a_collection(ran) == [True, True]
+
+
+def test_collector_paused_collects_first_and_restores_the_collectors_state():
+    class Cycle:
+        def __init__(self):
+            self.me = self
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            dead = weakref.ref(Cycle())
+            with collector_paused():
+                assert dead() is None  # collected on entry
+                assert not gc.isenabled()
+            assert gc.isenabled() == enabled
+            with pytest.raises(ZeroDivisionError), collector_paused():
+                1 / 0
+            assert gc.isenabled() == enabled
+        finally:
+            gc.enable()
+
+
+def test_a_step_whose_owner_is_gone_says_so():
+    class Owner:
+        def run(self):
+            pass
+    o = Owner()
+    step = CapturedStep(o.run, torch.device("cpu"))
+    step()
+    del o
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        step()
+    calls = []
+    step = CapturedStep(lambda: calls.append(1), torch.device("cpu"))  # a plain callable: held as given
+    gc.collect()
+    step()
+    assert calls == [1]
+
+
+@requires_cuda
+def test_a_dead_graph_in_a_cycle_does_not_invalidate_a_later_capture():
+    # The stale graph is made after the step's warm-up and before its capture, and the body
+    # collects garbage inside the capture (as an allocation may start a collection): the capture
+    # holds only if the stale graph was destroyed before it began.
+    x = torch.zeros(4, device="cuda")
+
+    def body():
+        x.add_(1)
+        gc.collect()
+    step = CapturedStep(body, torch.device("cuda"), warmup_steps=1)
+    step()  # the warm-up
+
+    class Holder:
+        pass
+    stale = Holder()
+    stale.me = stale
+    stale.input = torch.ones(4, device="cuda")
+    stale.graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(stale.graph):
+        stale.input.mul_(2)
+    dead = weakref.ref(stale)
+    del stale
+    assert dead() is not None  # only a collection frees it
+
+    step()  # the capture, then its first replay
+    step()  # a replay
+    torch.cuda.synchronize()
+    assert step.graphed and dead() is None
+    assert torch.equal(x, torch.full((4,), 3.0, device="cuda"))
