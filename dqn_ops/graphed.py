@@ -54,16 +54,22 @@ class CapturedStep:
     side stream the caller made current included), so the step is ordered with the caller's
     work.
 
-    A bound method as `body` is held weakly: its object owns this step, and a reference cycle
-    would keep the object and its graph alive until a garbage collection, which may come during
-    another capture (``collector_paused``, which guards this object's own capture, says why).
+    ``owner_holds_step``: `body` is a bound method of the object that holds this step (a
+    trainer's, a loop's). The method is then held weakly: a strong one would make a reference
+    cycle, which keeps the object and its graph alive until a garbage collection, and that may
+    come during another capture (``collector_paused``, which guards this step's own capture,
+    says why). A call once the object is gone raises, a replay included (its graph reads and
+    writes the object's tensors).
     """
 
-    def __init__(self, body: Callable[[], None], device: torch.device, use_graph: bool = True, warmup_steps: int = 3):
+    def __init__(self, body: Callable[[], None], device: torch.device, use_graph: bool = True, warmup_steps: int = 3,
+                 *, owner_holds_step: bool = False):
         if warmup_steps < 1:
             raise ValueError(f"CapturedStep: warmup_steps must be >= 1 (cuBLAS must be warm before a capture), "
                              f"got {warmup_steps}")
-        self._body = weakref.WeakMethod(body) if inspect.ismethod(body) else (lambda: body)
+        if owner_holds_step and not inspect.ismethod(body):
+            raise TypeError(f"CapturedStep: owner_holds_step needs a bound method as body, got {type(body).__name__}")
+        self._body = weakref.WeakMethod(body) if owner_holds_step else (lambda: body)
         self.device = torch.device(device)
         self.use_graph = bool(use_graph) and self.device.type == "cuda"
         self.warmup_steps = warmup_steps
@@ -71,12 +77,15 @@ class CapturedStep:
         self._eager_calls = 0
         self._side_stream = None
 
-    def body(self):
-        """Runs the step's body once (eagerly, or into the capture)."""
+    def _live_body(self) -> Callable[[], None]:
         fn = self._body()
         if fn is None:
             raise RuntimeError("CapturedStep: the object whose method is this step's body no longer exists")
-        fn()
+        return fn
+
+    def body(self):
+        """Runs the step's body once (eagerly, or into the capture)."""
+        self._live_body()()
 
     @property
     def graphed(self) -> bool:
@@ -94,6 +103,7 @@ class CapturedStep:
         """``self()`` for a caller that has made ``self.device`` current (``on_device``): one
         device switch fewer on the host's path per call."""
         if self.graph is not None:
+            self._live_body()  # the graph's tensors are its owner's
             self.graph.replay()  # on the current stream of self.device
         elif not self.use_graph:
             self.body()

@@ -290,7 +290,8 @@ class Trainer(NonFiniteSteps):
         self.process_group, self.world_size = _data_parallel_group(process_group)
         if self.world_size > 1:
             self._broadcast_state()
-        self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
+        self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph,
+                                    cfg.warmup_steps, owner_holds_step=True)
         # Acting (dqn_ops.ops.act): act() runs it with epsilon 0 (its counter advances unread);
         # act_explore() draws from explore_rng = (seed, call), which each call advances on the device.
         self._act_epsilon0 = torch.zeros(1, device=dev)

@@ -378,7 +378,8 @@ class TorchTrainer(NonFiniteSteps):
         self.stats = DeferredReadback(STAT_FIELDS, cfg.readback_interval, dev, bad_field="skipped")
         self.steps = 0
         self.non_finite_steps: List[int] = []  # as Trainer's (TrainerConfig.on_non_finite='flag')
-        self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph, cfg.warmup_steps)
+        self._runner = CapturedStep(self._step_body, self.device, cfg.use_cuda_graph,
+                                    cfg.warmup_steps, owner_holds_step=True)
 
     def step(self, batch=None):
         if batch is not None:

@@ -133,7 +133,7 @@ class TrainingLoop:
         self._beta_start = float(replay.beta) if getattr(replay, "prioritized", False) else None
         self.iterations = 0  # iterations run (a host count; the schedules read self.schedule_step)
         # the K iterations, captured after warmup_chunks eager runs on the capture stream
-        self._runner = CapturedStep(self._chunk, dev, cfg.use_cuda_graph, cfg.warmup_chunks)
+        self._runner = CapturedStep(self._chunk, dev, cfg.use_cuda_graph, cfg.warmup_chunks, owner_holds_step=True)
         self._captured_generation = getattr(trainer, "state_generation", 0)
         self._replay_ready = False  # the replay held a batch at some run() (it never shrinks)
 
