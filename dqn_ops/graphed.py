@@ -55,7 +55,7 @@ class CapturedStep:
     work.
 
     ``owner_holds_step``: `body` is a bound method of the object that holds this step (a
-    trainer's, a loop's). The method is then held weakly: a strong one would make a reference
+    trainer's, a loop's). The object is then held weakly: a strong hold would make a reference
     cycle, which keeps the object and its graph alive until a garbage collection, and that may
     come during another capture (``collector_paused``, which guards this step's own capture,
     says why). A call once the object is gone raises, a replay included (its graph reads and
@@ -69,7 +69,10 @@ class CapturedStep:
                              f"got {warmup_steps}")
         if owner_holds_step and not inspect.ismethod(body):
             raise TypeError(f"CapturedStep: owner_holds_step needs a bound method as body, got {type(body).__name__}")
-        self._body = weakref.WeakMethod(body) if owner_holds_step else (lambda: body)
+        # The owner held weakly and its function apart: a replay checks the owner with one
+        # weakref call on the host's path, without binding the method again.
+        self._owner = weakref.ref(body.__self__) if owner_holds_step else None
+        self._func = body.__func__ if owner_holds_step else body
         self.device = torch.device(device)
         self.use_graph = bool(use_graph) and self.device.type == "cuda"
         self.warmup_steps = warmup_steps
@@ -77,15 +80,22 @@ class CapturedStep:
         self._eager_calls = 0
         self._side_stream = None
 
-    def _live_body(self) -> Callable[[], None]:
-        fn = self._body()
-        if fn is None:
+    def _live_owner(self):
+        """The body's owner (None without owner_holds_step); raises once the owner is gone."""
+        if self._owner is None:
+            return None
+        owner = self._owner()
+        if owner is None:
             raise RuntimeError("CapturedStep: the object whose method is this step's body no longer exists")
-        return fn
+        return owner
 
     def body(self):
         """Runs the step's body once (eagerly, or into the capture)."""
-        self._live_body()()
+        owner = self._live_owner()
+        if owner is None:
+            self._func()
+        else:
+            self._func(owner)
 
     @property
     def graphed(self) -> bool:
@@ -103,7 +113,7 @@ class CapturedStep:
         """``self()`` for a caller that has made ``self.device`` current (``on_device``): one
         device switch fewer on the host's path per call."""
         if self.graph is not None:
-            self._live_body()  # the graph's tensors are its owner's
+            self._live_owner()  # the graph's tensors are its owner's
             self.graph.replay()  # on the current stream of self.device
         elif not self.use_graph:
             self.body()
