@@ -83,13 +83,23 @@ def test_bf16_forward_error_at_most_twice_autocast(device, name):
         assert e_ours < 2e-2
 
 
+def head_column_rows(config, rows: str) -> int:
+    """A batch whose rows make the CUDA output-bias + dueling kernel give each head its own grid
+    column ("few": their blocks, of 256 threads with a thread per atom, fewer than the SMs) or
+    walk a row's heads in one ("many"; csrc/cuda/dueling.cuh split_heads)."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    rows_per_block = 256 // min(config.atoms, 256)
+    return max(sms // 2, 1) * rows_per_block if rows == "few" else sms * rows_per_block + 7
+
+
 @requires_cuda
+@pytest.mark.parametrize("rows", ["few", "many"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_cuda_forward_matches_cpu_bf16_emulation(name):
+def test_cuda_forward_matches_cpu_bf16_emulation(name, rows):
     """The CPU kernel rounds exactly where the GPU does; only F32 summation order differs."""
     c = CONFIGS[name]
     net = make_net(c, "cuda")
-    s = random_states(c, 300, "cuda")
+    s = random_states(c, head_column_rows(c, rows), "cuda")
     poison_cuda_cache()
     gpu = net.forward_full(s)
     cpu = net.to("cpu").forward_full(s.cpu())

@@ -56,9 +56,19 @@ __device__ __forceinline__ void zero_head_padding(__nv_bfloat16* head, int64_t w
 // The public ops' dueling kernels, for the loss's composed path (_dqn_loss_on_logits on a
 // configuration the fused kernel does not take). Each launches one kernel on `stream`.
 
+// Whether the dueling kernels give each head its own blocks (a grid column per branch entry,
+// and the backward's per value head too) for a launch whose rows make `row_blocks` blocks: when
+// those are fewer than the SMs (a small batch of wide rows, or IQN's rows of one atom at
+// B = 256), the heads' columns fill the GPU; with more rows, a thread walking a row's heads in
+// turn reads each value once and launches fewer blocks, which measured faster (bench/NOTES.md,
+// the dueling kernels' A/B). DQN_OPS_HEAD_COLUMNS=split|whole forces one shape. Defined in
+// dueling_forward.cu.
+bool split_heads(unsigned row_blocks);
+
 // From the output layer's GEMM results in the padded layout (logits [rows, head_ld], no bias):
-// head = logits + b_out, compact [rows, head_out], and q [rows, total_actions, atoms] = the
-// dueling aggregate, or without dueling (branches.dueling == 0) the branch heads' biased logits.
+// head = logits + b_out, compact [rows, head_out] (head may be null: only q is written), and q
+// [rows, total_actions, atoms] = the dueling aggregate, or without dueling (branches.dueling ==
+// 0) the branch heads' biased logits.
 // slots > 1 (IQN, one atom): the rows are (sample, fraction) pairs, row b * slots + i, and q is
 // [rows / slots, total_actions, slots], fraction i in slot i. Defined in dueling_forward.cu.
 void launch_head_bias_dueling(const float* logits, const float* b_out, float* head, float* q, int64_t rows,

@@ -20,6 +20,7 @@
 // dense layer, 6 for the reference config; the target then also runs on s, rows it does not
 // need).
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -99,41 +100,48 @@ __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const flo
 }
 
 // From the output layer's GEMM results in the padded layout (logits [rows, head_ld], see
-// NetLayout::head_ld) writes head = logits + b_out in the compact layout [rows, head_out] and
-// q[b, action, z]: with dueling the aggregate (dueling.cuh), else the branch head's biased
-// logit itself (there is no value head: branch d's columns start at atoms * first, not
-// atoms * (1 + first)); an ensemble's members in turn, each with its own value head
-// (BranchTable's entries). A thread per (row, atom) (row_group); a branch's logits are loaded
-// together (kLoadsInFlight at a time: one memory latency per branch, not one per action) and
-// read again, from L1, for the dueling q instead of from `head`.
-__global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64_t head_ld,
-                                         const float* __restrict__ b_out, float* __restrict__ head,
-                                         float* __restrict__ q, int64_t rows, int atoms, int64_t head_out,
-                                         int total_actions, BranchTable branches, int64_t slots) {
+// NetLayout::head_ld) writes head = logits + b_out in the compact layout [rows, head_out] (head
+// may be null: not written) and q[b, action, z]: with dueling the aggregate (dueling.cuh), else
+// the branch head's biased logit itself (there is no value head: branch d's columns start at
+// atoms * first, not atoms * (1 + first)); an ensemble's members each with its own value head
+// (BranchTable's entries). A thread per (row, atom) (row_group) walks the branch entries of its
+// block column, [blockIdx.y * entries, + entries) (split_heads: every entry, or one), in turn:
+// an entry's logits are loaded together (kLoadsInFlight at a time: one memory latency per
+// branch, not one per action) and read again, from L1, for the dueling q instead of from
+// `head`; a member's value logit is read at its first entry in the column (and written to
+// `head` at its first entry).
+__global__ void __launch_bounds__(kThreads) head_bias_dueling_kernel(const float* __restrict__ logits,
+                                                                     int64_t head_ld, const float* __restrict__ b_out,
+                                                                     float* __restrict__ head, float* __restrict__ q,
+                                                                     int64_t rows, int atoms, int64_t head_out,
+                                                                     int total_actions, BranchTable branches,
+                                                                     int64_t slots, int entries) {
   pdl_enter();
   const RowGroup g = row_group(atoms);
   if (g.idle) return;
   const int value_heads = value_heads_of(branches);  // the members' value heads' atoms come first in `head`
   const int64_t value_ld = round_up_to_align(atoms);  // a value head's padded logit columns
   const int64_t q_step = int64_t(atoms) * slots;      // between two actions' entries in q
+  const int d0 = blockIdx.y * entries, d1 = min(branches.count, d0 + entries);
   for (int64_t b = g.first_row; b < rows; b += g.row_stride) {
     const float* in = logits + b * head_ld;
-    float* row = head + b * head_out;
+    float* row = head ? head + b * head_out : nullptr;
     // Row b is fraction b % slots of sample b / slots (slots = 1: sample b).
     float* q_row = q + (b / slots) * total_actions * q_step + b % slots;
     for (int z = g.col; z < atoms; z += g.width) {
       float v = 0.f;  // the current member's value
-      for (int d = 0; d < branches.count; ++d) {
-        if (value_heads && d % branches.per_member == 0) {  // a member's first branch: its value head
+      for (int d = d0; d < d1; ++d) {
+        const bool member_first = d % branches.per_member == 0;
+        if (value_heads && (member_first || d == d0)) {
           const int64_t e = member_of(branches, d);
           v = biased_logit(in[e * value_ld + z], b_out[e * atoms + z]);
-          row[e * atoms + z] = v;
+          if (row && member_first) row[e * atoms + z] = v;
         }
         const int size = branches.size[d], first = branches.action_offset[d];
         const int64_t col = head_col_of(branches, d, value_heads, atoms) + z;  // branch d's compact column at atom z
         const float* adv = in + branches.pad_col[d] + z;
         const float* bias = b_out + col;
-        float* out = row + col;
+        float* out = row ? row + col : nullptr;
         float* q_out = q_row + (int64_t(first) * atoms + z) * slots;
         float sum = 0.f;
         for (int k0 = 0; k0 < size; k0 += kLoadsInFlight) {  // the chunk's loads first, then its stores
@@ -144,7 +152,7 @@ __global__ void head_bias_dueling_kernel(const float* __restrict__ logits, int64
 #pragma unroll
           for (int j = 0; j < kLoadsInFlight; ++j)
             if (k0 + j < size) {
-              out[int64_t(k0 + j) * atoms] = a[j];
+              if (out) out[int64_t(k0 + j) * atoms] = a[j];
               sum += a[j];
               if (!value_heads) q_out[int64_t(k0 + j) * q_step] = a[j];
             }
@@ -463,8 +471,27 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> online_and_target_logits_cuda(
 
 void launch_head_bias_dueling(const float* logits, const float* b_out, float* head, float* q, int64_t rows,
                               const NetLayout& L, const BranchTable& branches, cudaStream_t stream, int64_t slots) {
-  launch(head_bias_dueling_kernel, row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream, logits, L.head_ld,
-         b_out, head, q, rows, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.q_rows()), branches, slots);
+  const unsigned row_blocks = row_group_blocks(rows, L.atoms, kThreads);
+  const bool split = split_heads(row_blocks);
+  const dim3 grid(row_blocks, split ? static_cast<unsigned>(branches.count) : 1);
+  launch(head_bias_dueling_kernel, grid, kThreads, 0, stream, logits, L.head_ld, b_out, head, q, rows,
+         static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.q_rows()), branches, slots,
+         split ? 1 : static_cast<int>(branches.count));
+}
+
+bool split_heads(unsigned row_blocks) {
+  // DQN_OPS_HEAD_COLUMNS, read once per process: unset or "auto" the rule above, "split" or
+  // "whole" one shape for every launch (the A/B switch, and the tests' check that both shapes
+  // give the same bits).
+  static const int forced = [] {
+    const char* env = std::getenv("DQN_OPS_HEAD_COLUMNS");
+    const std::string value = env == nullptr ? "auto" : env;
+    TORCH_CHECK(value == "auto" || value == "split" || value == "whole",
+                "dqn_ops: DQN_OPS_HEAD_COLUMNS: expected auto, split or whole, got '", value, "'");
+    return value == "auto" ? -1 : value == "split" ? 1 : 0;
+  }();
+  if (forced >= 0) return forced == 1;
+  return row_blocks < static_cast<unsigned>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
 }
 
 }  // namespace cuda

@@ -277,17 +277,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
     const LossResults r = launch_loss(op, br, P, B, L.atoms, type, rows, f32, blocks_done);
     return {r.loss, grad_head, grad_head_bf16, r.td_error, r.mean_q};
   }
-  // Composed: q of each pass as bf16_dueling_forward forms it (the compact head it also writes
-  // is scratch), dqn_loss's kernel, then mixed_backward's dueling step from grad_q (both
+  // Composed: q of each pass as bf16_dueling_forward forms it (not its compact head: nothing
+  // here reads it), dqn_loss's kernel, then mixed_backward's dueling step from grad_q (both
   // kernels follow br.dueling: without a value head, q = the biased logits, d(head) = grad_q).
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  Tensor head = at::empty({B, L.head_out}, f32);
   Tensor q = at::empty({3, B, L.q_rows(), L.atoms}, f32);
   const Tensor* pass_logits[3] = {&logits, &logits_next_online, &logits_next_target};
   const float* pass_bias[3] = {b_online, b_online, b_target};
   for (int p = 0; p < 3; ++p)
-    launch_head_bias_dueling(pass_logits[p]->data_ptr<float>(), pass_bias[p], head.data_ptr<float>(),
-                             q[p].data_ptr<float>(), B, L, br, stream);
+    launch_head_bias_dueling(pass_logits[p]->data_ptr<float>(), pass_bias[p], nullptr, q[p].data_ptr<float>(), B,
+                             L, br, stream);
   Tensor grad_q = at::empty({B, L.q_rows(), L.atoms}, f32);
   P.q = q[0].data_ptr<float>();
   P.q_next_online = q[1].data_ptr<float>();

@@ -38,73 +38,117 @@ using at::Tensor;
 constexpr int kThreads = 256;
 constexpr int kLoadsInFlight = 4;  // per thread, in the dueling backward kernel
 
-// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q (dueling.cuh), a thread per
-// (row, atom) (row_group), a branch's dq loaded kLoadsInFlight at a time. Without dueling
-// (branches.dueling == 0: no value column, q_d = the branch's logits) there is no mean: the
-// same formula with mean 0, d_head = (dq - 0) + grad_head. d_head is compact [rows, head_out];
-// the BF16 copy the `bf16` GEMMs read (d_head_bf16, may be null) is in the padded layout
-// [rows, head_ld] of NetLayout, its padding columns 0.
-__global__ void dueling_backward_kernel(const float* __restrict__ grad_q, const float* __restrict__ grad_head,
-                                        float* __restrict__ d_head, __nv_bfloat16* __restrict__ d_head_bf16,
-                                        int64_t head_ld, int64_t rows, int atoms, int64_t head_out,
-                                        int total_actions, BranchTable branches, int64_t slots) {
+// The sum, in order from 0.f, of one branch's dq at one atom (dq: its first action's entry,
+// q_step between actions; null: 0.f), loaded kLoadsInFlight at a time: the branch's mean's
+// gradient and its share of the value's.
+__device__ __forceinline__ float branch_dq_sum(const float* __restrict__ dq, int size, int64_t q_step) {
+  float sum = 0.f;
+  if (!dq) return sum;
+  for (int k0 = 0; k0 < size; k0 += kLoadsInFlight) {  // the chunk's loads first
+    float x[kLoadsInFlight];
+#pragma unroll
+    for (int j = 0; j < kLoadsInFlight; ++j)
+      if (k0 + j < size) x[j] = dq[int64_t(k0 + j) * q_step];
+#pragma unroll
+    for (int j = 0; j < kLoadsInFlight; ++j)
+      if (k0 + j < size) sum += x[j];
+  }
+  return sum;
+}
+
+// Branch entry d's columns of d_head at atom z: per action k, dueling_advantage_grad(dq_k, the
+// dq mean (0 without dueling or grad_q), the direct gradient g_k); their BF16 copies in the
+// padded layout when low is not null. dq: the entry's first action's dq at z (null: none), gh:
+// the row's direct gradient (null: none). Returns the entry's dq sum, the value's share (0.f
+// without the mean's term).
+__device__ __forceinline__ float write_branch_grad(const float* __restrict__ dq, const float* __restrict__ gh,
+                                                   float* __restrict__ dh, __nv_bfloat16* __restrict__ low,
+                                                   const BranchTable& branches, int d, int z, int atoms,
+                                                   int value_heads, int64_t q_step) {
+  const int size = branches.size[d];
+  const bool mean_term = dq && value_heads;  // only dueling has the mean's term
+  const float sum = mean_term ? branch_dq_sum(dq, size, q_step) : 0.f;
+  const float mean = mean_term ? branch_mean(sum, size) : 0.f;
+#pragma unroll 4
+  for (int k = 0; k < size; ++k) {
+    const int64_t col = head_col_of(branches, d, value_heads, atoms) + int64_t(atoms) * k + z;
+    // Without grad_q: dq = 0 and mean = 0, so g = (0 - 0) + direct; without dueling
+    // g = (dq - 0) + direct.
+    const float g = dueling_advantage_grad(dq ? dq[int64_t(k) * q_step] : 0.f, mean, gh ? gh[col] : 0.f);
+    dh[col] = g;
+    if (low) low[branches.pad_col[d] + int64_t(k) * atoms + z] = __float2bfloat16_rn(g);
+  }
+  return sum;
+}
+
+// d_head = grad_head + d(dueling aggregate)/d(head) . grad_q (dueling.cuh), a thread per (row,
+// atom) (row_group). Two shapes (split_heads): one block column, whose threads walk a row's
+// entries in turn and sum each member's dv as they go; or a column per head, blockIdx.y branch
+// entry d (y < branches.count) or member e's value head (y = count + e), the value head's
+// threads summing its member's entries' dq again (the same sums, from L2) for dv. Without
+// dueling (branches.dueling == 0: no value column, q_d = the branch's logits) there is no mean:
+// the same formula with mean 0, d_head = (dq - 0) + grad_head. d_head is compact [rows,
+// head_out]; the BF16 copy the `bf16` GEMMs read (d_head_bf16, may be null) is in the padded
+// layout [rows, head_ld] of NetLayout, its padding columns 0.
+__global__ void __launch_bounds__(kThreads) dueling_backward_kernel(const float* __restrict__ grad_q,
+                                                                    const float* __restrict__ grad_head,
+                                                                    float* __restrict__ d_head,
+                                                                    __nv_bfloat16* __restrict__ d_head_bf16,
+                                                                    int64_t head_ld, int64_t rows, int atoms,
+                                                                    int64_t head_out, int total_actions,
+                                                                    BranchTable branches, int64_t slots, bool split) {
   pdl_enter();
   const RowGroup grp = row_group(atoms);
   if (grp.idle) return;
   const int value_heads = value_heads_of(branches);  // the members' value heads' column blocks come first
   const int64_t value_ld = round_up_to_align(atoms);  // a value head's padded columns
   const int64_t q_step = int64_t(atoms) * slots;      // between two actions' entries in grad_q
+  const int y = blockIdx.y;
+  const bool value = split && y >= branches.count;  // a split column: member e's value head, else entry d
+  const int e = value ? y - branches.count : 0;
   for (int64_t b = grp.first_row; b < rows; b += grp.row_stride) {
     const float* gh = grad_head ? grad_head + b * head_out : nullptr;
     // Row b is fraction b % slots of sample b / slots (slots = 1: sample b).
     const float* dq_row = grad_q ? grad_q + (b / slots) * total_actions * q_step + b % slots : nullptr;
+    // Entry d's first action's dq at atom z.
+    auto dq_of = [&](int d, int z) -> const float* {
+      return dq_row ? dq_row + (int64_t(branches.action_offset[d]) * atoms + z) * slots : nullptr;
+    };
     float* dh = d_head + b * head_out;
     __nv_bfloat16* low = d_head_bf16 ? d_head_bf16 + b * head_ld : nullptr;
     for (int z = grp.col; z < atoms; z += grp.width) {
-      float dv = 0.f;  // the current member's value gradient
-      for (int d = 0; d < branches.count; ++d) {
-        const int64_t e = member_of(branches, d);
-        if (value_heads && d % branches.per_member == 0) dv = gh ? gh[e * atoms + z] : 0.f;  // a member's first branch
-        const int size = branches.size[d], first = branches.action_offset[d];
-        const float* dq = dq_row ? dq_row + (int64_t(first) * atoms + z) * slots : nullptr;
-        // The branch's sum of dq (its mean's gradient and the value's); only dueling has them.
-        const bool mean_term = dq && value_heads;
-        float sum = 0.f;
-        if (mean_term)
-          for (int k0 = 0; k0 < size; k0 += kLoadsInFlight) {  // the chunk's loads first
-            float x[kLoadsInFlight];
-#pragma unroll
-            for (int j = 0; j < kLoadsInFlight; ++j)
-              if (k0 + j < size) x[j] = dq[int64_t(k0 + j) * q_step];
-#pragma unroll
-            for (int j = 0; j < kLoadsInFlight; ++j)
-              if (k0 + j < size) sum += x[j];
+      if (!split) {
+        float dv = 0.f;  // the current member's value gradient
+        for (int d = 0; d < branches.count; ++d) {
+          const int64_t m = member_of(branches, d);
+          if (value_heads && d % branches.per_member == 0) dv = gh ? gh[m * atoms + z] : 0.f;  // a member's first branch
+          dv += write_branch_grad(dq_of(d, z), gh, dh, low, branches, d, z, atoms, value_heads, q_step);
+          if (value_heads && d % branches.per_member == branches.per_member - 1) {  // the member's last branch
+            dh[m * atoms + z] = dv;
+            if (low) low[m * value_ld + z] = __float2bfloat16_rn(dv);
           }
-        dv += sum;
-        const float mean = branch_mean(sum, size);
-#pragma unroll 4
-        for (int k = 0; k < size; ++k) {
-          const int64_t col = head_col_of(branches, d, value_heads, atoms) + int64_t(atoms) * k + z;
-          // Without grad_q: dq = 0 and mean = 0, so g = (0 - 0) + direct; without dueling
-          // g = (dq - 0) + direct.
-          const float g =
-              dueling_advantage_grad(dq ? dq[int64_t(k) * q_step] : 0.f, mean_term ? mean : 0.f, gh ? gh[col] : 0.f);
-          dh[col] = g;
-          if (low) low[branches.pad_col[d] + int64_t(k) * atoms + z] = __float2bfloat16_rn(g);
         }
-        if (value_heads && d % branches.per_member == branches.per_member - 1) {  // the member's last branch
-          dh[e * atoms + z] = dv;
-          if (low) low[e * value_ld + z] = __float2bfloat16_rn(dv);
-        }
+      } else if (value) {
+        float dv = gh ? gh[e * atoms + z] : 0.f;
+        for (int d = e * branches.per_member; d < (e + 1) * branches.per_member; ++d)
+          dv += branch_dq_sum(dq_of(d, z), branches.size[d], q_step);
+        dh[e * atoms + z] = dv;
+        if (low) low[e * value_ld + z] = __float2bfloat16_rn(dv);
+      } else {
+        write_branch_grad(dq_of(y, z), gh, dh, low, branches, y, z, atoms, value_heads, q_step);
       }
     }
-    if (low) {  // the padding columns of every head: 0, so padded GEMM sizes add nothing
-      for (int j = 0; j < value_heads + branches.count; ++j) {
-        const bool value = j < value_heads;  // value head e at padded column e * value_ld
-        const int64_t width = value ? atoms : int64_t(atoms) * branches.size[j - value_heads];
-        const int64_t pad_col = value ? j * value_ld : branches.pad_col[j - value_heads];
-        zero_head_padding(low + pad_col, width, grp.col, grp.width);
-      }
+    if (low) {  // the padding columns 0, so padded GEMM sizes add nothing: every head's, or the column's one
+      auto zero_padding = [&](int h) {  // h: a head in the padded order, the value heads first
+        const bool is_value = h < value_heads;  // value head h at padded column h * value_ld
+        const int64_t width = is_value ? atoms : int64_t(atoms) * branches.size[h - value_heads];
+        zero_head_padding(low + (is_value ? h * value_ld : branches.pad_col[h - value_heads]), width, grp.col,
+                          grp.width);
+      };
+      if (!split)
+        for (int h = 0; h < value_heads + branches.count; ++h) zero_padding(h);
+      else
+        zero_padding(value ? e : y + value_heads);
     }
   }
 }
@@ -538,9 +582,11 @@ Tensor mixed_backward_from_head_cuda(const Tensor& grad_head, const Tensor& grad
 void launch_dueling_backward(const float* grad_q, const float* grad_head, float* d_head, __nv_bfloat16* d_head_bf16,
                              int64_t rows, const NetLayout& L, const BranchTable& branches, cudaStream_t stream,
                              int64_t slots) {
-  launch(dueling_backward_kernel, row_group_blocks(rows, L.atoms, kThreads), kThreads, 0, stream, grad_q, grad_head,
-         d_head, d_head_bf16, L.head_ld, rows, static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.q_rows()),
-         branches, slots);
+  const unsigned row_blocks = row_group_blocks(rows, L.atoms, kThreads);
+  const bool split = split_heads(row_blocks);
+  const dim3 grid(row_blocks, split ? static_cast<unsigned>(branches.count + value_heads_of(branches)) : 1);
+  launch(dueling_backward_kernel, grid, kThreads, 0, stream, grad_q, grad_head, d_head, d_head_bf16, L.head_ld, rows,
+         static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.q_rows()), branches, slots, split);
 }
 
 }  // namespace cuda
