@@ -37,7 +37,10 @@ logits, exactly as the one-group network of the trunk and that head set would
 (``DQNConfig.group_config(g)``); the training loss is sum_g w_g L_g.
 
 All parameters live in one flat buffer (F32 master, same offsets in the BF16 mirror, the
-gradient and the Adam moments). Each segment starts at a multiple of ``ALIGN`` elements, so
+gradient and the Adam moments). It stores ``config.aligned()``: every hidden width rounded up to a
+multiple of ``ALIGN``, the extra units zero (the same function); the ops see that network, so
+their saved activations have its widths, and a weight view whose input width was rounded up is
+strided (``ParamLayout.row_strides``). Each segment starts at a multiple of ``ALIGN`` elements, so
 every weight matrix is 16-byte aligned in the BF16 mirror and 32-byte aligned in F32. The
 heads' first-layer weights are adjacent rows of one matrix W_h1, each deeper head layer keeps
 one bias vector for all heads, and all output biases are one vector b_out, so the CUDA path
@@ -54,13 +57,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 8  # elements; 16 bytes of BF16
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _aligned(widths: Tuple[int, ...]) -> Tuple[int, ...]:
+    return tuple(_align(w) for w in widths)
 
 
 # -- validation of the configs' fields (DQNConfig here, TrainerConfig in trainer.py) ----------
@@ -221,6 +231,10 @@ class HeadGroup:
                               ("loss_weight", weight)):
             object.__setattr__(self, field, value_)
 
+    def aligned(self) -> "HeadGroup":
+        """This group with its hidden widths rounded up to a multiple of ALIGN (``DQNConfig.aligned``)."""
+        return dataclasses.replace(self, value_hidden=_aligned(self.value_hidden), adv_hidden=_aligned(self.adv_hidden))
+
     @property
     def loss_types(self) -> Tuple[str, ...]:
         """The loss types (dqn_loss's loss_type) that fit this group's outputs."""
@@ -321,6 +335,20 @@ class DQNConfig:
         d = dict(d)
         d["aux"] = tuple(HeadGroup(**g) if isinstance(g, dict) else g for g in d.get("aux", ()))
         return cls(**d)
+
+    def aligned(self) -> "DQNConfig":
+        """The network the flat buffer stores and the kernels run: this one with every hidden
+        width (the trunk's, every head layer's, every head group's) rounded up to a multiple of
+        ALIGN. Its extra units have zero weights in and out and a zero bias: their activation is
+        relu(0) = 0 and their gradients are zero (the ReLU's at 0 included), so training keeps
+        them zero and the network computes this one's function. The point: every weight row and
+        hidden activation row is then a multiple of 16 bytes in BF16, which cuBLAS's Hopper
+        kernels need (widths such as CleanRL's 84 sent it to slower Ampere kernels). The state
+        and the IQN cosines keep their widths. A config whose widths are multiples of ALIGN is
+        its own."""
+        return dataclasses.replace(self, trunk_hidden=_aligned(self.trunk_hidden),
+                                   value_hidden=_aligned(self.value_hidden), adv_hidden=_aligned(self.adv_hidden),
+                                   aux=tuple(group.aligned() for group in self.aux))
 
     @property
     def num_branches(self) -> int:
@@ -507,16 +535,21 @@ class ParamLayout:
     def __init__(self, config: DQNConfig):
         self.config = c = config
         # Each group's one-group network (group_configs[0]: the config without aux): a group's
-        # segments and views are that network's head part.
+        # views are that network's head part.
         self.group_configs: List[DQNConfig] = [c.group_config(g) for g in range(c.num_groups)]
-        trunk_in = (c.state_dim,) + c.trunk_hidden
-        weights, biases = _head_segments(self.group_configs[0], "")
-        segments = [(f"W_s{i + 1}", (c.trunk_hidden[i], trunk_in[i])) for i in range(len(c.trunk_hidden))]
+        # The network the buffer stores (config.aligned(): every hidden width rounded up to ALIGN,
+        # the extra units zero): the segments, their offsets and encode() are its; the views are
+        # this config's layers inside them.
+        self.stored = s = c.aligned()
+        self._stored_groups: List[DQNConfig] = [s.group_config(g) for g in range(s.num_groups)]
+        trunk_in = (s.state_dim,) + s.trunk_hidden
+        weights, biases = _head_segments(self._stored_groups[0], "")
+        segments = [(f"W_s{i + 1}", (s.trunk_hidden[i], trunk_in[i])) for i in range(len(s.trunk_hidden))]
         segments += weights
-        segments += [(f"b_s{i + 1}", (w,)) for i, w in enumerate(c.trunk_hidden)]
+        segments += [(f"b_s{i + 1}", (w,)) for i, w in enumerate(s.trunk_hidden)]
         segments += biases
-        for g in range(1, c.num_groups):  # after all of group 0: its offsets are the one-group network's
-            weights, biases = _head_segments(self.group_configs[g], group_prefix(g))
+        for g in range(1, s.num_groups):  # after all of group 0: its offsets are the one-group network's
+            weights, biases = _head_segments(self._stored_groups[g], group_prefix(g))
             segments += weights + biases
         self.segments: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
         off = 0
@@ -530,7 +563,26 @@ class ParamLayout:
             rows = _align(shape[0]) if bare.startswith("W_out") else shape[0]
             off = _align(off + rows * shape_numel(shape[1:]))
         self.numel = off
-        self.tensors = self._views()
+        stored = {name: (offset, shape) for name, shape, offset in self._views(s, self._stored_groups)}
+        self.tensors: List[Tuple[str, Tuple[int, ...], int]] = [
+            (name, shape, stored[name][0]) for name, shape, _ in self._views(c, self.group_configs)]
+        # Each weight's row stride in the buffer: its stored input width (its own unless rounded up).
+        self.row_strides: Dict[str, int] = {name: stored[name][1][1] for name, shape, _ in self.tensors
+                                            if len(shape) == 2}
+
+    def views(self, flat) -> Dict[str, "torch.Tensor"]:
+        """Each layer's weight and bias as a view of ``flat`` (``numel`` elements laid out as this
+        layout says), keyed like nn.Linear's: a weight [out, in] with row stride
+        ``row_strides[name]`` (in itself unless the stored width was rounded up), a bias [out]."""
+        views = {}
+        for name, shape, off in self.tensors:
+            if len(shape) == 1:
+                views[name] = flat[off:off + shape[0]]
+            else:
+                rows, cols = shape
+                ld = self.row_strides[name]
+                views[name] = flat[off:off + rows * ld].view(rows, ld)[:, :cols]
+        return views
 
     def head_names(self, group: int = 0) -> List[str]:
         """Each head's name prefix in a group, in head order: 'v', then 'a.<d>' (dueling) or
@@ -553,24 +605,27 @@ class ParamLayout:
             i += 1
         return ".".join(parts[:i] + [f"{parts[i]}{layer}"] + parts[i + 1:])
 
-    def _views(self) -> List[Tuple[str, Tuple[int, ...], int]]:
-        """Per-layer views, named as in a plain nn.Linear network: (name, shape, offset)."""
-        c, seg = self.config, self.segments
+    def _views(self, c: DQNConfig, groups: List[DQNConfig]) -> List[Tuple[str, Tuple[int, ...], int]]:
+        """Per-layer views of network `c` (the config or the stored one; `groups` its group
+        configs), named as in a plain nn.Linear network: (name, shape, offset); the offsets are
+        the stored network's segments' (the config's own shapes sit at the same offsets)."""
+        seg = self.segments
         t: List[Tuple[str, Tuple[int, ...], int]] = []
-        for i in range(len(c.trunk_hidden)):
-            (w, shape), (b, _) = seg[f"W_s{i + 1}"], seg[f"b_s{i + 1}"]
-            t += [(f"s{i + 1}.weight", shape, w), (f"s{i + 1}.bias", shape[:1], b)]
+        trunk_in = (c.state_dim,) + c.trunk_hidden
+        for i, width in enumerate(c.trunk_hidden):
+            t += [(f"s{i + 1}.weight", (width, trunk_in[i]), seg[f"W_s{i + 1}"][0]),
+                  (f"s{i + 1}.bias", (width,), seg[f"b_s{i + 1}"][0])]
         for g in range(c.num_groups):
-            t += self._group_views(g)
+            t += self._group_views(groups[g], g)
         return t
 
-    def _group_views(self, group: int) -> List[Tuple[str, Tuple[int, ...], int]]:
-        """A group's views: its phi (IQN), then head by head its layers."""
-        c, p, seg = self.group_configs[group], group_prefix(group), self.segments
+    def _group_views(self, c: DQNConfig, group: int) -> List[Tuple[str, Tuple[int, ...], int]]:
+        """Group `group`'s views (`c` its one-group network): its phi (IQN), then head by head its layers."""
+        p, seg = group_prefix(group), self.segments
         t: List[Tuple[str, Tuple[int, ...], int]] = []
         if c.iqn:
-            (w, shape), (b, _) = seg[p + "W_phi"], seg[p + "b_phi"]
-            t += [(p + "phi.weight", shape, w), (p + "phi.bias", shape[:1], b)]
+            shape = (c.trunk_hidden[-1], c.iqn_embedding)
+            t += [(p + "phi.weight", shape, seg[p + "W_phi"][0]), (p + "phi.bias", shape[:1], seg[p + "b_phi"][0])]
         H = c.head_depth
         # Head k's layer j: its rows of the layer's weight (W_h1's rows after the heads before
         # it; a segment of its own deeper down) and its columns of the layer's bias.
@@ -583,10 +638,11 @@ class ParamLayout:
                 name = self.head_layer_name(head, j + 1)
                 t += [(f"{name}.weight", (widths[k], inputs[k]), w),
                       (f"{name}.bias", (widths[k],), seg[f"{p}b_h{j + 1}"][0] + row)]
-            w, shape = seg[f"{p}W_out{k}"]
+            last = c.head_widths(H - 1)[k] if H else c.trunk_hidden[-1]
+            out = c.head_out_widths()
             name = self.head_layer_name(head, H + 1)
-            col = sum(c.head_out_widths()[:k])
-            t += [(f"{name}.weight", shape, w), (f"{name}.bias", shape[:1], seg[p + "b_out"][0] + col)]
+            t += [(f"{name}.weight", (out[k], last), seg[f"{p}W_out{k}"][0]),
+                  (f"{name}.bias", (out[k],), seg[p + "b_out"][0] + sum(out[:k]))]
         return t
 
     def layers(self) -> List[Tuple[str, Tuple[int, int]]]:
@@ -615,7 +671,7 @@ class ParamLayout:
         group = check_int("ParamLayout.encode", "group", group, minimum=0)
         if group >= c.num_groups:
             raise ValueError(f"ParamLayout.encode: group must be < {c.num_groups} (the head groups), got {group}")
-        g, p, seg = self.group_configs[group], group_prefix(group), self.segments
+        g, p, seg = self._stored_groups[group], group_prefix(group), self.segments
         H = g.head_depth
         sizes = [GROUP_VIEW_FORMAT if c.aux else LAYOUT_FORMAT, g.state_dim, g.atoms, int(g.dueling), g.members,
                  g.iqn_embedding, g.num_branches, *g.branches,

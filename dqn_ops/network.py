@@ -84,9 +84,9 @@ class DuelingBranchQNet(nn.Module):
 
     # -- parameters ---------------------------------------------------------------------
     def layer_views(self, source: Optional[Tensor] = None) -> Dict[str, Tensor]:
-        """Per-layer views of ``source`` (default ``flat_params``), keyed like nn.Linear's."""
-        flat = self.flat_params if source is None else source
-        return {name: flat[off:off + _numel(shape)].view(shape) for name, shape, off in self.layout.tensors}
+        """Per-layer views of ``source`` (default ``flat_params``), keyed like nn.Linear's (a
+        weight whose stored width was rounded up is a strided view: ``ParamLayout.views``)."""
+        return self.layout.views(self.flat_params if source is None else source)
 
     @torch.no_grad()
     def reset_parameters(self, generator: Optional[torch.Generator] = None):
@@ -219,13 +219,6 @@ class DuelingBranchQNet(nn.Module):
                 f"adv_hidden={c.adv_hidden}, atoms={c.atoms}, branches={c.branches}, dueling={c.dueling}, "
                 + (f"ensemble={c.ensemble}, " if c.ensemble > 1 else "")
                 + f"parameters={c.num_parameters}, backward_precision={self.backward_precision!r}")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _refresh_mirror_after_load(module, incompatible_keys):

@@ -141,7 +141,8 @@ class ForwardOutput(NamedTuple):
     # then member 0's branches, member 1's, ... IQN: [B * N, ...], row b * N + i.
     head_logits: Tensor
     # Saved for the backward, at the mirror's precision: the states [B, SD], then every hidden
-    # layer [B, w] for w in config.hidden_widths (the trunk's, then the heads' side by side);
+    # layer [B, w] for w in config.hidden_widths of the layout's network, the stored one
+    # (DQNConfig.aligned: the widths rounded up to multiples of 8; the trunk's, then the heads' side by side);
     # IQN: after the trunk the cosines [B * N, n], phi and z [B * N, T_L], and the head layers on
     # B * N rows.
     activations: List[Tensor]

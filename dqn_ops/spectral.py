@@ -40,16 +40,22 @@ class SpectralNorm(nn.Module):
         super().__init__()
         mats = net.layout.weight_matrices()
         self.names: List[str] = [name for name, _, _ in mats]
-        self.matrices: List[int] = [x for _, (rows, cols), off in mats for x in (off, rows, cols)]
+        # Each matrix as the kernels read it, [rows, row stride]: a weight whose stored width was
+        # rounded up (DQNConfig.aligned) has zero columns past its own, which change neither sigma
+        # nor u; v is zero there (the power iteration keeps it so).
+        lds = [net.layout.row_strides[name] for name, _, _ in mats]
+        self.matrices: List[int] = [x for (_, (rows, _), off), ld in zip(mats, lds) for x in (off, rows, ld)]
         self.configure(sigma_max, n_power_iterations, eps)
         self._net = [net]  # a plain reference: not a submodule, so not in this module's state dict
-        rows = sum(r for _, (r, _), _ in mats)
-        cols = sum(c for _, (_, c), _ in mats)
         device = net.flat_params.device
-        u = torch.randn(rows, generator=generator, dtype=torch.float32)
-        v = torch.randn(cols, generator=generator, dtype=torch.float32)
+        u = torch.randn(sum(r for _, (r, _), _ in mats), generator=generator, dtype=torch.float32)
+        v = torch.randn(sum(lds), generator=generator, dtype=torch.float32)
+        start = 0
+        for (_, (_, cols), _), ld in zip(mats, lds):
+            v[start + cols:start + ld] = 0
+            start += ld
         self.register_buffer("u", _normalize_segments(u, [r for _, (r, _), _ in mats]).to(device))
-        self.register_buffer("v", _normalize_segments(v, [c for _, (_, c), _ in mats]).to(device))
+        self.register_buffer("v", _normalize_segments(v, lds).to(device))
         self.register_buffer("sigma", torch.zeros(len(mats), device=device), persistent=False)
 
     def configure(self, sigma_max: Union[float, Sequence[float]], n_power_iterations: int, eps: float):

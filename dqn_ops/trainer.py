@@ -521,6 +521,16 @@ class Trainer(NonFiniteSteps):
         become the checkpoint's, as ``torch.optim``'s ``load_state_dict`` restores them, and
         ``self.config`` says so; ``set_lr`` after loading sets another learning rate."""
         check_checkpoint(state, "Trainer", self.net_config, self.loss_type)
+        stored = self.online.layout.numel
+        for moments in state["optimizer"].get("state", {}).values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in moments and moments[key].numel() != stored:
+                    raise ValueError(
+                        f"Trainer.load_state_dict: the checkpoint's Adam {key} has {moments[key].numel()} elements, "
+                        f"this network's flat buffer {stored}: the checkpoint was written before the buffer stored "
+                        f"every hidden width rounded up to a multiple of 8 (DQNConfig.aligned, docs/networks.md). Its "
+                        f"networks load (DuelingBranchQNet.load_state_dict of state['online'], state['target']); its "
+                        f"optimizer state does not")
         self.online.load_state_dict(state["online"])
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -90,6 +90,61 @@ def layer_shapes(c: DQNConfig) -> Dict[str, Tuple[int, int]]:
     return shapes
 
 
+# The ops' activations are those of the network the buffer stores (DQNConfig.aligned, layout.py's
+# docstring): every hidden width rounded up to a multiple of 8, the extra units' weights zero, so
+# their activations are zero; the states and IQN's cosines keep their widths. Per activation of c
+# (states, trunk layers, IQN's c, phi and z, head layers): where c's units sit in the stored one
+# ((column, width) per head, side by side, each head's block rounded up) and the stored width.
+
+def _up8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def activation_columns(c: DQNConfig) -> List[Tuple[List[Tuple[int, int]], int]]:
+    """Per activation of the one-group network c: ([(stored column, width), ...], stored width)."""
+    cols = [([(0, c.state_dim)], c.state_dim)] + [([(0, w)], _up8(w)) for w in c.trunk_hidden]
+    if c.iqn_embedding > 0:
+        T = c.trunk_hidden[-1]
+        cols += [([(0, c.iqn_embedding)], c.iqn_embedding), ([(0, T)], _up8(T)), ([(0, T)], _up8(T))]
+    for j in range(len(c.adv_hidden)):
+        segments, at = [], 0
+        for _, hidden, _ in head_widths(c):
+            segments.append((at, hidden[j]))
+            at += _up8(hidden[j])
+        cols.append((segments, at))
+    return cols
+
+
+def logical_activations(c: DQNConfig, acts: Sequence[Tensor]) -> List[Tensor]:
+    """The ops' activations (the stored network's) as c's own, each c's units' columns; asserts
+    that every extra unit's column is exactly zero."""
+    out = []
+    layout = activation_columns(c)
+    assert len(acts) == len(layout), f"{len(acts)} activations, c has {len(layout)}"
+    for k, (t, (segments, width)) in enumerate(zip(acts, layout)):
+        assert t.shape[-1] == width, f"activation {k}: width {t.shape[-1]}, the stored network's is {width}"
+        extra = torch.ones(width, dtype=torch.bool, device=t.device)
+        for a, w in segments:
+            extra[a:a + w] = False
+        assert bool((t[..., extra] == 0).all()), f"activation {k}: an extra unit's column is not zero"
+        out.append(torch.cat([t[..., a:a + w] for a, w in segments], -1))
+    return out
+
+
+def stored_activations(c: DQNConfig, acts: Sequence[Tensor]) -> List[Tensor]:
+    """c's own activations as the ops take them: each placed at its units' columns of the stored
+    network's width, zero elsewhere (the inverse of logical_activations)."""
+    out = []
+    for t, (segments, width) in zip(acts, activation_columns(c), strict=True):
+        stored = t.new_zeros(*t.shape[:-1], width)
+        at = 0
+        for a, w in segments:
+            stored[..., a:a + w] = t[..., at:at + w]
+            at += w
+        out.append(stored)
+    return out
+
+
 # Head groups (docs/combination-design.md): a trunk and G head sets; group 0 the config's own
 # head set, group g >= 1 the HeadGroup c.aux[g - 1]: its kind's atoms, its members, dueling and
 # head widths, the config's branches, IQN's phi with its own embedding; its layers named as the
@@ -317,13 +372,14 @@ def dueling_head_grad(c: DQNConfig, grad_q: torch.Tensor) -> torch.Tensor:
 def reference_backward(net, saved: Sequence[Tensor], d_head, dx_weights: str):
     """Hand-written float64 backward of the computed forward, for any shape.
 
-    saved: the activation list as the forward returned it (states, trunk layers, head layers);
-    ReLU masks are read off it and dW uses it, as the kernels do. dx_weights: 'mirror' or
+    saved: the activation list as the forward returned it (states, trunk layers, head layers;
+    the stored network's: logical_activations gives c's own); ReLU masks are read off it and dW
+    uses it, as the kernels do. dx_weights: 'mirror' or
     'master' — which weights the d(input) products use. Returns (flat grad float64 on CPU,
     d_states).
     """
     c = net.config
-    acts = [t.double().cpu() for t in saved]
+    acts = [t.double().cpu() for t in logical_activations(c, saved)]
     d_head = d_head.double().cpu()
     W = net.layer_views(net.params_bf16.double().cpu() if dx_weights == "mirror"
                         else net.flat_params.detach().double().cpu())

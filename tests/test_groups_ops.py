@@ -48,14 +48,15 @@ def group_network(net: DuelingBranchQNet, g: int) -> DuelingBranchQNet:
 
 
 def group_segments(layout: ParamLayout, g: int) -> torch.Tensor:
-    """A mask of the flat buffer: True on the trunk's and group g's views."""
+    """A mask of the flat buffer: True on the trunk's and group g's views (a weight whose stored
+    input width was rounded up is a strided view: layout.views places it)."""
     prefix = group_prefix(g)
     mask = torch.zeros(layout.numel, dtype=torch.bool)
-    for name, shape, off in layout.tensors:
+    for name, view in layout.views(mask).items():
         is_aux = name[:1] == "g" and name.split(".", 1)[0][1:].isdigit()
         mine = name.startswith(prefix) if g else not is_aux
         if mine or name[:1] == "s":
-            mask[off:off + torch.Size(shape).numel()] = True
+            view.fill_(True)
     return mask
 
 
@@ -74,7 +75,8 @@ def test_each_group_encodes_as_its_one_group_network_in_the_whole_buffer():
     for g in range(c.num_groups):
         view, alone = layout.encode(group=g), ParamLayout(c.group_config(g)).encode()
         assert view[0] == GROUP_VIEW_FORMAT and alone[0] == LAYOUT_FORMAT
-        assert decode_config(view) == c.group_config(g)
+        # the stored network's group: every hidden width rounded up to 8 (DQNConfig.aligned)
+        assert decode_config(view) == c.group_config(g).aligned() == c.aligned().group_config(g)
         assert view[-1] == layout.numel > alone[-1]
         one_group = ParamLayout(c.group_config(g))
         n_sizes = len(alone) - len(one_group.segments) - 1

@@ -250,27 +250,39 @@ SMALL = DQNConfig(state_dim=4, trunk_hidden=(6,), adv_hidden=(), atoms=3, branch
 
 
 def test_layout_of_a_small_combination_written_out():
-    """The offsets by hand. Group 0 (no dueling, H = 0, 3 atoms): W_s1 [6, 4] at 0, q1.0's
-    weight [6, 6] at 24 (8 rows reserved: 48), b_s1 (6 -> 8) at 72, b_out (6 -> 8) at 80: 88
-    elements, as without aux. Group 1 (IQN, n = 4, one Q head): W_phi [6, 4] at 88, W_out0
-    [2, 6] at 112 (8 rows: 48), b_phi at 160, b_out (2) at 168. Group 2 (one atom, two members,
-    dueling, H = 0: heads e0.v, e1.v, e0.a.0, e1.a.0): W_out0..3 ([1, 6], [1, 6], [2, 6], [2, 6],
-    each 8 rows: 48) at 176, 224, 272, 320, b_out (1 + 1 + 2 + 2) at 368; 376 in all."""
+    """The offsets by hand. The buffer stores the trunk width 6 as 8 (DQNConfig.aligned): every
+    weight reading the trunk is stored [rows, 8], its view [rows, 6] with row stride 8. Group 0
+    (no dueling, H = 0, 3 atoms): W_s1 [8, 4] at 0 (32), q1.0's weight W_out0 [6, 8] at 32 (8 rows
+    reserved: 64), b_s1 (8) at 96, b_out (6 -> 8) at 104: 112 elements, as without aux. Group 1
+    (IQN, n = 4, one Q head): W_phi [8, 4] at 112 (32), W_out0 [2, 8] at 144 (8 rows: 64), b_phi
+    (8) at 208, b_out (2 -> 8) at 216. Group 2 (one atom, two members, dueling, H = 0: heads e0.v,
+    e1.v, e0.a.0, e1.a.0): W_out0..3 ([1, 8], [1, 8], [2, 8], [2, 8], each 8 rows: 64) at 224,
+    288, 352, 416, b_out (1 + 1 + 2 + 2 -> 8) at 480; 488 in all."""
     layout = ParamLayout(SMALL)
     assert layout.segments == {
-        "W_s1": (0, (6, 4)), "W_out0": (24, (6, 6)), "b_s1": (72, (6,)), "b_out": (80, (6,)),
-        "g1.W_phi": (88, (6, 4)), "g1.W_out0": (112, (2, 6)), "g1.b_phi": (160, (6,)), "g1.b_out": (168, (2,)),
-        "g2.W_out0": (176, (1, 6)), "g2.W_out1": (224, (1, 6)), "g2.W_out2": (272, (2, 6)),
-        "g2.W_out3": (320, (2, 6)), "g2.b_out": (368, (6,))}
-    assert layout.numel == 376
+        "W_s1": (0, (8, 4)), "W_out0": (32, (6, 8)), "b_s1": (96, (8,)), "b_out": (104, (6,)),
+        "g1.W_phi": (112, (8, 4)), "g1.W_out0": (144, (2, 8)), "g1.b_phi": (208, (8,)), "g1.b_out": (216, (2,)),
+        "g2.W_out0": (224, (1, 8)), "g2.W_out1": (288, (1, 8)), "g2.W_out2": (352, (2, 8)),
+        "g2.W_out3": (416, (2, 8)), "g2.b_out": (480, (6,))}
+    assert layout.numel == 488
     assert layout.tensors == [
-        ("s1.weight", (6, 4), 0), ("s1.bias", (6,), 72), ("q1.0.weight", (6, 6), 24), ("q1.0.bias", (6,), 80),
-        ("g1.phi.weight", (6, 4), 88), ("g1.phi.bias", (6,), 160),
-        ("g1.q1.0.weight", (2, 6), 112), ("g1.q1.0.bias", (2,), 168),
-        ("g2.e0.v1.weight", (1, 6), 176), ("g2.e0.v1.bias", (1,), 368),
-        ("g2.e1.v1.weight", (1, 6), 224), ("g2.e1.v1.bias", (1,), 369),
-        ("g2.e0.a1.0.weight", (2, 6), 272), ("g2.e0.a1.0.bias", (2,), 370),
-        ("g2.e1.a1.0.weight", (2, 6), 320), ("g2.e1.a1.0.bias", (2,), 372)]
+        ("s1.weight", (6, 4), 0), ("s1.bias", (6,), 96), ("q1.0.weight", (6, 6), 32), ("q1.0.bias", (6,), 104),
+        ("g1.phi.weight", (6, 4), 112), ("g1.phi.bias", (6,), 208),
+        ("g1.q1.0.weight", (2, 6), 144), ("g1.q1.0.bias", (2,), 216),
+        ("g2.e0.v1.weight", (1, 6), 224), ("g2.e0.v1.bias", (1,), 480),
+        ("g2.e1.v1.weight", (1, 6), 288), ("g2.e1.v1.bias", (1,), 481),
+        ("g2.e0.a1.0.weight", (2, 6), 352), ("g2.e0.a1.0.bias", (2,), 482),
+        ("g2.e1.a1.0.weight", (2, 6), 416), ("g2.e1.a1.0.bias", (2,), 484)]
+    assert layout.row_strides == {
+        "s1.weight": 4, "q1.0.weight": 8, "g1.phi.weight": 4, "g1.q1.0.weight": 8, "g2.e0.v1.weight": 8,
+        "g2.e1.v1.weight": 8, "g2.e0.a1.0.weight": 8, "g2.e1.a1.0.weight": 8}
+    # the views read those elements: a weight's row i at offset + i * row stride
+    views = layout.views(torch.arange(layout.numel))
+    assert torch.equal(views["q1.0.weight"], torch.tensor([[32 + 8 * i + j for j in range(6)] for i in range(6)]))
+    assert torch.equal(views["g1.phi.weight"], torch.tensor([[112 + 4 * i + j for j in range(4)] for i in range(6)]))
+    assert torch.equal(views["g2.e1.a1.0.weight"], torch.tensor([[416 + 8 * i + j for j in range(6)]
+                                                                 for i in range(2)]))
+    assert torch.equal(views["g2.e1.a1.0.bias"], torch.tensor([484, 485]))
     assert [n for n, _ in layout.layers()] == ["s1", "q1.0", "g1.phi", "g1.q1.0", "g2.e0.v1", "g2.e1.v1", "g2.e0.a1.0",
                                                "g2.e1.a1.0"]
     assert SMALL.num_parameters == (24 + 6) + (36 + 6) + (24 + 6) + (12 + 2) + 2 * (6 + 1) + 2 * (12 + 2)
@@ -316,7 +328,7 @@ def test_group_0_keeps_every_offset_and_each_group_is_its_networks_heads(name):
         end = -(-(off + rows * math.prod(shape[1:])) // ALIGN) * ALIGN
     assert end == layout.numel
     buffer = torch.arange(layout.numel, dtype=torch.float64)
-    views = {n: buffer[o:o + math.prod(s)].view(s) for n, s, o in layout.tensors}
+    views = layout.views(buffer)
     prefix_order = [seg.split(".", 1)[0] for seg in order[len(plain.segments):]]
     assert prefix_order == sorted(prefix_order, key=lambda p: int(p[1:]))  # group after group
     for g in range(1, c.num_groups):
@@ -333,9 +345,9 @@ def test_group_0_keeps_every_offset_and_each_group_is_its_networks_heads(name):
             copied[dst:dst + n] = buffer[src:src + n]
         group_views = [(n, s) for n, s, _ in alone.tensors if not n.startswith("s")]
         assert [(n, s) for n, s, _ in layout.tensors if n.startswith(p)] == [(p + n, s) for n, s in group_views]
-        for n, s, o in alone.tensors:
+        for n, view in alone.views(copied).items():
             if not n.startswith("s"):
-                assert torch.equal(views[p + n], copied[o:o + math.prod(s)].view(s)), p + n
+                assert torch.equal(views[p + n], view), p + n
     # every element belongs to at most one view
     covered = torch.cat([v.reshape(-1) for v in views.values()])
     assert covered.unique().numel() == covered.numel() == c.num_parameters
@@ -683,14 +695,13 @@ def test_torch_qnet_carries_the_layouts_names_and_state_dicts_move_both_ways(nam
         assert isinstance(getattr(net, f"g{g}"), torch.nn.Module)
         assert (f"g{g}.phi.weight" in names) == c.group_config(g).iqn
     flat = torch.randn(layout.numel, dtype=torch.float64, generator=gen(3))
-    views = {n: flat[o:o + math.prod(s)].view(s) for n, s, o in layout.tensors}
-    net.load_state_dict(views)
+    net.load_state_dict(layout.views(flat))
     back = torch.zeros_like(flat)
-    for n, s, o in layout.tensors:
-        back[o:o + math.prod(s)] = net.state_dict()[n].reshape(-1)
+    for n, view in layout.views(back).items():
+        view.copy_(net.state_dict()[n])
     covered = torch.zeros(layout.numel, dtype=torch.bool)
-    for n, s, o in layout.tensors:
-        covered[o:o + math.prod(s)] = True
+    for view in layout.views(covered).values():
+        view.fill_(True)
     assert torch.equal(back[covered], flat[covered])
     ref = ReferenceNet(c).double()
     ref.load_state_dict(net.state_dict())

@@ -23,7 +23,7 @@ from conftest import DEVICES, requires_cuda
 from dqn_ops import DuelingBranchQNet, ParamLayout, ops
 from dqn_ops.layout import LAYOUT_FORMAT, decode_config
 from poison import poison_cuda_cache
-from reference import mirror_layers, reference_iqn_forward, rel_err
+from reference import logical_activations, mirror_layers, reference_iqn_forward, rel_err
 from step_check import snapshot
 from test_iqn_reference import NETS
 from test_network_shapes import padding_mask
@@ -62,7 +62,7 @@ def test_format_4_carries_the_embedding_and_decodes(name):
     c = NETS[name]
     layout = ParamLayout(c).encode()
     assert LAYOUT_FORMAT == 4 and layout[0] == 4 and layout[5] == c.iqn_embedding
-    assert decode_config(layout) == c
+    assert decode_config(layout) == c.aligned()  # the stored network: widths rounded up to multiples of 8
     seg, L, H = ParamLayout(c).segments, len(c.trunk_hidden), c.head_depth
     first = 7 + c.num_branches + 1 + L + 1 + (H if c.dueling else 0) + H  # the first offset
     trunk = [o for j in range(L) for o in (seg[f"W_s{j + 1}"][0], seg[f"b_s{j + 1}"][0])]
@@ -104,7 +104,8 @@ def test_float64_path_is_the_float64_reference(name):
     torch.testing.assert_close(out.q_logits, q, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(out.head_logits, head, rtol=1e-10, atol=1e-12)
     assert len(out.activations) == len(acts) == 1 + len(c.hidden_widths) + 3
-    for i, (a, b) in enumerate(zip(out.activations, acts)):
+    # the ops save the stored network's activations: c's columns of them (the extra ones zero)
+    for i, (a, b) in enumerate(zip(logical_activations(c, out.activations), acts)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"activations[{i}]: {m}")
     for precision in ops.BACKWARD_PRECISIONS:
         grad, gs = dqn_ops.mixed_backward(gq, gh, out, net.flat_params.detach(), net.params_bf16, net._layout_ints,
@@ -127,9 +128,10 @@ def test_bf16_mirror_path_is_the_emulated_rounding(name):
     with torch.no_grad():
         q, head, acts = reference_iqn_forward(c, mirror_layers(net), s.double(), tau.double(), torch.bfloat16)
     assert len(out.activations) == len(acts)
+    mine = logical_activations(c, out.activations)  # c's columns of the stored network's (the extra ones zero)
     L = len(c.trunk_hidden)
-    assert torch.equal(out.activations[L + 1].double(), acts[L + 1]), "the cosines"
-    for i, (a, b) in enumerate(zip(out.activations, acts)):
+    assert torch.equal(mine[L + 1].double(), acts[L + 1]), "the cosines"
+    for i, (a, b) in enumerate(zip(mine, acts)):
         assert a.dtype == torch.bfloat16 and a.shape == b.shape, i
         torch.testing.assert_close(a.double(), b, rtol=2 ** -7, atol=1e-6, msg=lambda m: f"activations[{i}]: {m}")
         assert (a.double() != b).float().mean() < 2e-3, f"activations[{i}]"
@@ -202,8 +204,9 @@ def test_fake_kernels_give_the_iqn_shapes(device, name):
 
     c = NETS[name]
     layout = ParamLayout(c).encode()
-    n, B, N, L, T = layout[-1], 4, 7, len(c.trunk_hidden), c.trunk_hidden[-1]
-    widths = [c.state_dim, *c.trunk_hidden, c.iqn_embedding, T, T, *c.hidden_widths[L:]]
+    st = c.aligned()  # the activations are the stored network's: its hidden widths rounded up to multiples of 8
+    n, B, N, L, T = layout[-1], 4, 7, len(c.trunk_hidden), st.trunk_hidden[-1]
+    widths = [c.state_dim, *st.trunk_hidden, c.iqn_embedding, T, T, *st.hidden_widths[L:]]
     rows = [B] * (L + 1) + [B * N] * (len(widths) - L - 1)
     with FakeTensorMode():
         p, p_lp = torch.empty(n, device=device), torch.empty(n, device=device, dtype=torch.bfloat16)
@@ -299,6 +302,7 @@ def test_cuda_forward_and_backward_match_the_cpu_kernel(name):
     named = [("q_logits", gpu.q_logits, cpu.q_logits), ("head_logits", gpu.head_logits, cpu.head_logits)]
     named += [(f"activations[{i}]", a, b) for i, (a, b) in enumerate(zip(gpu.activations, cpu.activations))]
     assert len(gpu.activations) == len(cpu.activations) == 1 + len(c.hidden_widths) + 3
+    logical_activations(c, gpu.activations)  # the stored network's widths, its extra columns zero
     for what, a, b in named:
         assert a.dtype == b.dtype and a.shape == b.shape, what
         assert rel_err(a, b) < 2e-3, f"{what}: {rel_err(a, b):.2e}"

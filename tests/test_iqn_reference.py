@@ -95,16 +95,22 @@ def test_config_iqn_field_and_errors():
 # ParamLayout: phi right after the trunk
 
 def test_layout_of_cleanrl_iqn_written_out():
-    """The offsets by hand: W_s1 [120, 4] at 0, W_s2 [84, 120] at 480, W_phi [84, 64] at 10560,
-    q1.0's weight [2, 84] at 15936 (8 rows reserved: 672), then the biases b_s1 (120) at 16608,
-    b_s2 (84, aligned to 88) at 16728, b_phi (84 -> 88) at 16816, b_out (2 -> 8) at 16904."""
+    """The offsets by hand. The buffer stores the trunk widths 120 and 88 (84 rounded up to 8;
+    DQNConfig.aligned), so phi is 88 wide too and q1.0 reads rows of 88: W_s1 [120, 4] at 0 (480),
+    W_s2 [88, 120] at 480 (10560), W_phi [88, 64] at 11040 (5632), q1.0's weight [2, 88] at 16672
+    (8 rows reserved: 704), then the biases b_s1 (120) at 17376, b_s2 (88) at 17496, b_phi (88) at
+    17584, b_out (2 -> 8) at 17672; 17680 in all. The views keep the config's shapes at those
+    offsets: s2.weight [84, 120], phi.weight [84, 64], q1.0.weight [2, 84] with row stride 88."""
     layout = ParamLayout(CLEANRL_IQN)
     assert list(layout.segments) == ["W_s1", "W_s2", "W_phi", "W_out0", "b_s1", "b_s2", "b_phi", "b_out"]
-    assert layout.segments["W_phi"] == (10560, (84, 64)) and layout.segments["W_out0"] == (15936, (2, 84))
-    assert layout.segments["b_phi"] == (16816, (84,)) and layout.segments["b_out"] == (16904, (2,))
-    assert layout.numel == 16912
-    assert [(n, s, o) for n, s, o in layout.tensors if n.startswith("phi")] == [("phi.weight", (84, 64), 10560),
-                                                                               ("phi.bias", (84,), 16816)]
+    assert layout.segments["W_s1"] == (0, (120, 4)) and layout.segments["W_s2"] == (480, (88, 120))
+    assert layout.segments["W_phi"] == (11040, (88, 64)) and layout.segments["W_out0"] == (16672, (2, 88))
+    assert layout.segments["b_s1"] == (17376, (120,)) and layout.segments["b_s2"] == (17496, (88,))
+    assert layout.segments["b_phi"] == (17584, (88,)) and layout.segments["b_out"] == (17672, (2,))
+    assert layout.numel == 17680
+    assert [(n, s, o) for n, s, o in layout.tensors if n.startswith("phi")] == [("phi.weight", (84, 64), 11040),
+                                                                               ("phi.bias", (84,), 17584)]
+    assert layout.row_strides == {"s1.weight": 4, "s2.weight": 120, "phi.weight": 64, "q1.0.weight": 88}
     assert [n for n, _ in layout.layers()] == ["s1", "s2", "phi", "q1.0"]
     assert CLEANRL_IQN.num_parameters == 480 + 120 + 84 * 120 + 84 + 84 * 64 + 84 + 2 * 84 + 2
 
@@ -113,16 +119,18 @@ def test_layout_of_cleanrl_iqn_written_out():
 def test_phi_shifts_only_the_segments_after_it(name):
     """The IQN layout is the plain network's (one atom) with W_phi inserted after the trunk's
     weights and b_phi after the trunk's biases: every other segment keeps its shape and moves
-    by the aligned size of what was inserted before it; every view keeps its name and shape."""
+    by the aligned size of what was inserted before it; every view keeps its name and shape.
+    The segments are the stored network's: phi has the trunk's stored width T rounded up to 8."""
     c = NETS[name]
     plain, net = ParamLayout(dataclasses.replace(c, iqn_embedding=0)), ParamLayout(c)
     T, n, L = c.trunk_hidden[-1], c.iqn_embedding, len(c.trunk_hidden)
-    w_phi, b_phi = -(-T * n // ALIGN) * ALIGN, -(-T // ALIGN) * ALIGN  # their aligned sizes
+    T_stored = -(-T // ALIGN) * ALIGN
+    w_phi, b_phi = -(-T_stored * n // ALIGN) * ALIGN, T_stored  # their aligned sizes
     order = list(net.segments)
     assert order.index("W_phi") == L and order.index("b_phi") == order.index(f"b_s{L}") + 1
     assert [seg for seg in order if seg not in ("W_phi", "b_phi")] == list(plain.segments)
     last_trunk_off, (rows, cols) = plain.segments[f"W_s{L}"]
-    assert net.segments["W_phi"] == (last_trunk_off + -(-rows * cols // ALIGN) * ALIGN, (T, n))
+    assert net.segments["W_phi"] == (last_trunk_off + -(-rows * cols // ALIGN) * ALIGN, (T_stored, n))
     for seg, (off, shape) in plain.segments.items():
         shift = (w_phi if order.index(seg) > order.index("W_phi") else 0) + \
                 (b_phi if order.index(seg) > order.index("b_phi") else 0)

@@ -9,8 +9,8 @@ import dqn_ops
 from conftest import DEVICES, behind_a_sleep, requires_cuda, warm_side_stream
 from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout
 from poison import poison_cuda_cache
-from reference import (CONFIGS, TINY, ReferenceNet, dueling_head_grad, reference_backward, reference_net_like,
-                       rel_err)
+from reference import (CONFIGS, TINY, ReferenceNet, dueling_head_grad, logical_activations, reference_backward,
+                       reference_net_like, rel_err)
 
 # Precision bars (docs/design.md): relative Frobenius error of the backward against float64.
 BACKWARD_BARS = {"fp32": 1e-5, "tf32": 3e-3, "bf16": 2e-2}
@@ -23,6 +23,15 @@ def make_net(config, device, **kw):
 
 def random_states(config, batch, device, dtype=torch.float32):
     return torch.randn(batch, config.state_dim, device=device, dtype=dtype)
+
+
+def padding_mask(layout, device):
+    """True at the flat buffer's elements outside every layer view (alignment gaps, reserved rows,
+    the stored network's extra units: DQNConfig.aligned)."""
+    pad = torch.ones(layout.numel, dtype=torch.bool, device=device)
+    for view in layout.views(pad).values():  # strided where a stored input width was rounded up
+        view.fill_(False)
+    return pad
 
 
 # ----------------------------------------------------------------------------------------
@@ -41,9 +50,8 @@ def test_layout_views_tile_the_buffer_without_overlap():
     for c in list(CONFIGS.values()) + [TINY]:
         L = ParamLayout(c)
         mark = torch.zeros(L.numel, dtype=torch.int32)
-        for _, shape, off in L.tensors:
-            n = torch.Size(shape).numel()
-            mark[off:off + n] += 1
+        for view in L.views(mark).values():  # strided where a stored input width was rounded up
+            view += 1
         assert mark.max() == 1 and mark.sum() == c.num_parameters
 
 
@@ -110,6 +118,7 @@ def test_cuda_forward_matches_cpu_bf16_emulation(name, rows):
         assert a.dtype == b.dtype and a.shape == b.shape, name_
         assert rel_err(a, b) < 2e-3, f"{name_}: {rel_err(a, b):.2e}"
     assert torch.equal(gpu.activations[0].cpu(), cpu.activations[0])  # one rounding of the same F32 values
+    logical_activations(c, gpu.activations)  # the stored network's extra units: exactly zero
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -150,10 +159,7 @@ def test_float64_backward_equals_autograd_of_nn_linear_reference(name):
     for pname, p in ref.named_parameters():
         torch.testing.assert_close(views[pname], p.grad, rtol=1e-10, atol=1e-10, msg=pname)
     torch.testing.assert_close(s.grad, s_ref.grad, rtol=1e-10, atol=1e-10)
-    pad = torch.ones(net.layout.numel, dtype=torch.bool)
-    for _, shape, off in net.layout.tensors:
-        pad[off:off + torch.Size(shape).numel()] = False
-    assert (net.flat_params.grad[pad] == 0).all()
+    assert (net.flat_params.grad[padding_mask(net.layout, "cpu")] == 0).all()
 
 
 @pytest.mark.parametrize("precision", [None, "fp32"])
@@ -221,10 +227,8 @@ def test_backward_vs_float64_within_bars(device, precision, name, B):
         assert e <= bar, f"{name}/{precision}/{device}: {pname} error {e:.2e} > {bar:.0e}"
     assert rel_err(gs, ref_gs) <= bar
     assert torch.isfinite(grad).all()
-    pad = torch.ones(net.layout.numel, dtype=torch.bool, device=grad.device)
-    for _, shape, off in net.layout.tensors:
-        pad[off:off + torch.Size(shape).numel()] = False
-    assert (grad[pad] == 0).all()  # the layout's padding (alignment gaps, reserved rows): zero on a poisoned cache
+    # the layout's padding (alignment gaps, reserved rows, extra units): zero on a poisoned cache
+    assert (grad[padding_mask(net.layout, grad.device)] == 0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -379,7 +383,8 @@ def test_backward_bad_input_names_op_and_argument(device):
     with pytest.raises(RuntimeError, match=op + r"grad_head: expected shape \[4, 18\]"):
         call(gh=torch.zeros(4, 3, device=device))
     acts = saved.activations
-    with pytest.raises(RuntimeError, match=op + r"activations\[1\]: expected shape \[4, 7\], got \[3, 7\]"):
+    # TINY's 7-unit trunk layer is stored 8 wide (DQNConfig.aligned): its activation's shape
+    with pytest.raises(RuntimeError, match=op + r"activations\[1\]: expected shape \[4, 8\], got \[3, 8\]"):
         call(saved=[acts[0], acts[1][:3], *acts[2:]])
     with pytest.raises(RuntimeError, match=op + r"activations\[3\]: expected dtype BFloat16, got Float"):
         call(saved=[*acts[:3], acts[3].float()])

@@ -16,8 +16,8 @@ from dqn_ops.trainer import expected_q, greedy_from_logits
 from poison import poison_cuda_cache
 from test_act import assert_greedy
 from step_check import check_trainer_step_is_the_public_ops_step, same_bits, snapshot
-from reference import (SHAPES, dueling_head_grad, reference_backward, reference_forward_emulated, reference_net_like,
-                       rel_err)
+from reference import (SHAPES, activation_columns, dueling_head_grad, logical_activations, reference_backward,
+                       reference_forward_emulated, reference_net_like, rel_err, stored_activations)
 
 V_MIN, V_MAX, GAMMA = -10.0, 10.0, 0.97
 NAMES = list(SHAPES)
@@ -48,10 +48,11 @@ def batch_for(c: DQNConfig, B: int, device, seed=0):
 
 
 def padding_mask(net, device):
-    """True at the flat buffer's elements outside every layer view (alignment gaps, reserved rows)."""
+    """True at the flat buffer's elements outside every layer view (alignment gaps, reserved rows,
+    the stored network's extra units: DQNConfig.aligned)."""
     pad = torch.ones(net.layout.numel, dtype=torch.bool, device=device)
-    for _, shape, off in net.layout.tensors:
-        pad[off:off + torch.Size(shape).numel()] = False
+    for view in net.layout.views(pad).values():
+        view.fill_(False)
     return pad
 
 
@@ -77,8 +78,8 @@ def test_layout_views_tile_the_buffer_and_the_state_dict_is_the_plain_networks(n
     c = SHAPES[name]
     net = make_net(c)
     mark = torch.zeros(net.layout.numel, dtype=torch.int32)
-    for _, shape, off in net.layout.tensors:
-        mark[off:off + torch.Size(shape).numel()] += 1
+    for view in net.layout.views(mark).values():  # strided where a stored input width was rounded up
+        view += 1
     assert mark.max() == 1 and mark.sum() == c.num_parameters
     ref = reference_net_like(net, torch.float32)  # strict: the reference builds its names from the config alone
     other = make_net(c, seed=1)
@@ -86,6 +87,45 @@ def test_layout_views_tile_the_buffer_and_the_state_dict_is_the_plain_networks(n
     assert torch.equal(other.flat_params, net.flat_params)
     r = repr(net)
     assert f"dueling={c.dueling}" in r and f"value_hidden={c.value_hidden}" in r and f"adv_hidden={c.adv_hidden}" in r
+
+
+def test_cleanrl_widths_are_stored_rounded_up_to_8_and_the_extra_units_stay_zero():
+    """The point of DQNConfig.aligned: CleanRL's 84-wide layer is stored 88 wide, so every weight
+    row reading a hidden layer and every hidden activation row is a multiple of 8 elements (16
+    bytes of BF16; the states keep their width); the extra units start at zero and training keeps
+    them exactly zero (their gradients are exactly zero)."""
+    c = SHAPES["cleanrl_c51"]
+    layout = ParamLayout(c)
+    assert dqn_ops.layout.decode_config(layout.encode()).trunk_hidden == (120, 88)
+    assert layout.row_strides == {"s1.weight": 4, "s2.weight": 120, "q1.0.weight": 88}
+    net = make_net(c)
+    for pname, view in net.layer_views().items():
+        if view.dim() == 2:  # every weight reading a hidden layer; s1 reads the states, which keep their width
+            assert view.stride(0) == layout.row_strides[pname], pname
+            assert view.stride(0) % 8 == 0 or pname == "s1.weight", pname
+    acts = net.forward_full(torch.randn(5, c.state_dim)).activations
+    assert [a.shape[1] for a in acts[1:]] == [120, 88]
+    # The extra units' weights and biases: inside the stored network's views, outside c's.
+    stored = ParamLayout(c.aligned())
+    assert stored.segments == layout.segments
+    extra = torch.zeros(layout.numel, dtype=torch.bool)
+    for view in stored.views(extra).values():
+        view.fill_(True)
+    for view in layout.views(extra).values():
+        view.fill_(False)
+    assert extra.sum() == 4 * 120 + 4 + 102 * 4  # s2's 4 extra rows and biases, q1.0's 4 extra columns
+    t = Trainer(c, TrainerConfig(batch_size=32, gamma=GAMMA, v_min=V_MIN, v_max=V_MAX), device="cpu", seed=3)
+    before = t.online.flat_params.detach().clone()
+    assert (before[extra] == 0).all()
+    for i in range(5):
+        b = batch_for(c, 32, "cpu", seed=20 + i)
+        t.step(dict(states=b["state_pairs"][:32], next_states=b["state_pairs"][32:], actions=b["actions"],
+                    rewards=b["rewards"], dones=b["dones"]))
+    t.readback()
+    after = t.online.flat_params.detach()
+    assert not torch.equal(after[~extra], before[~extra])  # it trained
+    assert (after[extra] == 0).all() and (t.target.flat_params.detach()[extra] == 0).all()
+    logical_activations(c, t.online.forward_full(torch.randn(5, c.state_dim)).activations)  # asserts the zeros
 
 
 # ----------------------------------------------------------------------------------------
@@ -104,12 +144,14 @@ def check_float64_forward_backward(net, B: int):
     torch.testing.assert_close(out.q_logits, q, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out.head_logits, head, rtol=1e-12, atol=1e-12)
     assert len(out.activations) == len(acts) == 1 + len(c.hidden_widths)
-    for i, (a, b) in enumerate(zip(out.activations, acts)):
+    # The ops save the stored network's activations (DQNConfig.aligned): c's columns are the
+    # reference's, the extra units' exactly zero (logical_activations asserts it).
+    for i, (a, b) in enumerate(zip(logical_activations(c, out.activations), acts)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"activations[{i}]: {m}")
     torch.testing.assert_close(reference_net_like(net)(s)[0], q, rtol=1e-12, atol=1e-12)
     gq = torch.randn(B, c.q_rows, c.atoms, dtype=torch.float64)
     gh = torch.randn(B, c.head_out, dtype=torch.float64)
-    ref_grad, ref_gs = reference_backward(net, acts, dueling_head_grad(c, gq) + gh, "master")
+    ref_grad, ref_gs = reference_backward(net, stored_activations(c, acts), dueling_head_grad(c, gq) + gh, "master")
     for precision in ops.BACKWARD_PRECISIONS:
         grad, gs = dqn_ops.mixed_backward(gq, gh, out, *net_args(net)[:2], net._layout_ints, precision, True)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
@@ -136,8 +178,10 @@ def check_bf16_mirror_emulated(net, s):
     ensembles."""
     out = net.forward_full(s)
     q, head, acts = reference_forward_emulated(net, s)
-    for i, (a, b) in enumerate(zip(out.activations, acts)):
-        assert a.dtype == torch.bfloat16 and a.shape == b.shape
+    assert all(a.dtype == torch.bfloat16 for a in out.activations)
+    # c's columns of the stored network's activations (the extra units' exactly zero)
+    for i, (a, b) in enumerate(zip(logical_activations(net.config, out.activations), acts)):
+        assert a.shape == b.shape
         torch.testing.assert_close(a.double(), b, rtol=2 ** -7, atol=1e-6, msg=lambda m: f"activations[{i}]: {m}")
         assert (a.double() != b).float().mean() < 1e-3, f"activations[{i}]"
     assert rel_err(out.q_logits, q) < 1e-4 and rel_err(out.head_logits, head) < 1e-4
@@ -259,14 +303,15 @@ def test_fake_kernels_give_every_op_its_shapes(device, name):
 
 
 def check_fake_kernels(c: DQNConfig, device, B: int):
-    """The fake kernels (torch.compile / FakeTensor tracing): the shapes follow the config's
-    hidden widths (an ensemble's q rows: its members'), on fake tensors of either device (no GPU
-    needed). tests/test_ensemble_network.py runs it on ensembles."""
+    """The fake kernels (torch.compile / FakeTensor tracing): the shapes follow the stored
+    network's hidden widths (DQNConfig.aligned; an ensemble's q rows: its members'), on fake
+    tensors of either device (no GPU needed). tests/test_ensemble_network.py runs it on ensembles."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     layout = ParamLayout(c).encode()
     n = layout[-1]
-    widths = [c.state_dim, *c.hidden_widths]
+    widths = [width for _, width in activation_columns(c)]
+    assert widths == [c.state_dim, *c.aligned().hidden_widths]
     with FakeTensorMode():
         p, p_lp = torch.empty(n, device=device), torch.empty(n, device=device, dtype=torch.bfloat16)
         out = ops.bf16_dueling_forward(torch.empty(B, c.state_dim, device=device), p, p_lp, layout)
@@ -482,7 +527,8 @@ def test_activations_of_another_shape_are_a_clear_error(device):
         ops.mixed_backward(None, torch.zeros(4, shallow.head_out, device=device), out, *net_args(other))
     acts = list(out.activations)
     acts[4] = acts[5]
-    with pytest.raises(RuntimeError, match=op + r"activations\[4\]: expected shape \[4, 36\], got \[4, 21\]"):
+    # the stored widths (DQNConfig.aligned): head layer 1's 12 + 3 * 8 as 16 + 3 * 8, layer 2's 6 + 3 * 5 as 8 + 3 * 8
+    with pytest.raises(RuntimeError, match=op + r"activations\[4\]: expected shape \[4, 40\], got \[4, 32\]"):
         ops.mixed_backward(None, out.head_logits, acts, *net_args(net))
     with pytest.raises(RuntimeError, match="dqn_ops._mixed_backward_from_head: activations: expected 6 tensors"):
         ops._mixed_backward_from_head(out.head_logits, torch.zeros(4, deep.head_ld, device=device,
@@ -561,7 +607,7 @@ def test_cuda_graphed_trainer_step_is_the_public_ops_step(name):
 def test_decode_config_refuses_a_layout_of_the_wrong_length():
     c = SHAPES["trunk3_head2"]
     layout = ParamLayout(c).encode()
-    assert dqn_ops.layout.decode_config(layout) == c
+    assert c.aligned() != c and dqn_ops.layout.decode_config(layout) == c.aligned()  # the stored network
     for bad in (layout[:-1], layout + [0]):
         with pytest.raises(ValueError, match=rf"\(format 4\), {len(layout)} entries for these sizes, got {len(bad)}"):
             dqn_ops.layout.decode_config(bad)
