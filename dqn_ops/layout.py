@@ -341,11 +341,12 @@ class DQNConfig:
         width (the trunk's, every head layer's, every head group's) rounded up to a multiple of
         ALIGN. Its extra units have zero weights in and out and a zero bias: their activation is
         relu(0) = 0 and their gradients are zero (the ReLU's at 0 included), so training keeps
-        them zero and the network computes this one's function. The point: every weight row and
-        hidden activation row is then a multiple of 16 bytes in BF16, which cuBLAS's Hopper
-        kernels need (widths such as CleanRL's 84 sent it to slower Ampere kernels). The state
-        and the IQN cosines keep their widths. A config whose widths are multiples of ALIGN is
-        its own."""
+        them zero and the network computes this one's function on finite inputs (an infinite
+        state makes an extra unit's 0 * inf a NaN). The point: every weight row that reads a
+        hidden layer and every hidden activation row is then a multiple of 16 bytes in BF16,
+        which cuBLAS's Hopper kernels need (widths such as CleanRL's 84 sent it to slower Ampere
+        kernels). The states and the IQN cosines keep their widths (so do the first layer's and
+        phi's weight rows). A config whose widths are multiples of ALIGN is its own."""
         return dataclasses.replace(self, trunk_hidden=_aligned(self.trunk_hidden),
                                    value_hidden=_aligned(self.value_hidden), adv_hidden=_aligned(self.adv_hidden),
                                    aux=tuple(group.aligned() for group in self.aux))
@@ -512,7 +513,7 @@ class ParamLayout:
     Head groups (``DQNConfig.aux``): everything above is group 0's, at the offsets the config
     without ``aux`` has; then each aux group g = 1..G-1 in turn: its W_phi (IQN), head-layer and
     output weights, then its b_phi, b_h<j> and b_out, each segment as the one-group network
-    ``config.group_config(g)`` has it, named with the prefix ``g<g>.`` (``g1.W_h1``,
+    ``config.aligned().group_config(g)`` has it, named with the prefix ``g<g>.`` (``g1.W_h1``,
     ``g2.W_out3``), as are its views (``g1.phi.weight``, ``g2.e3.a2.1.bias``; listed after group
     0's in ``tensors``, ``layers()`` and ``weight_matrices()``).
 
@@ -569,6 +570,14 @@ class ParamLayout:
         # Each weight's row stride in the buffer: its stored input width (its own unless rounded up).
         self.row_strides: Dict[str, int] = {name: stored[name][1][1] for name, shape, _ in self.tensors
                                             if len(shape) == 2}
+
+    def __setstate__(self, state: dict):
+        self.__dict__.update(state)
+        if "row_strides" not in state:
+            # Pickled before the buffer stored the aligned network: its buffer stores the config
+            # itself, every view contiguous (the offsets and encode() it was made with).
+            self.stored, self._stored_groups = self.config, list(self.group_configs)
+            self.row_strides = {name: shape[1] for name, shape, _ in self.tensors if len(shape) == 2}
 
     def views(self, flat) -> Dict[str, "torch.Tensor"]:
         """Each layer's weight and bias as a view of ``flat`` (``numel`` elements laid out as this

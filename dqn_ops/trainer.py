@@ -521,16 +521,7 @@ class Trainer(NonFiniteSteps):
         become the checkpoint's, as ``torch.optim``'s ``load_state_dict`` restores them, and
         ``self.config`` says so; ``set_lr`` after loading sets another learning rate."""
         check_checkpoint(state, "Trainer", self.net_config, self.loss_type)
-        stored = self.online.layout.numel
-        for moments in state["optimizer"].get("state", {}).values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in moments and moments[key].numel() != stored:
-                    raise ValueError(
-                        f"Trainer.load_state_dict: the checkpoint's Adam {key} has {moments[key].numel()} elements, "
-                        f"this network's flat buffer {stored}: the checkpoint was written before the buffer stored "
-                        f"every hidden width rounded up to a multiple of 8 (DQNConfig.aligned, docs/networks.md). Its "
-                        f"networks load (DuelingBranchQNet.load_state_dict of state['online'], state['target']); its "
-                        f"optimizer state does not")
+        self._check_checkpoint_lengths(state)
         self.online.load_state_dict(state["online"])
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -554,6 +545,28 @@ class Trainer(NonFiniteSteps):
         self.stats.set_next_step(self.steps)  # the rows recorded from now on are numbered from there
         self._runner.reset()  # the optimizer's state tensors are new: capture again after warm-up
         self.state_generation += 1
+
+    def _check_checkpoint_lengths(self, state: dict):
+        """Refuses, before anything loads, a checkpoint whose flat Adam moments (the buffer's
+        length) or spectral-norm v (the matrices' row strides) have another length than this
+        trainer's: written before the buffer stored the aligned network."""
+        mismatches = []
+        stored = self.online.layout.numel
+        for moments in state["optimizer"].get("state", {}).values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in moments and moments[key].numel() != stored:
+                    mismatches.append(f"its Adam {key} has {moments[key].numel()} elements, this network's flat "
+                                      f"buffer {stored}")
+        spectral = state.get("spectral")
+        if self.spectral is not None and spectral is not None and spectral["v"].numel() != self.spectral.v.numel():
+            mismatches.append(f"its spectral norm's v has {spectral['v'].numel()} elements, this trainer's "
+                              f"{self.spectral.v.numel()}")
+        if mismatches:
+            raise ValueError(
+                f"Trainer.load_state_dict: the checkpoint does not fit: {'; '.join(mismatches)}. It was written before "
+                f"the buffer stored every hidden width rounded up to a multiple of 8 (DQNConfig.aligned, "
+                f"docs/networks.md): its networks load (DuelingBranchQNet.load_state_dict of state['online'], "
+                f"state['target']), its optimizer and spectral-norm state do not")
 
 
 def check_checkpoint(state: dict, trainer: str, net_config: DQNConfig, loss_type: str):

@@ -55,6 +55,29 @@ def test_layout_views_tile_the_buffer_without_overlap():
         assert mark.max() == 1 and mark.sum() == c.num_parameters
 
 
+def test_a_layout_pickled_before_the_aligned_buffer_still_gives_its_own_views():
+    """A ParamLayout pickled before the buffer stored the aligned network (no row_strides, no
+    stored config) described a buffer of the config itself: its unpickled views are the
+    contiguous [out, in] blocks at its offsets, and its encode() is the one it was made with."""
+    c = CONFIGS["odd_widths"]
+    state = dict(ParamLayout(c).__dict__)
+    old_tensors, offset = [], 0  # the contiguous layout of c itself, written out for the check
+    for name, shape, _ in state["tensors"]:
+        old_tensors.append((name, shape, offset))
+        offset += shape[0] * (shape[1] if len(shape) == 2 else 1)
+    state.update(tensors=old_tensors, numel=offset)
+    for key in ("row_strides", "stored", "_stored_groups"):
+        del state[key]
+    old = ParamLayout.__new__(ParamLayout)
+    old.__setstate__(state)
+    flat = torch.arange(float(offset))
+    for name, shape, off in old_tensors:
+        view = old.views(flat)[name]
+        assert view.is_contiguous() and torch.equal(view.reshape(-1), flat[off:off + view.numel()]), name
+    assert old.encode()[1:10] == [c.state_dim, c.atoms, 1, 1, 0, c.num_branches, *c.branches, len(c.trunk_hidden)]
+    assert old.encode()[10:12] == list(c.trunk_hidden)  # the config's own widths, not rounded up
+
+
 # ----------------------------------------------------------------------------------------
 # Forward
 

@@ -263,21 +263,25 @@ def test_a_checkpoint_loads_only_into_its_own_kind_of_trainer():
         baseline.load_state_dict(other.state_dict())
 
 
-def test_a_checkpoint_with_moments_of_another_buffer_length_is_refused_before_anything_loads():
+@pytest.mark.parametrize("stepped", [True, False], ids=["moments", "no_moments"])
+def test_a_checkpoint_of_another_buffer_length_is_refused_before_anything_loads(stepped):
     """A checkpoint of a network whose widths are not multiples of 8, written before the buffer
-    stored them rounded up (DQNConfig.aligned), has Adam moments of the old buffer's length."""
+    stored them rounded up (DQNConfig.aligned), has Adam moments of the old buffer's length and a
+    spectral norm v of the old matrices' widths (a checkpoint before any step: no moments)."""
     c = DQNConfig(state_dim=5, trunk_hidden=(12,), value_hidden=6, adv_hidden=6, atoms=3, branches=(2,))
     trainer = make(c, use_cuda_graph=False)
-    trainer.step(batch_for(c, 32, "cpu"))
+    if stepped:
+        trainer.step(batch_for(c, 32, "cpu"))
     state = trainer.state_dict()
     for moments in state["optimizer"]["state"].values():
         moments["exp_avg"] = moments["exp_avg"][:c.num_parameters].clone()
+    state["spectral"]["v"] = state["spectral"]["v"][:-4].clone()
     fresh = make(c, use_cuda_graph=False)
     before = fresh.online.flat_params.detach().clone()
-    with pytest.raises(ValueError, match=r"^Trainer.load_state_dict: the checkpoint's Adam exp_avg has \d+ elements, "
-                                         r"this network's flat buffer \d+"):
+    what = r"its Adam exp_avg has \d+ elements" if stepped else r"its spectral norm's v has \d+ elements"
+    with pytest.raises(ValueError, match=r"^Trainer.load_state_dict: the checkpoint does not fit: " + what):
         fresh.load_state_dict(state)
-    assert torch.equal(fresh.online.flat_params, before)
+    assert torch.equal(fresh.online.flat_params, before) and fresh.steps == 0
 
 
 @requires_cuda
