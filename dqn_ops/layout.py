@@ -541,7 +541,7 @@ class ParamLayout:
         # The network the buffer stores (config.aligned(): every hidden width rounded up to ALIGN,
         # the extra units zero): the segments, their offsets and encode() are its; the views are
         # this config's layers inside them.
-        self.stored = s = c.aligned()
+        s = c.aligned()
         self._stored_groups: List[DQNConfig] = [s.group_config(g) for g in range(s.num_groups)]
         trunk_in = (s.state_dim,) + s.trunk_hidden
         weights, biases = _head_segments(self._stored_groups[0], "")
@@ -576,7 +576,7 @@ class ParamLayout:
         if "row_strides" not in state:
             # Pickled before the buffer stored the aligned network: its buffer stores the config
             # itself, every view contiguous (the offsets and encode() it was made with).
-            self.stored, self._stored_groups = self.config, list(self.group_configs)
+            self._stored_groups = list(self.group_configs)
             self.row_strides = {name: shape[1] for name, shape, _ in self.tensors if len(shape) == 2}
 
     def views(self, flat) -> Dict[str, "torch.Tensor"]:

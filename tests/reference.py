@@ -131,6 +131,16 @@ def logical_activations(c: DQNConfig, acts: Sequence[Tensor]) -> List[Tensor]:
     return out
 
 
+def padding_mask(layout, device) -> Tensor:
+    """True at the flat buffer's elements outside every layer view of a ParamLayout: alignment
+    gaps, reserved rows, the stored network's extra units (its views are strided where a stored
+    input width was rounded up)."""
+    pad = torch.ones(layout.numel, dtype=torch.bool, device=device)
+    for view in layout.views(pad).values():
+        view.fill_(False)
+    return pad
+
+
 def stored_activations(c: DQNConfig, acts: Sequence[Tensor]) -> List[Tensor]:
     """c's own activations as the ops take them: each placed at its units' columns of the stored
     network's width, zero elsewhere (the inverse of logical_activations)."""

@@ -29,8 +29,8 @@ from dqn_ops import DQNConfig, HeadGroup, ParamLayout, from_torch
 from dqn_ops.layout import ALIGN, HEAD_GROUP_KINDS
 from dqn_ops.rl.baseline import TorchQNet, torch_dqn_loss, torch_groups_loss
 from reference import (CONFIGS, SHAPES, ReferenceNet, assert_no_near_ties, group_config, group_layers, layer_shapes,
-                       quantile_fractions, reference_forward, reference_groups_forward, reference_groups_loss,
-                       reference_iqn_forward, reference_iqn_loss, rel_err)
+                       padding_mask, quantile_fractions, reference_forward, reference_groups_forward,
+                       reference_groups_loss, reference_iqn_forward, reference_iqn_loss, rel_err)
 from test_ensemble_loss import expected_q as expected_q_f64
 from test_ensemble_loss import reference as reference_ensemble_loss
 
@@ -699,9 +699,7 @@ def test_torch_qnet_carries_the_layouts_names_and_state_dicts_move_both_ways(nam
     back = torch.zeros_like(flat)
     for n, view in layout.views(back).items():
         view.copy_(net.state_dict()[n])
-    covered = torch.zeros(layout.numel, dtype=torch.bool)
-    for view in layout.views(covered).values():
-        view.fill_(True)
+    covered = ~padding_mask(layout, "cpu")
     assert torch.equal(back[covered], flat[covered])
     ref = ReferenceNet(c).double()
     ref.load_state_dict(net.state_dict())

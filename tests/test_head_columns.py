@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
 from conftest import requires_cuda
@@ -50,11 +49,16 @@ RUN = textwrap.dedent("""
 """)
 
 
-def run(mode: str, path: str):
+def child_env(mode: str) -> dict:
+    """A child process's environment: DQN_OPS_HEAD_COLUMNS=mode, this checkout on the path."""
     env = dict(os.environ, **{ENV: mode})
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", RUN, path], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+    return env
+
+
+def run(mode: str, path: str):
+    r = subprocess.run([sys.executable, "-c", RUN, path], env=child_env(mode), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     return torch.load(path)
 
@@ -71,13 +75,12 @@ def test_both_launch_shapes_give_the_same_bits(tmp_path):
 
 @requires_cuda
 def test_a_bad_setting_is_refused_by_name(tmp_path):
-    env = dict(os.environ, **{ENV: "yes"})
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     code = textwrap.dedent("""
         import torch
         from dqn_ops import DQNConfig, DuelingBranchQNet
         net = DuelingBranchQNet(DQNConfig()).to("cuda")
         net.forward_full(torch.randn(4, 96, device="cuda"))
     """)
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], env=child_env("yes"), cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode != 0 and ENV in r.stderr and "'yes'" in r.stderr, r.stderr[-2000:]

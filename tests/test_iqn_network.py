@@ -23,10 +23,9 @@ from conftest import DEVICES, requires_cuda
 from dqn_ops import DuelingBranchQNet, ParamLayout, ops
 from dqn_ops.layout import LAYOUT_FORMAT, decode_config
 from poison import poison_cuda_cache
-from reference import logical_activations, mirror_layers, reference_iqn_forward, rel_err
+from reference import logical_activations, mirror_layers, padding_mask, reference_iqn_forward, rel_err
 from step_check import snapshot
 from test_iqn_reference import NETS
-from test_network_shapes import padding_mask
 
 BACKWARD_BARS = {"fp32": 1e-5, "tf32": 3e-3, "bf16": 2e-2}
 
@@ -115,7 +114,7 @@ def test_float64_path_is_the_float64_reference(name):
             torch.testing.assert_close(views[pname], want, rtol=1e-10, atol=1e-12,
                                        msg=lambda m: f"{precision} {pname}: {m}")
         torch.testing.assert_close(gs, gs_ref, rtol=1e-10, atol=1e-12)
-        assert (grad[padding_mask(net, "cpu")] == 0).all()
+        assert (grad[padding_mask(net.layout, "cpu")] == 0).all()
 
 
 @pytest.mark.parametrize("name", list(NETS))

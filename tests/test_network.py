@@ -9,8 +9,8 @@ import dqn_ops
 from conftest import DEVICES, behind_a_sleep, requires_cuda, warm_side_stream
 from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout
 from poison import poison_cuda_cache
-from reference import (CONFIGS, TINY, ReferenceNet, dueling_head_grad, logical_activations, reference_backward,
-                       reference_net_like, rel_err)
+from reference import (CONFIGS, TINY, ReferenceNet, dueling_head_grad, logical_activations, padding_mask,
+                       reference_backward, reference_net_like, rel_err)
 
 # Precision bars (docs/design.md): relative Frobenius error of the backward against float64.
 BACKWARD_BARS = {"fp32": 1e-5, "tf32": 3e-3, "bf16": 2e-2}
@@ -23,15 +23,6 @@ def make_net(config, device, **kw):
 
 def random_states(config, batch, device, dtype=torch.float32):
     return torch.randn(batch, config.state_dim, device=device, dtype=dtype)
-
-
-def padding_mask(layout, device):
-    """True at the flat buffer's elements outside every layer view (alignment gaps, reserved rows,
-    the stored network's extra units: DQNConfig.aligned)."""
-    pad = torch.ones(layout.numel, dtype=torch.bool, device=device)
-    for view in layout.views(pad).values():  # strided where a stored input width was rounded up
-        view.fill_(False)
-    return pad
 
 
 # ----------------------------------------------------------------------------------------
@@ -57,7 +48,7 @@ def test_layout_views_tile_the_buffer_without_overlap():
 
 def test_a_layout_pickled_before_the_aligned_buffer_still_gives_its_own_views():
     """A ParamLayout pickled before the buffer stored the aligned network (no row_strides, no
-    stored config) described a buffer of the config itself: its unpickled views are the
+    stored group configs) described a buffer of the config itself: its unpickled views are the
     contiguous [out, in] blocks at its offsets, and its encode() is the one it was made with."""
     c = CONFIGS["odd_widths"]
     state = dict(ParamLayout(c).__dict__)
@@ -66,7 +57,7 @@ def test_a_layout_pickled_before_the_aligned_buffer_still_gives_its_own_views():
         old_tensors.append((name, shape, offset))
         offset += shape[0] * (shape[1] if len(shape) == 2 else 1)
     state.update(tensors=old_tensors, numel=offset)
-    for key in ("row_strides", "stored", "_stored_groups"):
+    for key in ("row_strides", "_stored_groups"):
         del state[key]
     old = ParamLayout.__new__(ParamLayout)
     old.__setstate__(state)

@@ -16,8 +16,8 @@ from dqn_ops.trainer import expected_q, greedy_from_logits
 from poison import poison_cuda_cache
 from test_act import assert_greedy
 from step_check import check_trainer_step_is_the_public_ops_step, same_bits, snapshot
-from reference import (SHAPES, activation_columns, dueling_head_grad, logical_activations, reference_backward,
-                       reference_forward_emulated, reference_net_like, rel_err, stored_activations)
+from reference import (SHAPES, activation_columns, dueling_head_grad, logical_activations, padding_mask,
+                       reference_backward, reference_forward_emulated, reference_net_like, rel_err, stored_activations)
 
 V_MIN, V_MAX, GAMMA = -10.0, 10.0, 0.97
 NAMES = list(SHAPES)
@@ -45,15 +45,6 @@ def batch_for(c: DQNConfig, B: int, device, seed=0):
              rewards=(torch.rand(B, generator=g) * 2 - 1) * 1.5 * V_MAX,
              dones=(torch.rand(B, generator=g) < 0.2).float(), weights=torch.rand(B, generator=g) + 0.5)
     return {k: v.to(device) for k, v in b.items()}
-
-
-def padding_mask(net, device):
-    """True at the flat buffer's elements outside every layer view (alignment gaps, reserved rows,
-    the stored network's extra units: DQNConfig.aligned)."""
-    pad = torch.ones(net.layout.numel, dtype=torch.bool, device=device)
-    for view in net.layout.views(pad).values():
-        view.fill_(False)
-    return pad
 
 
 # ----------------------------------------------------------------------------------------
@@ -210,7 +201,7 @@ def check_backward_within_bars(net, name, precision):
     for pname in r:
         assert rel_err(g[pname], r[pname]) <= bar, f"{name}/{precision}: {pname} {rel_err(g[pname], r[pname]):.2e}"
     assert rel_err(gs, ref_gs) <= bar
-    assert (grad[padding_mask(net, "cpu")] == 0).all()
+    assert (grad[padding_mask(net.layout, "cpu")] == 0).all()
 
 
 def check_gradcheck_float64(c: DQNConfig, fast_above: int):
@@ -399,7 +390,7 @@ def test_internal_ops_give_the_public_ops_bits(device, name, batch_networks):
     for k in ("loss", "td_error", "mean_q", "grad"):
         same_bits(getattr(got, k), getattr(want, k), k)
     assert torch.isfinite(got.grad).all() and torch.isfinite(got.td_error).all()
-    assert (got.grad[padding_mask(online, device)] == 0).all()
+    assert (got.grad[padding_mask(online.layout, device)] == 0).all()
 
 
 def _trainer_step_is_the_public_ops_step(c, device):
@@ -561,7 +552,7 @@ def check_cuda_forward_backward_act(c: DQNConfig, name: str):
     gq = torch.randn(B, c.q_rows, c.atoms, device="cuda")
     gh = torch.randn(B, c.head_out, device="cuda") * 0.1
     d_head = dueling_head_grad(c, gq) + gh.double().cpu()
-    pad = padding_mask(net, "cuda")
+    pad = padding_mask(net.layout, "cuda")
     cpu_net = snapshot(net).to("cpu")
     for precision in ops.BACKWARD_PRECISIONS:
         poison_cuda_cache()
