@@ -27,8 +27,8 @@
 
 // `import dqn_ops._C` loads this library, whose static initialisers register the ops. The
 // module also carries the limits the Python side chooses a path by:
-//   FUSED_LOSS_MAX_ATOMS, FUSED_LOSS_MAX_BRANCHES: the largest C51 configuration whose
-//     _dqn_loss_on_logits runs as the single fused kernel on CUDA (csrc/fused_loss_limits.h);
+//   FUSED_LOSS_MAX_ATOMS, FUSED_LOSS_MAX_BRANCHES: the most atoms (C51) and branches (C51, QR)
+//     with which _dqn_loss_on_logits runs as the single fused kernel on CUDA (csrc/fused_loss_limits.h);
 //   LOSS_CUDA_MAX_ATOMS: the most atoms (C51) or quantiles (QR) the CUDA loss takes (csrc/loss_args.h);
 //   IQN_MAX_FRACTIONS: the most fractions per row of each set iqn_fractions draws (csrc/iqn_fractions_args.h);
 //   EPSILON_GREEDY_MAX_BRANCHES, EPSILON_GREEDY_MAX_ACTIONS: epsilon_greedy's limits (csrc/act_args.h);
@@ -247,9 +247,9 @@ TORCH_LIBRARY(dqn_ops, m) {
   //     ([B, E], E = the layout's ensemble members, as for dqn_loss), and
   //     d(loss)/d(head logits) as mixed_backward's dueling step forms it from grad_q: F32
   //     compact [B, head_out] and BF16 padded [B, head_ld] (padding 0). F32 logits and params
-  //     only, as dqn_loss takes F32 only. On CUDA, C51 with atoms <= FUSED_LOSS_MAX_ATOMS and
-  //     branches <= FUSED_LOSS_MAX_BRANCHES runs as one fused kernel; anything else runs the
-  //     public ops' kernels in sequence. The same bits either way. counter (int32 [1], 0, on
+  //     only, as dqn_loss takes F32 only. On CUDA, C51 with atoms <= FUSED_LOSS_MAX_ATOMS or QR,
+  //     with branches <= FUSED_LOSS_MAX_BRANCHES, one member and no masks, runs as one fused
+  //     kernel; anything else runs the public ops' kernels in sequence. The same bits either way. counter (int32 [1], 0, on
   //     the logits' device): the CUDA loss kernel's block counter, owned by the caller, which
   //     the kernel's last block sets back to 0, so that the launch needs no memset of its own
   //     (a node fewer in a captured step; the trainer's step passes one of its own). It must be

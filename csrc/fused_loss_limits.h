@@ -6,8 +6,9 @@
 
 namespace dqn_ops {
 
-// A lane holds atoms `lane` and `lane + 32` of a row in registers, and up to this many also
-// `lane + 64` and `lane + 96`.
+// C51: a lane holds atoms `lane` and `lane + 32` of a row in registers, and up to this many
+// also `lane + 64` and `lane + 96`. (QR's fused loss takes every quantile count the CUDA loss
+// does: a lane owns quantiles `lane`, `lane + 32`, ... through shared memory.)
 constexpr int kFusedLossMaxAtoms = 128;
 // A warp per branch, all of a sample's branches in one block of at most this many warps (with
 // dueling, the value column's gradient sums the branches' partial sums in that block's shared

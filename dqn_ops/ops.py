@@ -28,7 +28,9 @@ BACKWARD_PRECISIONS = ("tf32", "bf16", "fp32")
 # loss type refuse it as a name they do not know (csrc/loss_args.h parse_loss_type, _check_loss_type).
 LOSS_TYPES = ("c51", "qr", "mse", "huber", "iqn")
 # The configurations _dqn_loss_on_logits runs as one fused kernel on CUDA (the dueling
-# aggregation inside the C51 loss); it composes the public kernels' arithmetic otherwise.
+# aggregation inside the C51 or QR loss: C51 up to FUSED_LOSS_MAX_ATOMS atoms, QR with any
+# quantile count the CUDA loss takes, either with at most FUSED_LOSS_MAX_BRANCHES branches);
+# it composes the public kernels' arithmetic otherwise.
 # Read from the extension, which sizes the kernel by them.
 FUSED_LOSS_MAX_ATOMS: int = _C.FUSED_LOSS_MAX_ATOMS
 LOSS_CUDA_MAX_ATOMS: int = _C.LOSS_CUDA_MAX_ATOMS  # atoms (C51) or quantiles (QR; IQN's N and N') the CUDA loss takes
@@ -569,8 +571,9 @@ def _dqn_loss_on_logits(logits: Tensor, logits_next_online: Tensor, logits_next_
                         counter: Optional[Tensor] = None) -> LossOnLogits:
     """dqn_loss on the output layer's logits (biases read from each network's params),
     returning d(loss)/d(head logits) as mixed_backward's dueling step would form it. One fused
-    kernel on CUDA for C51 with at most FUSED_LOSS_MAX_ATOMS atoms and FUSED_LOSS_MAX_BRANCHES
-    branches, one member and no masks; the public kernels' arithmetic otherwise. ``masks``:
+    kernel on CUDA for C51 with at most FUSED_LOSS_MAX_ATOMS atoms or QR, with at most
+    FUSED_LOSS_MAX_BRANCHES branches, one member and no masks; the public kernels' arithmetic
+    otherwise. ``masks``:
     [B, E] bootstrap masks (E = the layout's ensemble members) or None, as for ``dqn_loss``.
     ``counter``: an int32 [1] tensor at 0 on the logits' device, the CUDA kernel's block counter,
     which the kernel leaves at 0 again: the launch then needs no memset of its own (one graph node

@@ -5,9 +5,9 @@ that is not IQN's (those run ``PublicOpsStep`` and ``GroupsStep``):
 ``_online_and_target_logits`` (the online network on [s; s'] and the target network on s', up
 to the output layer's logits) -> ``_dqn_loss_on_logits`` (the dueling aggregation, the loss and
 d(loss)/d(head logits) in one pass) -> ``_mixed_backward_from_head``. On CUDA, for C51 with at
-most ``FUSED_LOSS_MAX_ATOMS`` atoms and ``FUSED_LOSS_MAX_BRANCHES`` branches
+most ``FUSED_LOSS_MAX_ATOMS`` atoms or QR, with at most ``FUSED_LOSS_MAX_BRANCHES`` branches
 (``fused_loss_supported``), the loss is one fused kernel: the logits cross memory once instead
-of three times, two kernels fewer; elsewhere the op composes the public kernels.
+of three times, four kernels fewer; elsewhere the op composes the public kernels.
 
 ``PublicOpsStep`` is the same step on the public ops, ``bf16_dueling_forward`` ->
 ``dqn_loss`` -> ``mixed_backward``: the reference the tests compare the trainer's path with
@@ -45,11 +45,12 @@ def fused_loss_supported(config: DQNConfig, loss_type: str, device: torch.device
     """Whether ``_dqn_loss_on_logits`` runs its fused kernel (output bias, the dueling aggregation
     when the network has one, the C51 loss and its gradient in one launch) for this network,
     loss and device, with bootstrap masks or not (else it composes the public kernels, with the
-    same results). The fused kernel is C51's for one member without masks: an ensemble, or
+    same results). The fused kernel is C51's (up to ``FUSED_LOSS_MAX_ATOMS`` atoms) and QR's
+    (any quantile count the CUDA loss takes), for one member without masks: an ensemble, or
     masks, run the composed path; a network with head groups runs each group's public ops."""
-    return (torch.device(device).type == "cuda" and loss_type == "c51" and config.members == 1 and not masked
-            and not config.aux
-            and 2 <= config.atoms <= ops.FUSED_LOSS_MAX_ATOMS and config.num_branches <= ops.FUSED_LOSS_MAX_BRANCHES)
+    atoms_fit = 2 <= config.atoms <= ops.FUSED_LOSS_MAX_ATOMS if loss_type == "c51" else loss_type == "qr"
+    return (torch.device(device).type == "cuda" and atoms_fit and config.members == 1 and not masked
+            and not config.aux and config.num_branches <= ops.FUSED_LOSS_MAX_BRANCHES)
 
 
 def quantile_midpoints(n: int, like: Tensor) -> Tensor:

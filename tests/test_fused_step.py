@@ -37,11 +37,21 @@ CASES = {  # branches, atoms, loss type (and dueling=False: no value head)
     "128_atoms_five_actions": ((5, 2), 128, "c51"),
     "cleanrl_like_101_atoms_no_dueling": ((2,), 101, "c51", False),
     "no_dueling_51_atoms": ((3, 2), 51, "c51", False),
+    # QR's fused kernel: the sorted version (N > 32) and the direct one, more actions than a
+    # chunk of loads, the most branches, no value head, and 8 warps of 256 quantiles (its shared
+    # memory past the default 48 KiB)
+    "qr_200_quantiles": ((3, 3, 3), 200, "qr"),
+    "qr_32_quantiles": ((2, 5), 32, "qr"),
+    "qr_six_actions_33_quantiles": ((6, 2), 33, "qr"),
+    "qr_eight_uneven_branches": ((2, 3, 1, 4, 3, 2, 5, 2), 7, "qr"),
+    "qr_no_dueling_50_quantiles": ((3, 2), 50, "qr", False),
+    "qr_one_branch_256_quantiles": ((3,), 256, "qr"),
     # beyond the fused loss kernel: on CUDA the internal loss op composes the public kernels
     "129_atoms": ((3, 2), 129, "c51"),
     "nine_branches": ((2, 3, 1, 2, 4, 2, 3, 1, 2), 5, "c51"),
     "one_atom_mse": ((3, 3, 3), 1, "mse"),
     "one_atom_huber": ((2, 4), 1, "huber"),
+    "qr_nine_branches": ((2, 3, 1, 2, 4, 2, 3, 1, 2), 9, "qr"),
 }
 
 
@@ -119,7 +129,9 @@ def test_internal_ops_give_the_public_ops_bits(device, case, precision, batch_ne
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "nine_branches", "one_atom_huber"])
+@pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "nine_branches", "one_atom_huber",
+                                  "qr_200_quantiles", "qr_32_quantiles", "qr_no_dueling_50_quantiles",
+                                  "qr_nine_branches"])
 def test_non_finite_samples_give_the_public_ops_bits(device, case):
     s = sample_inputs(case, device, poison_samples=True)
     internal, public = _steps(s)
@@ -134,7 +146,8 @@ def test_non_finite_samples_give_the_public_ops_bits(device, case):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "lanes_with_one_or_two_atoms", "65_atoms",
-                                  "128_atoms_five_actions", "nine_branches", "one_atom_mse"])
+                                  "128_atoms_five_actions", "nine_branches", "one_atom_mse", "qr_200_quantiles",
+                                  "qr_six_actions_33_quantiles", "qr_one_branch_256_quantiles"])
 def test_head_gradient_is_the_dueling_backward_of_grad_q(device, case):
     """grad_head against the dueling aggregate's backward written out in PyTorch: value column
     = sum over every action of d(q); a branch's advantage columns = d(q) minus its mean over the
@@ -189,7 +202,7 @@ def test_batched_networks_give_the_two_passes_bits_in_either_memory_order(device
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["reference", "two_branches_11_atoms", "65_atoms",
                                   "cleanrl_like_101_atoms_no_dueling", "129_atoms", "nine_branches", "one_atom_mse",
-                                  "one_atom_huber"])
+                                  "one_atom_huber", "qr_200_quantiles", "qr_no_dueling_50_quantiles"])
 def test_trainer_step_is_the_public_ops_step(device, case):
     """The trainer's one path (graphed on CUDA) against PublicOpsStep on copies of its networks
     taken before the step: the same gradient, TD errors, loss and mean Q, bit for bit."""
@@ -230,7 +243,7 @@ def _internal_op_args(s: Sample):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["two_branches_11_atoms", "nine_branches", "one_atom_huber"])
+@pytest.mark.parametrize("case", ["two_branches_11_atoms", "nine_branches", "one_atom_huber", "qr_32_quantiles"])
 def test_opcheck(device, case):
     s = sample_inputs(case, device, B=16)
     for name, arg_sets in _internal_op_args(s).items():
@@ -326,6 +339,14 @@ def test_fused_loss_runs_only_where_it_is_built_for():
     assert fused_loss_supported(_config((2,) * max_branches, 11), "c51", cuda)
     assert not fused_loss_supported(_config((2,) * (max_branches + 1), 11), "c51", cuda)
     assert not fused_loss_supported(DQNConfig(atoms=1), "huber", cuda)
+    # QR: any quantile count the CUDA loss takes, the same branch limit, one member without masks
+    assert fused_loss_supported(DQNConfig(atoms=200), "qr", cuda)
+    assert not fused_loss_supported(DQNConfig(atoms=200), "qr", cpu)
+    assert fused_loss_supported(_config((3,), ops.LOSS_CUDA_MAX_ATOMS), "qr", cuda)
+    assert fused_loss_supported(_config((2,) * max_branches, 11), "qr", cuda)
+    assert not fused_loss_supported(_config((2,) * (max_branches + 1), 11), "qr", cuda)
+    assert not fused_loss_supported(DQNConfig(atoms=200, ensemble=2), "qr", cuda)
+    assert not fused_loss_supported(DQNConfig(atoms=200), "qr", cuda, masked=True)
     t = Trainer(_config((2, 5), 11), TrainerConfig(batch_size=8), device="cpu")
     assert not t.uses_fused_path
     with pytest.raises(AttributeError):

@@ -7,7 +7,7 @@
 //   - SmemLimit::kDefault: the limit without an opt-in (cudaDevAttrMaxSharedMemoryPerBlock, 48
 //     KiB), and no more than the kernel's maxDynamicSharedSizeBytes.
 //   - SmemLimit::kOptIn: the opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin), the value
-//     to give cudaFuncAttributeMaxDynamicSharedMemorySize.
+//     to give cudaFuncAttributeMaxDynamicSharedMemorySize (opt_in_dynamic_smem).
 // Queried once per (device, kernel, limit), then a cached lookup.
 #pragma once
 
@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <map>
 #include <mutex>
+#include <set>
 #include <tuple>
 
 #include <c10/cuda/CUDAException.h>
@@ -52,6 +53,23 @@ inline size_t dynamic_smem_limit(const void* kernel, SmemLimit which) {
 template <typename... Args>
 size_t dynamic_smem_limit(void (*kernel)(Args...), SmemLimit which) {
   return dynamic_smem_limit(reinterpret_cast<const void*>(kernel), which);
+}
+
+// Lets `kernel` launch on the current device with up to dynamic_smem_limit(kernel, kOptIn) bytes
+// of dynamic shared memory (cudaFuncAttributeMaxDynamicSharedMemorySize), set once per (device,
+// kernel).
+template <typename... Args>
+void opt_in_dynamic_smem(void (*kernel)(Args...)) {
+  using Key = std::tuple<int, const void*>;
+  static std::mutex mutex;
+  static std::set<Key> done;
+  const void* k = reinterpret_cast<const void*>(kernel);
+  const Key key{static_cast<int>(c10::cuda::current_device()), k};
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (done.count(key)) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(dynamic_smem_limit(k, SmemLimit::kOptIn))));
+  done.insert(key);
 }
 
 }  // namespace cuda

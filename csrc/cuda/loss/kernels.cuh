@@ -229,7 +229,7 @@ __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, i
     BranchRows<kSlots> rows[3];
     branch_rows<kRows, kSlots>(P, br, b, d, at, rows);
     auto load = [&](const BranchRows<kSlots>& rw, int k, int e) {
-      return at.has[e] ? q_at<kRows, kSlots>(rw, int64_t(k) * NA + at.j[e], rw.v[e], rw.mean[e]) : -INFINITY;
+      return at.has[e] ? q_at<kRows>(rw.row, rw.bias, int64_t(k) * NA + at.j[e], rw.v[e], rw.mean[e]) : -INFINITY;
     };
 #pragma unroll
     for (int e = 0; e < kSlots; ++e) xc[e] = load(rows[0], int(a), e);
@@ -404,12 +404,12 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // lane, so 2 blocks per SM (128 registers); their dueling instantiations still spill a little
 // (ptxas -v on sm_90), the others nothing.
 // kRowsInRegisters: every branch has at most kQChunk actions (BranchQ).
-// kQuantiles: QR (qr_branch), a warp per branch as C51's; dqn_loss's rows only (the fused loss
-// is C51's). Its inner loops (the direct pairs' FMAs, the sorted version's dependent shared
+// kQuantiles: QR (qr_branch), a warp per branch as C51's, on dqn_loss's rows or (the fused loss)
+// the head logits. Its inner loops (the direct pairs' FMAs, the sorted version's dependent shared
 // loads) are latency-bound, and more warps hide more: 4 blocks (32 warps) per SM, at most 64
 // registers, which it fits without spilling (its sorted version's shared memory, 34 KiB a
 // block at 200 quantiles, still lets 4 blocks reside).
-// kFractions: IQN, kQuantiles' code (qr_branch<true>) with the fractions read per sample and the
+// kFractions: IQN, kQuantiles' code (qr_branch<kQ, true>) with the fractions read per sample and the
 // three inputs' own slot counts; its own instantiation, so that QR's, with N = K = N' and the
 // midpoints known when it compiles, keeps its registers.
 constexpr int kTwoSlotMinBlocks = 3;
@@ -427,22 +427,33 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
   constexpr bool kDueling = kRows == LossRows::kHeadDueling;
   static_assert(kSlots == 0 || kSlots == 2 || kSlots == 4, "a lane owns 2 or 4 atoms");
   static_assert(32 * 4 >= kDuelingMaxAtoms, "the register versions cover every atom count the fused loss takes");
-  static_assert(!reads_head(kRows) || kRegisterVersion, "the fused loss runs the register version");
+  static_assert(!reads_head(kRows) || kRegisterVersion || kQuantiles,
+                "the fused loss runs C51's register version or QR's");
   static_assert(!kRowsInRegisters || kRegisterVersion, "rows in registers: the register version");
-  static_assert(!kQuantiles || (!kRegisterVersion && kRows == LossRows::kQ), "QR: dqn_loss's rows, its own version");
-  static_assert(!kFractions || kQuantiles, "IQN runs QR's version");
+  static_assert(!kQuantiles || !kRegisterVersion, "QR: its own version");
+  static_assert(!kFractions || (kQuantiles && kRows == LossRows::kQ), "IQN runs QR's version on dqn_loss's rows");
   // C51 and QR: P.work_floats per warp. 16-byte aligned, as QR reads its stage as float4s
   // (nvcc already aligns an extern shared array to 16 bytes: this states the requirement).
+  // The fused QR loss: then two rounds' buffers of P.sum_floats per warp (round_buffer).
   extern __shared__ __align__(16) float smem[];
-  // Each warp's sums of a round, and (kHeadDueling) its branch sums of dq per atom for the value
-  // column's gradient, read by its sample's first warp after the round's barrier. Two buffers,
-  // by round parity, so one barrier a round suffices: a round writes the buffer the previous
-  // round did not read, and the round before that finished its reads before the last barrier.
+  // Each warp's sums of a round, read by its sample's first warp after the round's barrier, and
+  // the fused loss's buffers: its branch sums of dq per atom for the value column's gradient
+  // (kHeadDueling), C51's register version's in branch_sums (its stride known when it compiles:
+  // the addressing costs no registers), QR's in the dynamic area (N floats a warp; they also hold
+  // theta and its gradient first: qr_branch's buf). Two of each, by round parity, so one barrier
+  // a round suffices: a round writes the buffer the previous round did not read, and the round
+  // before that finished its reads before the last barrier.
   __shared__ float part_a[2][kMaxWarps], part_b[2][kMaxWarps], part_c[2][kMaxWarps], part_d[2][kMaxWarps];
   constexpr int kSumStride = 32 * (kSlots > 0 ? kSlots : 1);  // a warp's row of branch_sums
-  __shared__ float branch_sums[2][kDueling ? kMaxWarps * kSumStride : 1];
+  __shared__ float branch_sums[2][kDueling && kRegisterVersion ? kMaxWarps * kSumStride : 1];
   __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int sum_stride = kRegisterVersion ? kSumStride : P.sum_floats;
+  auto round_buffer = [&](int parity, int w) {
+    if constexpr (kRegisterVersion) return branch_sums[parity] + w * kSumStride;
+    const int warps = blockDim.x / 32;
+    return smem + int64_t(warps) * P.work_floats + (int64_t(parity) * warps + w) * P.sum_floats;
+  };
   const int W = P.warps_per_sample, S = P.samples_per_block;
   const int slot = warp / W, wi = warp % W;  // this warp's sample in the block, and its share
   // C51 and QR: a warp per (sample, branch), the branch sums averaged per sample.
@@ -466,7 +477,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
       if constexpr (kQuantiles) {
         for (int d = wi; d < br.count; d += W) {
           const float m = masked ? member_mask(br, P, b, d) : 1.f;
-          const float3 r = qr_branch<kFractions>(br, P, b, d, masked ? scale * m : scale, work, lane);
+          const float3 r = qr_branch<kRows, kFractions>(br, P, b, d, masked ? scale * m : scale, work,
+                                                        reads_head(kRows) ? round_buffer(buf, warp) : nullptr, lane);
           if (masked && lane == 0) part_d[buf][warp] += m * r.x;
           x += r.x;
           y += r.y;
@@ -479,7 +491,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
           if constexpr (kRegisterVersion)
             r = c51_branch_small<kRows, kRowsInRegisters, kSlots>(
                 br, P, b, d, masked ? scale * m : scale, work,
-                kDueling ? branch_sums[buf] + warp * kSumStride : nullptr, lane);
+                kDueling ? round_buffer(buf, warp) : nullptr, lane);
           else
             r = c51_branch(br, P, b, d, masked ? scale * m : scale, work, lane);
           if (masked && lane == 0) part_d[buf][warp] += m * r.x;
@@ -500,13 +512,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
     }
     __syncthreads();
     if constexpr (kDueling)  // the sample's warps hold its branches 0 .. W - 1, in order
-      if (live && wi == 0) write_value_grad(P, b, branch_sums[buf] + slot * W * kSumStride, W, kSumStride, lane);
+      if (live && wi == 0) write_value_grad(P, b, round_buffer(buf, slot * W), W, sum_stride, lane);
     if constexpr (kQuantiles)  // a branch that poisons its sample poisons every branch's rows
       if (live) {
         bool poisoned = false;
         for (int k = 0; k < W; ++k) poisoned = poisoned || part_c[buf][slot * W + k] > 0.f;
         if (poisoned)
-          for (int d = wi; d < br.count; d += W) qr_poison_rows(br, P, b, d, lane);
+          for (int d = wi; d < br.count; d += W) qr_poison_rows<kRows>(br, P, b, d, nullptr, lane);
       }
     if (live && wi == 0 && lane == 0) {
       float sample_loss = 0.f, q = 0.f, td = 0.f, masked_loss = 0.f;

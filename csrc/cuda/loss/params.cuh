@@ -27,10 +27,11 @@ constexpr int kStageUnroll = 12;  // loads in flight per lane while staging
 // What the kernel's rows are, fixed per instantiation (a template argument, so each version
 // compiles to its own work):
 //   kQ: dqn_loss's q [batch, total_actions, atoms], the gradient to grad_q;
-//   kHeadDueling, kHeadPlain: the fused loss (_dqn_loss_on_logits): the output layer's raw
-//     GEMM rows plus each network's output bias, q formed as the rows are read (kHeadDueling:
-//     the network has a value head and q is the dueling aggregate; kHeadPlain: it has none
-//     and q is the biased branch logits), the gradient to grad_head / grad_head_bf16.
+//   kHeadDueling, kHeadPlain: the fused loss (_dqn_loss_on_logits; C51's register version or
+//     QR's): the output layer's raw GEMM rows plus each network's output bias, q formed as the
+//     rows are read (kHeadDueling: the network has a value head and q is the dueling aggregate;
+//     kHeadPlain: it has none and q is the biased branch logits), the gradient to grad_head /
+//     grad_head_bf16.
 enum class LossRows { kQ, kHeadDueling, kHeadPlain };
 
 constexpr bool reads_head(LossRows rows) { return rows != LossRows::kQ; }
@@ -62,6 +63,7 @@ struct LossParams {
   int max_actions;  // the largest branch: sizes the staging area
   bool staged;      // general version: the rows are copied to shared memory first
   int work_floats;  // C51 / QR: shared memory per warp
+  int sum_floats;   // the fused QR loss: shared memory per warp and round after the work areas (dqn_loss_kernel)
   float v_min, v_max, dz, gamma;
   LossType type;
   // The fused loss (reads_head): q, q_next_online and q_next_target are the output layer's

@@ -18,6 +18,7 @@
 #include "../quantiles.cuh"
 #include "../reductions.cuh"
 #include "params.cuh"
+#include "rows.cuh"
 
 namespace dqn_ops {
 namespace cuda {
@@ -59,16 +60,30 @@ __host__ __device__ inline int64_t qr_floats_per_warp(int64_t quantiles, int64_t
   return qr_sort_size(static_cast<int>(target_quantiles)) + 4 * (target_quantiles + 1);
 }
 
-// A poisoned sample's gradient rows in branch d: the taken action's N quantiles NaN, or, when
-// the action is out of range (no row is taken), every action's.
-__device__ void qr_poison_rows(const BranchTable& br, const LossParams& P, int b, int d, int lane) {
+// A poisoned sample's gradient rows in branch d, as the composed path has them: the taken
+// action's N quantiles NaN, or, when the action is out of range (no row is taken), every
+// action's. The fused loss (reads_head(kRows)): the head-logit gradient of those rows
+// (write_head_grad_column on dq NaN at the taken action: with dueling every column of the
+// branch NaN, without it the taken action's, or every action's when the action is out of
+// range); the branch's sums to branch_sum (nullptr: not kept).
+template <LossRows kRows>
+__device__ void qr_poison_rows(const BranchTable& br, const LossParams& P, int b, int d, float* branch_sum, int lane) {
   const int N = P.atoms, n = br.size[d];
-  const int64_t row0 = q_row_of(br, b, P.total_actions, d);
   const int64_t a = taken_action(br, P.actions, b, d);
   const bool valid = a >= 0 && a < n;
-  float* g = P.grad_q + (row0 + (valid ? a : 0)) * N;
-  const int count = valid ? N : n * N;
-  for (int i = lane; i < count; i += 32) g[i] = NAN;
+  if constexpr (reads_head(kRows)) {
+    float* dh = head_grad_row(P, br, b, d, value_heads(kRows));
+    __nv_bfloat16* low = head_grad_row_bf16(P, br, b, d);
+    for (int i = lane; i < N; i += 32) {
+      const float sum = write_head_grad_column<kRows>(dh, low, n, N, valid ? int(a) : -1, i, NAN);
+      if (branch_sum) branch_sum[i] = sum;
+    }
+    zero_head_padding(low, n * N, lane, 32);
+  } else {
+    float* g = P.grad_q + (q_row_of(br, b, P.total_actions, d) + (valid ? a : 0)) * N;
+    const int count = valid ? N : n * N;
+    for (int i = lane; i < count; i += 32) g[i] = NAN;
+  }
 }
 
 // The quantile Huber sums of kRows quantiles (theta, with fractions tau and 1 - tau) over the
@@ -118,6 +133,8 @@ __device__ __forceinline__ double quantile_tau_f64(const float* tau_row, int i, 
 // Round k of the lane's quantiles and kRows - 1 after it: i = lane + 32 (k + e), those < N, at
 // fractions tau_row (quantile_tau), over the N2 targets T. Writes their gradient (gscale =
 // -w_b / (B E D N2)) and adds their loss sums and thetas to the lane's sums, in the order of i.
+// grad_row may be theta_row (the fused loss's buffer): quantile i's gradient is written after
+// its theta is read, by the lane that read it.
 // A lane without a quantile there runs the loop on theta = 0 (the warp runs it anyway) and
 // keeps nothing.
 template <int kRows>
@@ -220,7 +237,8 @@ __device__ __forceinline__ void qr_counts(const float* T, int n2, float ka, floa
 // The lane's quantiles i = lane, lane + 32, ... (< N, at fractions tau_row: quantile_tau_f64)
 // over the N2 sorted targets T[0..n2) and their prefix sums S (c: the sums' shift): writes each
 // one's gradient (gscale = -w_b / (B E D N2)) and adds its loss sum and theta to the lane's
-// sums, in the order of i (the lane's loss sum in double, rounded once). A run's terms are
+// sums, in the order of i (the lane's loss sum in double, rounded once; grad_row may be
+// theta_row, as in qr_round). A run's terms are
 // evaluated only when it has a target: an infinite theta then gives an infinite loss and a
 // finite gradient, as the direct sums do, never 0 * inf. A NaN theta finds no target below any
 // key (every comparison false): all of them in D, so its loss is NaN; its gradient is set NaN,
@@ -264,30 +282,37 @@ __device__ __forceinline__ void qr_sorted_sums(const float* T, const double2* S,
 }
 
 // The QR / IQN loss of branch d of sample b: returns (loss_bd, the mean of the taken action's
-// quantiles, 1 when the branch poisons its sample else 0) and writes the branch's rows of
-// grad_q. A non-finite target quantile (a NaN/Inf reward or done, a non-finite target network
-// output, an overflow), an out-of-range action, or (IQN) a fraction of the sample outside
-// [0, 1] or NaN poisons the sample: this branch's rows get NaN here (qr_poison_rows) and its
-// loss and Q are NaN; the kernel then gives the sample's other branches NaN rows too.
-// `stage`: qr_floats_per_warp(N, N') floats of this warp's. kIqn: IQN (P.fractions, N, K, N'
-// as P has them); else QR (the midpoints, K = N' = N), the same code with those known.
-template <bool kIqn>
+// quantiles, 1 when the branch poisons its sample else 0) and writes the branch's gradient
+// rows: dqn_loss (kQ) grad_q's; the fused loss (reads_head(kRows), QR) the head-logit gradient
+// (write_head_grad_column: the composed path's dueling backward of those grad_q rows) and, with
+// dueling, the branch's sums per quantile to buf for the value column. A non-finite target
+// quantile (a NaN/Inf reward or done, a non-finite target network output, an overflow), an
+// out-of-range action, or (IQN) a fraction of the sample outside [0, 1] or NaN poisons the
+// sample: this branch's rows get NaN here (qr_poison_rows) and its loss and Q are NaN; the
+// kernel then gives the sample's other branches NaN rows too.
+// `stage`: qr_floats_per_warp(N, N') floats of this warp's; `buf` (the fused loss): N floats of
+// this warp's, lane-owned (quantile i's entry is lane i % 32's), holding the taken action's
+// quantiles theta, then their gradient, then the branch's sums. kIqn: IQN (P.fractions, N, K,
+// N' as P has them); else QR (the midpoints, K = N' = N), the same code with those known.
+template <LossRows kRows, bool kIqn>
 __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, int d, float scale, float* stage,
-                            int lane) {
+                            float* buf, int lane) {
+  static_assert(!kIqn || kRows == LossRows::kQ, "IQN's loss reads q (its head rows are per fraction)");
   const int N = P.atoms, K = kIqn ? P.next_atoms : N, N2 = kIqn ? P.target_atoms : N, n = br.size[d];
-  const int64_t row0 = q_row_of(br, b, P.total_actions, d);
   const int64_t a = taken_action(br, P.actions, b, d);
   if (!(a >= 0 && a < n)) {  // no host sync can report it (see c51_branch)
-    qr_poison_rows(br, P, b, d, lane);
+    qr_poison_rows<kRows>(br, P, b, d, buf, lane);
     return make_float3(NAN, NAN, 1.f);
   }
-  for (int k = 0; k < n; ++k)  // the other actions' gradient rows are 0
-    if (k != a)
-      for (int i = lane; i < N; i += 32) P.grad_q[(row0 + k) * N + i] = 0.f;
+  const int64_t row0 = q_row_of(br, b, P.total_actions, d);
+  if constexpr (kRows == LossRows::kQ)  // the other actions' gradient rows are 0 (the fused loss writes
+    for (int k = 0; k < n; ++k)         // every action's columns at the end)
+      if (k != a)
+        for (int i = lane; i < N; i += 32) P.grad_q[(row0 + k) * N + i] = 0.f;
 
   // double DQN: the online network's greedy next action by the quantiles' mean (the first of
   // equal maxima; NaN wins), kQChunk actions' loads and reductions in flight together
-  const float* on = P.q_next_online + row0 * K;
+  const QuantileRows<kRows> next = quantile_rows<kRows>(P, br, 1, b, d, row0, K);
   int a_star = 0;
   float best = -INFINITY;
   bool nan_seen = false;
@@ -297,7 +322,7 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
     for (int k = 0; k < kQChunk; ++k) {
       s[k] = 0.f;
       if (a0 + k < n)
-        for (int j = lane; j < K; j += 32) s[k] += on[int64_t(a0 + k) * K + j];
+        for (int j = lane; j < K; j += 32) s[k] += next.q(a0 + k, j, next.column(j));
     }
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k) {
@@ -311,12 +336,12 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
   }
 
   // the target quantiles of that action, staged for the whole warp
-  const float* tg = P.q_next_target + (row0 + a_star) * N2;
+  const QuantileRows<kRows> target = quantile_rows<kRows>(P, br, 2, b, d, row0, N2);
   const float discount = P.gamma * (1.f - P.dones[b]);
   const float r = P.rewards[b];
   bool finite = true;
   for (int j = lane; j < N2; j += 32) {
-    const float t = fmaf(discount, tg[j], r);
+    const float t = fmaf(discount, target.q(a_star, j, target.column(j)), r);
     stage[j] = t;
     finite = finite && isfinite(t);
   }
@@ -326,15 +351,23 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
   if (kIqn)
     for (int i = lane; i < N; i += 32) finite = finite && tau_row[i] >= 0.f && tau_row[i] <= 1.f;
   if (!__all_sync(0xffffffffu, finite)) {
-    qr_poison_rows(br, P, b, d, lane);
+    qr_poison_rows<kRows>(br, P, b, d, buf, lane);
     __syncwarp();  // the warp's next branch reuses the stage
     return make_float3(NAN, NAN, 1.f);
   }
   __syncwarp();
 
-  // the quantile Huber loss on the taken action
-  const float* theta_row = P.q + (row0 + a) * N;
-  float* g = P.grad_q + (row0 + a) * N;
+  // the quantile Huber loss on the taken action: its quantiles theta, and where their gradient goes
+  const float* theta_row;
+  float* g;
+  if constexpr (kRows == LossRows::kQ) {
+    theta_row = P.q + (row0 + a) * N;
+    g = P.grad_q + (row0 + a) * N;
+  } else {
+    const QuantileRows<kRows> online = quantile_rows<kRows>(P, br, 0, b, d, row0, N);
+    for (int i = lane; i < N; i += 32) buf[i] = online.q(int(a), i, online.column(i));
+    theta_row = g = buf;
+  }
   const float gscale = -scale / N2;
   float loss_sum = 0.f, theta_sum = 0.f;
   static_assert(kQrDirectMaxQuantiles <= 32, "the direct version runs one round");
@@ -350,6 +383,12 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
     qr_prefix_sums(stage, N2, c, S, lane);
     __syncwarp();
     qr_sorted_sums(stage, S, n2, N2, c, theta_row, tau_row, g, N, lane, gscale, loss_sum, theta_sum);
+  }
+  if constexpr (reads_head(kRows)) {  // dq = g at the taken action, the head-logit gradient from it
+    float* dh = head_grad_row(P, br, b, d, value_heads(kRows));
+    __nv_bfloat16* low = head_grad_row_bf16(P, br, b, d);
+    for (int i = lane; i < N; i += 32) buf[i] = write_head_grad_column<kRows>(dh, low, n, N, int(a), i, buf[i]);
+    zero_head_padding(low, n * N, lane, 32);
   }
   __syncwarp();  // the warp's next branch reuses the stage
   return make_float3(warp_sum(loss_sum) / N2, quantile_mean(theta_sum, N), 0.f);

@@ -111,12 +111,76 @@ __device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, i
   }
 }
 
-// q of action k at atom j (i = k * atoms + j), v and mean at that atom (kHeadDueling).
-template <LossRows kRows, int kSlots>
-__device__ __forceinline__ float q_at(const BranchRows<kSlots>& r, int64_t i, float v, float mean) {
-  if constexpr (kRows == LossRows::kHeadDueling) return dueling_q(v, biased_logit(r.row[i], r.bias[i]), mean);
-  else if constexpr (kRows == LossRows::kHeadPlain) return biased_logit(r.row[i], r.bias[i]);
-  else return r.row[i];
+// q of action k at atom j (i = k * atoms + j) of a branch's rows (row; the fused loss: bias),
+// v and mean at that atom (kHeadDueling).
+template <LossRows kRows>
+__device__ __forceinline__ float q_at(const float* row, const float* bias, int64_t i, float v, float mean) {
+  if constexpr (kRows == LossRows::kHeadDueling) return dueling_q(v, biased_logit(row[i], bias[i]), mean);
+  else if constexpr (kRows == LossRows::kHeadPlain) return biased_logit(row[i], bias[i]);
+  else return row[i];
+}
+
+// The QR loss (qr_branch): one network pass's rows of branch d of sample b, read a column (one
+// quantile i of every action) at a time: action k's quantile i at row[k * slots + i]. dqn_loss
+// (kQ): q itself; the fused loss: the raw head logits, biased and (kHeadDueling) aggregated as
+// they are read, with the value logit and the branch mean of column i formed as
+// head_bias_dueling_kernel forms them (the advantages summed in action order from 0.f), so q is
+// the composed path's bits.
+template <LossRows kRows>
+struct QuantileRows {
+  struct Column {
+    float v, mean;  // kHeadDueling
+  };
+  const float* row;
+  const float* bias;   // the fused loss: the branch's output bias, laid out as row
+  const float* value;  // kHeadDueling: the value head's logits and bias (column i at i)
+  const float* value_bias;
+  int n, slots;
+
+  __device__ Column column(int i) const {
+    Column c{0.f, 0.f};
+    if constexpr (kRows == LossRows::kHeadDueling) {
+      c.v = biased_logit(value[i], value_bias[i]);
+      float s = 0.f;
+      for (int k0 = 0; k0 < n; k0 += kQChunk) {  // a chunk's loads issued together
+        float x[kQChunk];
+#pragma unroll
+        for (int k = 0; k < kQChunk; ++k) {
+          const int64_t at = int64_t(k0 + k) * slots + i;
+          x[k] = k0 + k < n ? biased_logit(row[at], bias[at]) : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < kQChunk; ++k)
+          if (k0 + k < n) s += x[k];
+      }
+      c.mean = branch_mean(s, n);
+    }
+    return c;
+  }
+  __device__ __forceinline__ float q(int k, int i, const Column& c) const {
+    return q_at<kRows>(row, bias, int64_t(k) * slots + i, c.v, c.mean);
+  }
+};
+
+// Pass p's (0: the online network on s, 1: on s', 2: the target network on s') QuantileRows of
+// branch d of sample b (row0: its first q row, q_row_of), `slots` quantiles an action.
+template <LossRows kRows>
+__device__ QuantileRows<kRows> quantile_rows(const LossParams& P, const BranchTable& br, int p, int b, int d,
+                                             int64_t row0, int slots) {
+  const float* base = p == 0 ? P.q : p == 1 ? P.q_next_online : P.q_next_target;
+  QuantileRows<kRows> r{};
+  r.n = br.size[d];
+  r.slots = slots;
+  if constexpr (kRows == LossRows::kQ) {
+    r.row = base + row0 * slots;
+  } else {
+    const float* b_out = p == 2 ? P.b_target : P.b_online;
+    r.value = base + int64_t(b) * P.head_ld;  // the value head's logits at column 0
+    r.value_bias = b_out;
+    r.row = r.value + br.pad_col[d];
+    r.bias = b_out + head_col_of(br, d, value_heads(kRows), slots);
+  }
+  return r;
 }
 
 // Every branch with at most kQChunk actions (kRowsInRegisters, chosen at launch): a lane's
@@ -193,49 +257,69 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
   }
 }
 
-// The fused loss's gradient of branch d of sample b w.r.t. the head logits, from dq = g[e] at
-// the taken action a (atom j_e) and 0 at the others (a < 0: a poisoned sample, every dq NaN),
-// no direct gradient. kHeadDueling: dueling.cuh's backward (dueling_backward_kernel's) on dq,
-// leaving the sum per atom in branch_sum, which the value column adds up over the branches
-// (write_value_grad); kHeadPlain: dq itself, as (dq - 0) + 0 (q is the biased branch logits;
-// branch_sum unused).
-// Writes the branch head's columns (F32 compact; BF16 padded, its padding columns 0).
+// Column j (one atom or quantile, every action) of the fused loss's gradient of branch d w.r.t.
+// the head logits, from dq = g at the taken action a and 0 at the others (a < 0: a poisoned
+// sample, every dq NaN), no direct gradient. kHeadDueling: dueling.cuh's backward
+// (dueling_backward_kernel's) on dq; returns the sum over the actions at j, which the value
+// column adds up over the branches (write_value_grad). kHeadPlain: dq itself, as (dq - 0) + 0
+// (q is the biased branch logits); returns 0. dh, low: the branch's first column in the F32
+// compact and the BF16 padded gradient rows.
+template <LossRows kRows>
+__device__ __forceinline__ float write_head_grad_column(float* dh, __nv_bfloat16* low, int n, int NA, int a, int j,
+                                                        float g) {
+  static_assert(reads_head(kRows), "the head-logit gradient is the fused loss's");
+  const float taken = a < 0 ? NAN : g;   // dq at the taken action
+  const float other = a < 0 ? NAN : 0.f;  // and at the others
+  if constexpr (kRows == LossRows::kHeadDueling) {
+    // The sum over the actions in order adds zeros to dq at the taken action, exactly: 0 + taken
+    // (not `taken`: that differs for -0), without a loop over the actions.
+    const float sum = 0.f + taken;
+    const float mean = branch_mean(sum, n);
+    for (int k = 0; k < n; ++k) {
+      const float x = dueling_advantage_grad(k == a ? taken : other, mean, 0.f);
+      dh[k * NA + j] = x;
+      low[k * NA + j] = __float2bfloat16_rn(x);
+    }
+    return sum;
+  } else {
+    // dueling_backward_kernel's expression without dueling (no mean, no direct gradient):
+    // (dq - 0) + 0, which turns a -0 into +0 as the composed path and the CPU reference do.
+    for (int k = 0; k < n; ++k) {
+      const float x = dueling_advantage_grad(k == a ? taken : other, 0.f, 0.f);
+      dh[k * NA + j] = x;
+      low[k * NA + j] = __float2bfloat16_rn(x);
+    }
+    return 0.f;
+  }
+}
+
+// Branch d's head-logit gradient rows of sample b: the F32 compact and BF16 padded rows'
+// first columns (write_head_grad_column's dh and low).
+__device__ __forceinline__ float* head_grad_row(const LossParams& P, const BranchTable& br, int b, int d,
+                                                int value_heads) {
+  return P.grad_head + int64_t(b) * P.head_out + head_col_of(br, d, value_heads, P.atoms);
+}
+__device__ __forceinline__ __nv_bfloat16* head_grad_row_bf16(const LossParams& P, const BranchTable& br, int b, int d) {
+  return P.grad_head_bf16 + int64_t(b) * P.head_ld + br.pad_col[d];
+}
+
+// C51's gradient of branch d of sample b w.r.t. the head logits (write_head_grad_column at the
+// lane's atoms j_e = lane + 32 e, dq = g[e] at the taken action a; kHeadDueling: the sums to
+// branch_sum[j]), then the BF16 row's padding columns 0.
 template <LossRows kRows, int kSlots>
 __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& br, int b, int d, int a,
                                        const float (&g)[kSlots], float* branch_sum, int lane) {
-  static_assert(reads_head(kRows), "the head-logit gradient is the fused loss's");
   const int NA = P.atoms, n = br.size[d];
-  float* dh = P.grad_head + int64_t(b) * P.head_out + head_col_of(br, d, value_heads(kRows), NA);
-  __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld + br.pad_col[d];
+  float* dh = head_grad_row(P, br, b, d, value_heads(kRows));
+  __nv_bfloat16* low = head_grad_row_bf16(P, br, b, d);
 #pragma unroll
   for (int e = 0; e < kSlots; ++e) {
     const int j = lane + 32 * e;
     if (j >= NA) break;
-    const float taken = a < 0 ? NAN : g[e];  // dq at the taken action
-    const float other = a < 0 ? NAN : 0.f;   // and at the others
-    if constexpr (kRows == LossRows::kHeadDueling) {
-      // The sum over the actions in order adds zeros to dq at the taken action, exactly: 0 + taken
-      // (not `taken`: that differs for -0), without a loop over the actions.
-      const float sum = 0.f + taken;
-      const float mean = branch_mean(sum, n);
-      for (int k = 0; k < n; ++k) {
-        const float x = dueling_advantage_grad(k == a ? taken : other, mean, 0.f);
-        dh[k * NA + j] = x;
-        low[k * NA + j] = __float2bfloat16_rn(x);
-      }
-      branch_sum[j] = sum;
-    } else {
-      // dueling_backward_kernel's expression without dueling (no mean, no direct gradient):
-      // (dq - 0) + 0, which turns a -0 into +0 as the composed path and the CPU reference do.
-      for (int k = 0; k < n; ++k) {
-        const float x = dueling_advantage_grad(k == a ? taken : other, 0.f, 0.f);
-        dh[k * NA + j] = x;
-        low[k * NA + j] = __float2bfloat16_rn(x);
-      }
-    }
+    const float sum = write_head_grad_column<kRows>(dh, low, n, NA, a, j, g[e]);
+    if constexpr (kRows == LossRows::kHeadDueling) branch_sum[j] = sum;
   }
-  const int width = n * NA;
-  for (int i = width + lane; i < round_up_to_align(width); i += 32) low[i] = __float2bfloat16_rn(0.f);
+  zero_head_padding(low, n * NA, lane, 32);
 }
 
 // The value column of sample b's head-logit gradient (kHeadDueling: the value head is the first
@@ -253,7 +337,7 @@ __device__ void write_value_grad(const LossParams& P, int b, const float* branch
     dh[j] = dv;
     low[j] = __float2bfloat16_rn(dv);
   }
-  for (int64_t j = NA + lane; j < round_up_to_align(NA); j += 32) low[j] = __float2bfloat16_rn(0.f);
+  zero_head_padding(low, NA, lane, 32);
 }
 
 // Floats of shared memory per warp, C51's general version: [staged online rows | staged target
