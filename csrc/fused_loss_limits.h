@@ -10,10 +10,12 @@ namespace dqn_ops {
 // also `lane + 64` and `lane + 96`. (QR's fused loss takes every quantile count the CUDA loss
 // does: a lane owns quantiles `lane`, `lane + 32`, ... through shared memory.)
 constexpr int kFusedLossMaxAtoms = 128;
-// A warp per branch, all of a sample's branches in one block of at most this many warps (with
-// dueling, the value column's gradient sums the branches' partial sums in that block's shared
-// memory). The same limit holds without dueling, so that whether the fused kernel runs depends
-// on the loss, the atoms and the branch count alone (dqn_ops.step.fused_loss_supported).
-constexpr int kFusedLossMaxBranches = 8;
+// Branches over all ensemble members (E * D table entries): a warp per entry, all of a
+// sample's in one block, and each entry's row of per-atom sums kept in that block's shared
+// memory until every member's value column is summed from them (two rounds' worth: 64 KiB at
+// this many entries and 256 quantiles). The same limit holds without dueling, so that whether
+// the fused kernel runs depends on the loss, the atoms and the entry count alone
+// (dqn_ops.step.fused_loss_supported).
+constexpr int kFusedLossMaxBranches = 32;
 
 }  // namespace dqn_ops

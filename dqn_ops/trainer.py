@@ -12,7 +12,7 @@ and its mirror (``ema_update``). Scalars (loss, grad norm, mean Q, skipped) are 
 Forward, loss and backward are ``dqn_ops.step.InternalOpsStep`` on every device for a network
 of one head group that is not IQN's: the dueling aggregation and its backward inside the loss,
 the same results bit for bit as the public ops (``dqn_ops.step.PublicOpsStep``); on CUDA, for
-C51 with few enough atoms or QR, few enough branches and one member, the loss is one fused kernel
+C51 with few enough atoms or QR, and few enough branches over its members, the loss is one fused kernel
 (``uses_fused_path``). An IQN network's step is ``PublicOpsStep`` (its forward takes the
 fractions), a network with head groups' ``GroupsStep`` (each group's public-ops step).
 
@@ -218,7 +218,7 @@ class Trainer(NonFiniteSteps):
     network's a ``PublicOpsStep``, a network with head groups' a ``GroupsStep``), the same
     results bit for bit as the public ops. ``uses_fused_path`` (read-only) says whether its loss
     runs the fused loss kernel (CUDA, C51 with at most ``ops.FUSED_LOSS_MAX_ATOMS`` atoms or QR,
-    at most ``ops.FUSED_LOSS_MAX_BRANCHES`` branches, one member, no masks). ``batch_networks``: whether the forward
+    at most ``ops.FUSED_LOSS_MAX_BRANCHES`` branches over the ensemble's members). ``batch_networks``: whether the forward
     runs the online and target networks' hidden layers as one batched GEMM each (fewer
     launches, more FLOPs, the same results); by default at batch sizes up to
     ``dqn_ops.step.BATCH_NETWORKS_MAX_BATCH``. Set it before the first step: a captured graph
@@ -316,7 +316,7 @@ class Trainer(NonFiniteSteps):
     def uses_fused_path(self) -> bool:
         """Whether the step's loss runs the fused loss kernel (else the composition of
         the public kernels that the internal loss op runs elsewhere: the same results)."""
-        return fused_loss_supported(self.net_config, self.loss_type, self.device, self.config.uses_masks)
+        return fused_loss_supported(self.net_config, self.loss_type, self.device)
 
     @property
     def batch_networks(self) -> bool:

@@ -286,8 +286,8 @@ def _logits_inputs(loss_type="c51", B=12):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_loss_on_logits_with_masks_is_the_public_ops_bits(device, loss_type):
-    """One member with masks (on CUDA the composed loss: the fused kernel takes no masks);
-    tests/test_ensemble_network.py has ensembles on CUDA."""
+    """One member with masks (on CUDA the fused loss kernel, C51 and QR, or the composed one,
+    Huber); tests/test_ensemble_network.py and test_fused_step.py have ensembles on CUDA."""
     c, online, target, b = _logits_inputs(loss_type)
     online, target, b = online.to(device), target.to(device), {k: v.to(device) for k, v in b.items()}
     B = b["actions"].shape[0]

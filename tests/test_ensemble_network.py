@@ -352,8 +352,8 @@ def test_cuda_forward_backward_and_act_match_the_cpu_reference(name):
 @requires_cuda
 @pytest.mark.parametrize("name", ["E2_dueling_H1", "E5_q_H0", "e5_51atoms"])
 def test_cuda_trainer_logits_and_loss_on_logits_are_the_public_ops_bits(name):
-    """The trainer's internal ops on an ensemble (the composed loss: the fused kernel takes one
-    member) give the public ops' bits, with bootstrap masks."""
+    """The trainer's internal ops on an ensemble (the fused loss kernel for C51, the composed one
+    for Huber) give the public ops' bits, with bootstrap masks."""
     c = CUDA_CASES[name]
     online, target = (make_net(c, seed).cuda() for seed in (1, 2))
     B = 40

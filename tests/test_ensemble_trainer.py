@@ -233,14 +233,16 @@ def test_config_defaults_and_values():
     assert TrainerConfig(bootstrap_p=0.5).uses_masks
 
 
-def test_fused_loss_path_is_one_member_without_masks():
+def test_fused_loss_path_takes_ensembles_and_masks():
     one = DQNConfig(state_dim=6, trunk_hidden=(16,), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3))
+    many = DQNConfig(state_dim=6, trunk_hidden=(16,), value_hidden=8, adv_hidden=8, atoms=11, branches=(2, 3),
+                     ensemble=ops.FUSED_LOSS_MAX_BRANCHES // 2 + 1)  # its branches over the members past the limit
     assert fused_loss_supported(one, "c51", torch.device("cuda"))
-    assert not fused_loss_supported(one, "c51", torch.device("cuda"), masked=True)
-    assert not fused_loss_supported(TINY_ENS, "c51", torch.device("cuda"))
-    # the trainer says so for its own config: one member with bootstrap masks runs the composed loss
-    for p, fused in ((1.0, True), (0.5, False)):
-        t = make(one, bootstrap_p=p)
+    assert fused_loss_supported(TINY_ENS, "c51", torch.device("cuda"))
+    assert not fused_loss_supported(many, "c51", torch.device("cuda"))
+    # the trainer says so for its own config, with bootstrap masks or not
+    for config, p, fused in ((one, 1.0, True), (one, 0.5, True), (TINY_ENS, 0.5, True), (many, 0.5, False)):
+        t = make(config, bootstrap_p=p)
         t.device = torch.device("cuda")  # the predicate reads the device only (no CUDA needed here)
         assert t.uses_fused_path == fused
 

@@ -25,13 +25,14 @@ from step_check import check_trainer_step_is_the_public_ops_step, same_bits
 
 V_MIN, V_MAX, GAMMA = -10.0, 10.0, 0.97
 
-CASES = {  # branches, atoms, loss type (and dueling=False: no value head)
+CASES = {  # branches, atoms, loss type (and dueling=False: no value head; then an ensemble's members)
     "reference": ((3, 3, 3), 51, "c51"),
     "two_branches_11_atoms": ((2, 5), 11, "c51"),
     "one_action_two_atoms": ((1,), 2, "c51"),
     "lanes_with_one_or_two_atoms": ((6, 2), 33, "c51"),
     "64_atoms": ((3, 5), 64, "c51"),
     "eight_uneven_branches": ((2, 3, 1, 4, 3, 2, 5, 2), 7, "c51"),
+    "nine_branches": ((2, 3, 1, 2, 4, 2, 3, 1, 2), 5, "c51"),  # more branches than a block's warps
     # the fused kernel's version with 3 or 4 atoms a lane: rows in registers (<= 4 actions) or not
     "65_atoms": ((3, 2), 65, "c51"),
     "128_atoms_five_actions": ((5, 2), 128, "c51"),
@@ -46,18 +47,25 @@ CASES = {  # branches, atoms, loss type (and dueling=False: no value head)
     "qr_eight_uneven_branches": ((2, 3, 1, 4, 3, 2, 5, 2), 7, "qr"),
     "qr_no_dueling_50_quantiles": ((3, 2), 50, "qr", False),
     "qr_one_branch_256_quantiles": ((3,), 256, "qr"),
+    "qr_nine_branches": ((2, 3, 1, 2, 4, 2, 3, 1, 2), 9, "qr"),
+    # ensembles, with bootstrap masks (_batch): more entries than a block's warps, the most
+    # entries, QR, no value head
+    "ensemble_3_reference": ((3, 3, 3), 51, "c51", True, 3),
+    "ensemble_4_eight_branches": ((2,) * 8, 5, "c51", True, 4),
+    "ensemble_5_qr_33_quantiles": ((2, 3), 33, "qr", True, 5),
+    "ensemble_2_no_dueling": ((3, 2), 21, "c51", False, 2),
     # beyond the fused loss kernel: on CUDA the internal loss op composes the public kernels
     "129_atoms": ((3, 2), 129, "c51"),
-    "nine_branches": ((2, 3, 1, 2, 4, 2, 3, 1, 2), 5, "c51"),
+    "33_branches": ((2, 1, 3) * 11, 5, "c51"),
+    "ensemble_9_four_branches": ((2, 3, 1, 2), 5, "c51", True, 9),  # 36 entries
     "one_atom_mse": ((3, 3, 3), 1, "mse"),
     "one_atom_huber": ((2, 4), 1, "huber"),
-    "qr_nine_branches": ((2, 3, 1, 2, 4, 2, 3, 1, 2), 9, "qr"),
 }
 
 
-def _config(branches, atoms, dueling=True):
+def _config(branches, atoms, dueling=True, ensemble=1):
     return DQNConfig(state_dim=24, trunk_hidden=(64, 48), value_hidden=32 if dueling else (), adv_hidden=24,
-                     atoms=atoms, branches=branches, dueling=dueling)
+                     atoms=atoms, branches=branches, dueling=dueling, ensemble=ensemble)
 
 
 def _net(config, seed, device):
@@ -65,7 +73,8 @@ def _net(config, seed, device):
 
 
 def _batch(config, B, seed, device, poison_samples=False):
-    """state_pairs [2B, SD] = [s; s'], actions, rewards, dones, weights."""
+    """state_pairs [2B, SD] = [s; s'], actions, rewards, dones, weights, and an ensemble's
+    bootstrap masks [B, E] (sample 0 masked out of every member, sample 1 of none)."""
     g = torch.Generator().manual_seed(seed)
     actions = torch.stack([torch.randint(0, n, (B,), generator=g) for n in config.branches], 1)
     # rewards up to 1.5x the support: r + gamma z clips at v_min / v_max for many atoms
@@ -77,6 +86,10 @@ def _batch(config, B, seed, device, poison_samples=False):
             actions[2, -1] = config.branches[-1]  # out of range: NaN too on CUDA (the CPU raises)
     b = dict(state_pairs=torch.randn(2 * B, config.state_dim, generator=g), actions=actions, rewards=rewards,
              dones=dones, weights=torch.rand(B, generator=g) + 0.5)
+    if config.members > 1:
+        masks = (torch.rand(B, config.members, generator=g) < 0.5).float()
+        masks[0], masks[1] = 0.0, 1.0
+        b["masks"] = masks
     return {k: v.to(device) for k, v in b.items()}
 
 
@@ -90,8 +103,8 @@ class Sample(NamedTuple):
 
 def sample_inputs(case, device, B=37, seed=3, poison_samples=False) -> Sample:
     """The inputs of the step family: a case's networks (online and target differ) and a batch."""
-    branches, atoms, loss_type, *dueling = CASES[case]
-    config = _config(branches, atoms, *dueling)
+    branches, atoms, loss_type, *shape = CASES[case]
+    config = _config(branches, atoms, *shape)
     return Sample(config, loss_type, _net(config, 1, device), _net(config, 2, device),
                   _batch(config, B, seed, device, poison_samples))
 
@@ -131,7 +144,8 @@ def test_internal_ops_give_the_public_ops_bits(device, case, precision, batch_ne
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "nine_branches", "one_atom_huber",
                                   "qr_200_quantiles", "qr_32_quantiles", "qr_no_dueling_50_quantiles",
-                                  "qr_nine_branches"])
+                                  "qr_nine_branches", "ensemble_3_reference", "ensemble_5_qr_33_quantiles",
+                                  "33_branches"])
 def test_non_finite_samples_give_the_public_ops_bits(device, case):
     s = sample_inputs(case, device, poison_samples=True)
     internal, public = _steps(s)
@@ -345,8 +359,10 @@ def test_fused_loss_runs_only_where_it_is_built_for():
     assert fused_loss_supported(_config((3,), ops.LOSS_CUDA_MAX_ATOMS), "qr", cuda)
     assert fused_loss_supported(_config((2,) * max_branches, 11), "qr", cuda)
     assert not fused_loss_supported(_config((2,) * (max_branches + 1), 11), "qr", cuda)
-    assert not fused_loss_supported(DQNConfig(atoms=200, ensemble=2), "qr", cuda)
-    assert not fused_loss_supported(DQNConfig(atoms=200), "qr", cuda, masked=True)
+    # an ensemble's branches count over its members
+    assert fused_loss_supported(DQNConfig(atoms=200, ensemble=2), "qr", cuda)
+    assert fused_loss_supported(_config((2,) * 4, 11, True, max_branches // 4), "c51", cuda)
+    assert not fused_loss_supported(_config((2,) * 4, 11, True, max_branches // 4 + 1), "c51", cuda)
     t = Trainer(_config((2, 5), 11), TrainerConfig(batch_size=8), device="cpu")
     assert not t.uses_fused_path
     with pytest.raises(AttributeError):

@@ -37,18 +37,19 @@
 // deterministic, with no grid barrier (so no cooperative launch) and no second kernel.
 //
 // _dqn_loss_on_logits (the trainer's step, csrc/dqn_ops.cpp), two strategies:
-//   fused (C51 with atoms <= kFusedLossMaxAtoms, or QR; branches <= kFusedLossMaxBranches, one
-//     member, no masks): the same kernel reads the three passes' raw head logits, adding the
-//     output bias and (with dueling) aggregating them as it reads them, and writes d(loss)/d(head
-//     logits) itself: one launch (and the memset), the logits one trip through memory
-//     (LossRows::kHeadDueling, or kHeadPlain for a network without a value head). QR reads a
-//     column (a quantile of every action) at a time, keeps the taken action's quantiles and then
-//     their gradient in the warp's shared memory, and writes every action's head gradient
-//     column from it (loss/quantile.cuh);
-//   composed (every other configuration: an ensemble, masks, more branches, C51 past its atoms,
-//     MSE / Huber): the public ops' kernels in sequence: the forward's bias (+ dueling
-//     aggregation) of each pass, dqn_loss's kernel, mixed_backward's dueling backward (without
-//     dueling: d(head) = grad_q); 5 launches (and the memset).
+//   fused (C51 with atoms <= kFusedLossMaxAtoms, or QR; at most kFusedLossMaxBranches branches
+//     over an ensemble's members, masks or not): the same kernel reads the three passes' raw
+//     head logits, adding the output bias and (with dueling) aggregating them as it reads them,
+//     and writes d(loss)/d(head logits) itself: one launch (and the memset), the logits one trip
+//     through memory (LossRows::kHeadDueling, or kHeadPlain for a network without a value
+//     head). Each entry's sums for its member's value column wait in shared memory for the
+//     round's barrier. QR reads a column (a quantile of every action) at a time, keeps the
+//     taken action's quantiles and then their gradient in shared memory, and writes every
+//     action's head-gradient column from it (loss/quantile.cuh);
+//   composed (every other configuration: more branches, C51 past its atoms, MSE / Huber): the
+//     public ops' kernels in sequence: the forward's bias (+ dueling aggregation) of each pass,
+//     dqn_loss's kernel, mixed_backward's dueling backward (without dueling: d(head) = grad_q);
+//     5 launches (and the memset).
 // Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh). With a
 // caller's counter (the trainer's step passes one) neither has the memset: the kernel's last
 // block leaves the counter at 0 for the next launch.
@@ -132,10 +133,9 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   for (int d = 0; d < br.count; ++d) max_actions = std::max(max_actions, br.size[d]);
   const int warps = threads / 32;
   const bool register_version = c51 && atoms <= kDuelingMaxAtoms;
-  DQN_CHECK(rows == LossRows::kQ || ((register_version || (qr && !iqn)) && br.count <= kMaxWarps &&
-                                     br.count == br.per_member),
-            op, ": the fused loss kernel takes C51 with at most ", kDuelingMaxAtoms, " atoms or QR, and at most ",
-            kMaxWarps, " branches of one network (no ensemble), got ", atoms, " atoms and ", br.count, " branches");
+  DQN_CHECK(rows == LossRows::kQ || ((register_version || (qr && !iqn)) && br.count <= kFusedLossMaxBranches), op,
+            ": the fused loss kernel takes C51 with at most ", kDuelingMaxAtoms, " atoms or QR, and at most ",
+            kFusedLossMaxBranches, " branches over all members, got ", atoms, " atoms and ", br.count, " branches");
   const bool in_registers = register_version && max_actions <= kQChunk;
   const Kernel kernel = iqn                              ? dqn_loss_kernel<0, LossRows::kQ, false, true, true>
                         : qr && rows == LossRows::kHeadDueling ? dqn_loss_kernel<0, LossRows::kHeadDueling, false, true>
@@ -155,15 +155,18 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
                               : !c51              ? 0
                               : register_version ? 4 * atoms
                                                  : c51_floats_per_warp(atoms, max_actions, staged);
-  // The fused QR loss's two rounds' buffers a warp (dqn_loss_kernel's round_buffer), N floats
-  // each: theta, its gradient, then the branch sums per quantile for the value column.
-  const int64_t sum_floats = qr && rows != LossRows::kQ ? atoms : 0;
-  const size_t smem = size_t(warps) * (work_floats + 2 * sum_floats) * sizeof(float);
+  // The fused loss's round buffers (dqn_loss_kernel's entry_row): two sets of a row of atoms
+  // floats per (sample, entry), where the value columns' sums go (with dueling) and QR's theta
+  // and its gradient.
+  const int64_t sum_floats = rows == LossRows::kHeadDueling || (qr && rows != LossRows::kQ) ? atoms : 0;
+  const size_t smem =
+      (size_t(warps) * work_floats + size_t(2) * samples_per_block * br.count * sum_floats) * sizeof(float);
   // Without staging a warp needs 3 * atoms floats (12 KiB at 8 warps and 129 atoms, 24 KiB at
   // kLossCudaMaxAtoms), QR's and IQN's at most 5,136 bytes (the sorted targets and their double
   // prefix sums at N' = kLossCudaMaxAtoms: 41,088 bytes at 8 warps): within the default budget of
-  // any device these kernels build for. The fused QR loss's buffers add 2 N floats a warp (57,472
-  // bytes at 8 warps and N = kLossCudaMaxAtoms): past the default budget it opts in to more.
+  // any device these kernels build for. The fused loss's round buffers add up to 2 x
+  // kFusedLossMaxBranches rows (C51: 32 KiB at 128 atoms; QR: 64 KiB at 256 quantiles): past the
+  // default budget it opts in to more.
   const size_t limit = smem <= budget ? budget : dynamic_smem_limit(kernel, SmemLimit::kOptIn);
   DQN_CHECK(smem <= limit, op, ": the CUDA loss kernel needs ", smem, " bytes of shared memory for ", atoms,
             " atoms, the device allows it ", limit);
@@ -275,7 +278,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dqn_loss_on_logits_cuda(
   const float* b_target = target_params.data_ptr<float>() + L.b_out;
   LossParams P = loss_params(actions, rewards, dones, weights, masks, L.q_rows(), L.atoms, type, v_min, v_max, gamma);
   const bool fused = (type == LossType::kQR || (type == LossType::kC51 && L.atoms <= kFusedLossMaxAtoms)) &&
-                     L.num_branches() <= kFusedLossMaxBranches && L.members == 1 && !masks.has_value();
+                     L.members * L.num_branches() <= kFusedLossMaxBranches;
   if (fused) {
     P.q = logits.data_ptr<float>();
     P.q_next_online = logits_next_online.data_ptr<float>();

@@ -142,8 +142,8 @@ __device__ float2 c51_branch(const BranchTable& br, const LossParams& P, int b, 
 //
 // reads_head(kRows) (the fused loss, _dqn_loss_on_logits): the rows are raw head logits, biased
 // and (kHeadDueling) aggregated as they are read (BranchRows), and the gradient is written
-// w.r.t. the head logits (write_branch_head_grad; branch_sum, kHeadDueling: this warp's row of
-// per-atom sums for the value column).
+// w.r.t. the head logits (write_branch_head_grad; branch_sum, kHeadDueling: this entry's row of
+// per-atom sums for its member's value column).
 template <LossRows kRows, bool kRowsInRegisters, int kSlots>
 __device__ float2 c51_branch_small(const BranchTable& br, const LossParams& P, int b, int d, float scale,
                                    float* work, float* branch_sum, int lane) {
@@ -395,8 +395,9 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 
 // kSlots: C51's register version (c51_branch_small) with atoms <= 32 * kSlots (2 or 4); 0: the
 // general version or QR / MSE. kRows: what the rows are (LossRows); the fused loss on head
-// logits is C51's register version, a warp per branch (warps_per_sample == branches: the value
-// column's gradient, kHeadDueling, sums the sample's warps' branch sums).
+// logits is C51's register version or QR's, a warp per (member, branch) entry as dqn_loss's (the
+// value columns' gradients, kHeadDueling, sum each member's entries' rows of the round buffers
+// after the round's barrier).
 // kTwoSlotMinBlocks: the <= 64-atom versions are latency-bound, so 3 blocks (24 warps) per
 // SM: at most 85 registers. Unbounded, the fused version takes more registers than that and
 // fits only 2 blocks per SM, which was slower; with 4 blocks per SM (64 registers) it spills,
@@ -434,31 +435,28 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
   static_assert(!kFractions || (kQuantiles && kRows == LossRows::kQ), "IQN runs QR's version on dqn_loss's rows");
   // C51 and QR: P.work_floats per warp. 16-byte aligned, as QR reads its stage as float4s
   // (nvcc already aligns an extern shared array to 16 bytes: this states the requirement).
-  // The fused QR loss: then two rounds' buffers of P.sum_floats per warp (round_buffer).
+  // The fused loss: then its round buffers (entry_row below).
   extern __shared__ __align__(16) float smem[];
-  // Each warp's sums of a round, read by its sample's first warp after the round's barrier, and
-  // the fused loss's buffers: its branch sums of dq per atom for the value column's gradient
-  // (kHeadDueling), C51's register version's in branch_sums (its stride known when it compiles:
-  // the addressing costs no registers), QR's in the dynamic area (N floats a warp; they also hold
-  // theta and its gradient first: qr_branch's buf). Two of each, by round parity, so one barrier
-  // a round suffices: a round writes the buffer the previous round did not read, and the round
-  // before that finished its reads before the last barrier.
+  // Each warp's sums of a round, read by its sample's first warp after the round's barrier. Two
+  // buffers, by round parity, so one barrier a round suffices: a round writes the buffer the
+  // previous round did not read, and the round before that finished its reads before the last
+  // barrier.
   __shared__ float part_a[2][kMaxWarps], part_b[2][kMaxWarps], part_c[2][kMaxWarps], part_d[2][kMaxWarps];
-  constexpr int kSumStride = 32 * (kSlots > 0 ? kSlots : 1);  // a warp's row of branch_sums
-  __shared__ float branch_sums[2][kDueling && kRegisterVersion ? kMaxWarps * kSumStride : 1];
   __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int sum_stride = kRegisterVersion ? kSumStride : P.sum_floats;
-  auto round_buffer = [&](int parity, int w) {
-    if constexpr (kRegisterVersion) return branch_sums[parity] + w * kSumStride;
-    const int warps = blockDim.x / 32;
-    return smem + int64_t(warps) * P.work_floats + (int64_t(parity) * warps + w) * P.sum_floats;
-  };
   const int W = P.warps_per_sample, S = P.samples_per_block;
   const int slot = warp / W, wi = warp % W;  // this warp's sample in the block, and its share
   // C51 and QR: a warp per (sample, branch), the branch sums averaged per sample.
   const bool per_branch = kQuantiles || P.type == LossType::kC51;
   float* work = smem + warp * P.work_floats;
+  // The fused loss's round buffers, after the warps' work areas: a row of P.sum_floats floats
+  // per (sample slot, table entry), by round parity as part_a..: the entry's sums of dq per atom
+  // for its member's value column (kHeadDueling), and QR's theta and its gradient before them
+  // (qr_branch's buf). A sample's rows in entry order, so a member's branches are adjacent.
+  const int rows_first = (blockDim.x / 32) * P.work_floats;  // in floats of smem
+  auto entry_row = [&](int parity, int d) {
+    return smem + rows_first + ((parity * S + slot) * br.count + d) * P.sum_floats;
+  };
   float loss_acc = 0.f, q_acc = 0.f;  // kept by each sample slot's first warp
   int buf = 0;                        // this round's buffers
   for (int b0 = blockIdx.x * S; b0 < P.batch; b0 += gridDim.x * S, buf ^= 1) {  // uniform across the block
@@ -469,16 +467,16 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
     // C51 / QR: loss and Q sums over this warp's entries (z, QR: > 0 when one poisons the
     // sample). The loss sum x is unmasked (the TD error's); with masks, lane 0 keeps the masked
     // sum in part_d (shared memory: one more register across the branch calls would spill),
-    // and each entry's mask scales its gradient. The fused loss takes no masks.
+    // and each entry's mask scales its gradient.
     float x = 0.f, y = 0.f, z = 0.f;
-    const bool masked = !reads_head(kRows) && P.masks != nullptr;
+    const bool masked = P.masks != nullptr;
     if (lane == 0) part_d[buf][warp] = 0.f;
     if (live) {
       if constexpr (kQuantiles) {
         for (int d = wi; d < br.count; d += W) {
           const float m = masked ? member_mask(br, P, b, d) : 1.f;
           const float3 r = qr_branch<kRows, kFractions>(br, P, b, d, masked ? scale * m : scale, work,
-                                                        reads_head(kRows) ? round_buffer(buf, warp) : nullptr, lane);
+                                                        reads_head(kRows) ? entry_row(buf, d) : nullptr, lane);
           if (masked && lane == 0) part_d[buf][warp] += m * r.x;
           x += r.x;
           y += r.y;
@@ -491,7 +489,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
           if constexpr (kRegisterVersion)
             r = c51_branch_small<kRows, kRowsInRegisters, kSlots>(
                 br, P, b, d, masked ? scale * m : scale, work,
-                kDueling ? round_buffer(buf, warp) : nullptr, lane);
+                kDueling ? entry_row(buf, d) : nullptr, lane);
           else
             r = c51_branch(br, P, b, d, masked ? scale * m : scale, work, lane);
           if (masked && lane == 0) part_d[buf][warp] += m * r.x;
@@ -511,15 +509,17 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
       part_c[buf][warp] = z;
     }
     __syncthreads();
-    if constexpr (kDueling)  // the sample's warps hold its branches 0 .. W - 1, in order
-      if (live && wi == 0) write_value_grad(P, b, round_buffer(buf, slot * W), W, sum_stride, lane);
-    if constexpr (kQuantiles)  // a branch that poisons its sample poisons every branch's rows
-      if (live) {
-        bool poisoned = false;
-        for (int k = 0; k < W; ++k) poisoned = poisoned || part_c[buf][slot * W + k] > 0.f;
-        if (poisoned)
-          for (int d = wi; d < br.count; d += W) qr_poison_rows<kRows>(br, P, b, d, nullptr, lane);
-      }
+    // QR: a branch that poisons its sample poisons every branch's rows (every member's)
+    bool poisoned = false;
+    if constexpr (kQuantiles)
+      for (int k = 0; k < W; ++k) poisoned = poisoned || part_c[buf][slot * W + k] > 0.f;
+    if constexpr (kDueling)  // member m's value column by the sample's warp m % W
+      if (live)
+        for (int m = wi; m < value_heads_of(br); m += W)
+          write_value_grad(P, br, b, m, entry_row(buf, m * br.per_member), P.sum_floats, poisoned, lane);
+    if constexpr (kQuantiles)
+      if (live && poisoned)
+        for (int d = wi; d < br.count; d += W) qr_poison_rows<kRows>(br, P, b, d, nullptr, lane);
     if (live && wi == 0 && lane == 0) {
       float sample_loss = 0.f, q = 0.f, td = 0.f, masked_loss = 0.f;
       for (int k = 0; k < W; ++k) {  // branch order (warp k took branches k, k + W, ...)

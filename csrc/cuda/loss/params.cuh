@@ -15,8 +15,9 @@ namespace cuda {
 // alone, and the compiler sees every call site of every device function.
 namespace {
 
-// Warps per block. The fused loss runs a warp per branch of a sample in one block.
-constexpr int kMaxWarps = kFusedLossMaxBranches;
+// Warps per block: a sample's (member, branch) entries take min(entries, kMaxWarps) warps of
+// it, warp k entries k, k + kMaxWarps, ... (C51 and QR).
+constexpr int kMaxWarps = 8;
 // C51 with at most this many atoms runs the register version (c51_branch_small: a lane owns
 // atoms `lane + 32 e`, 2 or 4 of them), the only one the fused loss has.
 constexpr int kDuelingMaxAtoms = kFusedLossMaxAtoms;
@@ -29,17 +30,13 @@ constexpr int kStageUnroll = 12;  // loads in flight per lane while staging
 //   kQ: dqn_loss's q [batch, total_actions, atoms], the gradient to grad_q;
 //   kHeadDueling, kHeadPlain: the fused loss (_dqn_loss_on_logits; C51's register version or
 //     QR's): the output layer's raw GEMM rows plus each network's output bias, q formed as the
-//     rows are read (kHeadDueling: the network has a value head and q is the dueling aggregate;
-//     kHeadPlain: it has none and q is the biased branch logits), the gradient to grad_head /
-//     grad_head_bf16.
+//     rows are read (kHeadDueling: the network has a value head per member and q is the dueling
+//     aggregate; kHeadPlain: it has none and q is the biased branch logits), the gradient to
+//     grad_head / grad_head_bf16. Entry d's logits and bias start at head_col_of(br, d,
+//     value_heads_of(br), atoms) of the compact head (NetLayout::branch_head(e, d).out_col).
 enum class LossRows { kQ, kHeadDueling, kHeadPlain };
 
 constexpr bool reads_head(LossRows rows) { return rows != LossRows::kQ; }
-
-// The output heads before the branches' (the value head, with dueling): branch d's logits and
-// output bias start at head_col_of(br, d, value_heads, atoms) of the compact head
-// (NetLayout::branch_head(d).out_col).
-constexpr int value_heads(LossRows rows) { return rows == LossRows::kHeadDueling ? 1 : 0; }
 
 struct LossParams {
   const float* q;
@@ -63,7 +60,7 @@ struct LossParams {
   int max_actions;  // the largest branch: sizes the staging area
   bool staged;      // general version: the rows are copied to shared memory first
   int work_floats;  // C51 / QR: shared memory per warp
-  int sum_floats;   // the fused QR loss: shared memory per warp and round after the work areas (dqn_loss_kernel)
+  int sum_floats;   // the fused loss: a (sample, entry) row of the round buffers after the work areas (dqn_loss_kernel)
   float v_min, v_max, dz, gamma;
   LossType type;
   // The fused loss (reads_head): q, q_next_online and q_next_target are the output layer's

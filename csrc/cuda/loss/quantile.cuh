@@ -72,7 +72,7 @@ __device__ void qr_poison_rows(const BranchTable& br, const LossParams& P, int b
   const int64_t a = taken_action(br, P.actions, b, d);
   const bool valid = a >= 0 && a < n;
   if constexpr (reads_head(kRows)) {
-    float* dh = head_grad_row(P, br, b, d, value_heads(kRows));
+    float* dh = head_grad_row(P, br, b, d);
     __nv_bfloat16* low = head_grad_row_bf16(P, br, b, d);
     for (int i = lane; i < N; i += 32) {
       const float sum = write_head_grad_column<kRows>(dh, low, n, N, valid ? int(a) : -1, i, NAN);
@@ -385,7 +385,7 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
     qr_sorted_sums(stage, S, n2, N2, c, theta_row, tau_row, g, N, lane, gscale, loss_sum, theta_sum);
   }
   if constexpr (reads_head(kRows)) {  // dq = g at the taken action, the head-logit gradient from it
-    float* dh = head_grad_row(P, br, b, d, value_heads(kRows));
+    float* dh = head_grad_row(P, br, b, d);
     __nv_bfloat16* low = head_grad_row_bf16(P, br, b, d);
     for (int i = lane; i < N; i += 32) buf[i] = write_head_grad_column<kRows>(dh, low, n, N, int(a), i, buf[i]);
     zero_head_padding(low, n * N, lane, 32);

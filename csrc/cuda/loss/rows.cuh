@@ -17,6 +17,16 @@ namespace dqn_ops {
 namespace cuda {
 namespace {  // see loss/params.cuh
 
+// The value head of entry d's member (kHeadDueling): its first column in a padded logits row
+// (member e's at e * round_up_to_align(atoms)) and in the output bias and the compact head (at
+// e * atoms), as head_bias_dueling_kernel and dueling_backward_kernel place it.
+__device__ __forceinline__ int64_t value_pad_col(const BranchTable& br, int d, int atoms) {
+  return member_of(br, d) * round_up_to_align(atoms);
+}
+__device__ __forceinline__ int64_t value_col(const BranchTable& br, int d, int atoms) {
+  return member_of(br, d) * int64_t(atoms);
+}
+
 // One network pass's rows of branch d of sample b, as the loss reads them. dqn_loss (kQ): q,
 // action k's atom j at row[k * atoms + j]. The fused loss: the branch head's raw logits at the
 // same place, biased as they are read and (kHeadDueling) aggregated, with dueling.cuh's
@@ -65,7 +75,7 @@ __device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, i
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
       rows[p].row = base[p] + int64_t(b) * P.head_ld + br.pad_col[d];
-      rows[p].bias = b_out[p] + head_col_of(br, d, value_heads(kRows), NA);
+      rows[p].bias = b_out[p] + head_col_of(br, d, value_heads_of(br), NA);
 #pragma unroll
       for (int e = 0; e < kSlots; ++e) rows[p].v[e] = rows[p].mean[e] = 0.f;
     }
@@ -75,12 +85,14 @@ __device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, i
     float s[3][kSlots];
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
-      const float* in = base[p] + int64_t(b) * P.head_ld;  // the value head's logits at column 0
+      const float* in = base[p] + int64_t(b) * P.head_ld;
+      const float* value = in + value_pad_col(br, d, NA);
+      const float* value_bias = b_out[p] + value_col(br, d, NA);
       rows[p].row = in + br.pad_col[d];
-      rows[p].bias = b_out[p] + head_col_of(br, d, value_heads(kRows), NA);
+      rows[p].bias = b_out[p] + head_col_of(br, d, value_heads_of(br), NA);
 #pragma unroll
       for (int e = 0; e < kSlots; ++e) {
-        rows[p].v[e] = at.has[e] ? biased_logit(in[at.j[e]], b_out[p][at.j[e]]) : 0.f;
+        rows[p].v[e] = at.has[e] ? biased_logit(value[at.j[e]], value_bias[at.j[e]]) : 0.f;
         s[p][e] = 0.f;
       }
     }
@@ -175,10 +187,11 @@ __device__ QuantileRows<kRows> quantile_rows(const LossParams& P, const BranchTa
     r.row = base + row0 * slots;
   } else {
     const float* b_out = p == 2 ? P.b_target : P.b_online;
-    r.value = base + int64_t(b) * P.head_ld;  // the value head's logits at column 0
-    r.value_bias = b_out;
-    r.row = r.value + br.pad_col[d];
-    r.bias = b_out + head_col_of(br, d, value_heads(kRows), slots);
+    const float* in = base + int64_t(b) * P.head_ld;
+    r.value = in + value_pad_col(br, d, slots);
+    r.value_bias = b_out + value_col(br, d, slots);
+    r.row = in + br.pad_col[d];
+    r.bias = b_out + head_col_of(br, d, value_heads_of(br), slots);
   }
   return r;
 }
@@ -214,7 +227,7 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
       const float* row = base[p] + int64_t(b) * P.head_ld + br.pad_col[d];
-      const float* bias = b_out[p] + head_col_of(br, d, value_heads(kRows), NA);
+      const float* bias = b_out[p] + head_col_of(br, d, value_heads_of(br), NA);
 #pragma unroll
       for (int k = 0; k < kQChunk; ++k) {
         const bool live = k < n;
@@ -230,13 +243,15 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
     float v[kSlots][3];
 #pragma unroll
     for (int p = 0; p < 3; ++p) {  // every load of the three passes issued before the first add
-      const float* in = base[p] + int64_t(b) * P.head_ld;  // the value head's logits at column 0
+      const float* in = base[p] + int64_t(b) * P.head_ld;
+      const float* value = in + value_pad_col(br, d, NA);
+      const float* value_bias = b_out[p] + value_col(br, d, NA);
       const float* row = in + br.pad_col[d];
-      const float* bias = b_out[p] + head_col_of(br, d, value_heads(kRows), NA);
+      const float* bias = b_out[p] + head_col_of(br, d, value_heads_of(br), NA);
 #pragma unroll
       for (int e = 0; e < kSlots; ++e) {
         const int j = at.j[e];
-        v[e][p] = at.has[e] ? biased_logit(in[j], b_out[p][j]) : 0.f;
+        v[e][p] = at.has[e] ? biased_logit(value[j], value_bias[j]) : 0.f;
 #pragma unroll
         for (int k = 0; k < kQChunk; ++k)
           q.x[e][p][k] = k < n && at.has[e] ? biased_logit(row[k * NA + j], bias[k * NA + j]) : 0.f;
@@ -293,11 +308,10 @@ __device__ __forceinline__ float write_head_grad_column(float* dh, __nv_bfloat16
   }
 }
 
-// Branch d's head-logit gradient rows of sample b: the F32 compact and BF16 padded rows'
-// first columns (write_head_grad_column's dh and low).
-__device__ __forceinline__ float* head_grad_row(const LossParams& P, const BranchTable& br, int b, int d,
-                                                int value_heads) {
-  return P.grad_head + int64_t(b) * P.head_out + head_col_of(br, d, value_heads, P.atoms);
+// Entry d's head-logit gradient rows of sample b: the F32 compact and BF16 padded rows' first
+// columns (write_head_grad_column's dh and low).
+__device__ __forceinline__ float* head_grad_row(const LossParams& P, const BranchTable& br, int b, int d) {
+  return P.grad_head + int64_t(b) * P.head_out + head_col_of(br, d, value_heads_of(br), P.atoms);
 }
 __device__ __forceinline__ __nv_bfloat16* head_grad_row_bf16(const LossParams& P, const BranchTable& br, int b, int d) {
   return P.grad_head_bf16 + int64_t(b) * P.head_ld + br.pad_col[d];
@@ -310,7 +324,7 @@ template <LossRows kRows, int kSlots>
 __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& br, int b, int d, int a,
                                        const float (&g)[kSlots], float* branch_sum, int lane) {
   const int NA = P.atoms, n = br.size[d];
-  float* dh = head_grad_row(P, br, b, d, value_heads(kRows));
+  float* dh = head_grad_row(P, br, b, d);
   __nv_bfloat16* low = head_grad_row_bf16(P, br, b, d);
 #pragma unroll
   for (int e = 0; e < kSlots; ++e) {
@@ -322,18 +336,20 @@ __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& b
   zero_head_padding(low, n * NA, lane, 32);
 }
 
-// The value column of sample b's head-logit gradient (kHeadDueling: the value head is the first
-// output head, compact and padded column 0): the branches' sums in branch order (dueling.cuh's
-// dv, no direct gradient), then its BF16 copy and padding. branch_sums: one row of `stride`
-// floats per branch.
-__device__ void write_value_grad(const LossParams& P, int b, const float* branch_sums, int branches, int stride,
-                                 int lane) {
+// Member m's value column of sample b's head-logit gradient (kHeadDueling: value head m is the
+// m-th output head, compact column m * atoms, padded m * round_up_to_align(atoms)): its
+// branches' sums in branch order (dueling.cuh's dv, no direct gradient; NaN when `poisoned`,
+// as a QR sample's every row is), then its BF16 copy and padding. branch_sums: the member's
+// branches' rows, `stride` floats apart.
+__device__ void write_value_grad(const LossParams& P, const BranchTable& br, int b, int m, const float* branch_sums,
+                                 int stride, bool poisoned, int lane) {
   const int NA = P.atoms;
-  float* dh = P.grad_head + int64_t(b) * P.head_out;
-  __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld;
+  float* dh = P.grad_head + int64_t(b) * P.head_out + int64_t(m) * NA;
+  __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld + int64_t(m) * round_up_to_align(NA);
   for (int j = lane; j < NA; j += 32) {
     float dv = 0.f;
-    for (int d = 0; d < branches; ++d) dv += branch_sums[d * stride + j];
+    for (int d = 0; d < br.per_member; ++d) dv += branch_sums[d * stride + j];
+    if (poisoned) dv = NAN;
     dh[j] = dv;
     low[j] = __float2bfloat16_rn(dv);
   }
