@@ -43,13 +43,13 @@ BATCH_NETWORKS_MAX_BATCH = 4096
 
 def fused_loss_supported(config: DQNConfig, loss_type: str, device: torch.device) -> bool:
     """Whether ``_dqn_loss_on_logits`` runs its fused kernel (output bias, the dueling aggregation
-    when the network has one, the C51 loss and its gradient in one launch) for this network,
-    loss and device, with bootstrap masks or not (else it composes the public kernels, with the
-    same results). The fused kernel is C51's (up to ``FUSED_LOSS_MAX_ATOMS`` atoms) and QR's
-    (any quantile count the CUDA loss takes), for up to ``FUSED_LOSS_MAX_BRANCHES`` branches over
-    an ensemble's members, with bootstrap masks or not; a network with head groups runs each
-    group's public ops."""
-    atoms_fit = 2 <= config.atoms <= ops.FUSED_LOSS_MAX_ATOMS if loss_type == "c51" else loss_type == "qr"
+    when the network has one, the loss and its gradient in one launch) for this network, loss
+    and device (else it composes the public kernels, with the same results). The fused kernel is
+    C51's (up to ``FUSED_LOSS_MAX_ATOMS`` atoms) and QR's (any quantile count the CUDA loss
+    takes), for up to ``FUSED_LOSS_MAX_BRANCHES`` branches over an ensemble's members, with
+    bootstrap masks or not; a network with head groups runs each group's public ops."""
+    atoms_fit = (2 <= config.atoms <= ops.FUSED_LOSS_MAX_ATOMS if loss_type == "c51"
+                 else loss_type == "qr" and config.atoms <= ops.LOSS_CUDA_MAX_ATOMS)
     return (torch.device(device).type == "cuda" and atoms_fit and not config.aux
             and config.members * config.num_branches <= ops.FUSED_LOSS_MAX_BRANCHES)
 

@@ -158,6 +158,20 @@ def test_non_finite_samples_give_the_public_ops_bits(device, case):
     assert torch.isfinite(got.td_error[~poisoned]).all()
 
 
+@requires_cuda
+@pytest.mark.parametrize("case", ["reference", "qr_200_quantiles", "qr_no_dueling_50_quantiles",
+                                  "ensemble_3_reference", "ensemble_5_qr_33_quantiles"])
+def test_many_rounds_of_the_loss_kernels_grid_give_the_public_ops_bits(case):
+    """At B = 3000 each block of the loss kernel's resident grid takes several rounds of samples,
+    so its round buffers alternate (the value columns' sums, QR's theta and gradient): the same
+    bits as the public ops (no poisoned sample, whose NaN would reach every weight's gradient)."""
+    s = sample_inputs(case, "cuda", B=3000, seed=11)
+    internal, public = _steps(s)
+    want, got = _run(public, s.batch, True), _run(internal, s.batch, True)
+    _assert_same_step(got, want)
+    assert torch.isfinite(got.grad).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "lanes_with_one_or_two_atoms", "65_atoms",
                                   "128_atoms_five_actions", "nine_branches", "one_atom_mse", "qr_200_quantiles",
@@ -357,6 +371,7 @@ def test_fused_loss_runs_only_where_it_is_built_for():
     assert fused_loss_supported(DQNConfig(atoms=200), "qr", cuda)
     assert not fused_loss_supported(DQNConfig(atoms=200), "qr", cpu)
     assert fused_loss_supported(_config((3,), ops.LOSS_CUDA_MAX_ATOMS), "qr", cuda)
+    assert not fused_loss_supported(_config((3,), ops.LOSS_CUDA_MAX_ATOMS + 1), "qr", cuda)  # the CUDA loss refuses it
     assert fused_loss_supported(_config((2,) * max_branches, 11), "qr", cuda)
     assert not fused_loss_supported(_config((2,) * (max_branches + 1), 11), "qr", cuda)
     # an ensemble's branches count over its members

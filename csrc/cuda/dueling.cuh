@@ -1,8 +1,8 @@
 // The dueling aggregation and its backward: the one home of this arithmetic on the device.
 //
 // head_bias_dueling_kernel (dueling_forward.cu), dueling_backward_kernel (mixed_backward.cu)
-// and the fused loss (loss/rows.cuh: branch_rows, q_at, branch_q, write_branch_head_grad,
-// write_value_grad) all compute through these functions, so the fused path's q and
+// and the fused loss (loss/rows.cuh: branch_rows, q_at, branch_q, QuantileRows,
+// write_head_grad_column, write_value_grad) all compute through these functions, so the fused path's q and
 // d(head logits) are the same bits as the public ops' by construction.
 //
 // Branch d with n actions, at one atom:

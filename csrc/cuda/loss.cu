@@ -116,7 +116,8 @@ Kernel register_kernel(int64_t atoms, bool in_registers) {
 
 // Sizes the launch, allocates the scalar outputs and launches. P arrives with the inputs, the
 // gradient outputs, total_actions and the loss constants set; `rows` says what its rows are
-// (the fused loss's only with C51 and atoms <= kDuelingMaxAtoms: the register version). `counter`:
+// (the fused loss's only with C51's register version, atoms <= kDuelingMaxAtoms, or QR, and at
+// most kFusedLossMaxBranches entries). `counter`:
 // the blocks' counter, 0 at the launch, which the kernel's last block sets back to 0
 // (_dqn_loss_on_logits' caller-owned one); nullptr: one of the launch's own, zeroed by a memset.
 LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, int64_t batch, int64_t atoms,

@@ -408,19 +408,24 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // kQuantiles: QR (qr_branch), a warp per branch as C51's, on dqn_loss's rows or (the fused loss)
 // the head logits. Its inner loops (the direct pairs' FMAs, the sorted version's dependent shared
 // loads) are latency-bound, and more warps hide more: 4 blocks (32 warps) per SM, at most 64
-// registers, which it fits without spilling (its sorted version's shared memory, 34 KiB a
-// block at 200 quantiles, still lets 4 blocks reside).
+// registers, which dqn_loss's rows fit without spilling (its sorted version's shared memory, 34
+// KiB a block at 200 quantiles, still lets 4 blocks reside). On the head logits (the column
+// reads, the head-gradient writes) 64 registers spill ~250 bytes a thread with dueling, so
+// kFusedQuantileMinBlocks 3 (at most 85 registers: no spill without dueling, ~75 bytes with it;
+// ptxas -v on sm_90).
 // kFractions: IQN, kQuantiles' code (qr_branch<kQ, true>) with the fractions read per sample and the
 // three inputs' own slot counts; its own instantiation, so that QR's, with N = K = N' and the
 // midpoints known when it compiles, keeps its registers.
 constexpr int kTwoSlotMinBlocks = 3;
 constexpr int kFourSlotMinBlocks = 2;
 constexpr int kQuantileMinBlocks = 4;
+constexpr int kFusedQuantileMinBlocks = 3;
 
 template <int kSlots, LossRows kRows, bool kRowsInRegisters, bool kQuantiles = false, bool kFractions = false>
 __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlocks
                                                   : kSlots    ? kFourSlotMinBlocks
-                                                  : kQuantiles ? kQuantileMinBlocks
+                                                  : kQuantiles ? (reads_head(kRows) ? kFusedQuantileMinBlocks
+                                                                                    : kQuantileMinBlocks)
                                                                : 1)
     dqn_loss_kernel(const __grid_constant__ BranchTable br, const LossParams P) {
   pdl_enter();

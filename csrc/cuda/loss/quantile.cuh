@@ -54,7 +54,8 @@ __host__ __device__ inline int qr_sort_size(int target_quantiles) {
 //   direct: the target quantiles, padded to whole float4s;
 //   sorted: the targets padded with +inf to qr_sort_size(N') (a multiple of 4), then the N' + 1
 //   prefix sums (S1, S2) as double2s: 5,136 bytes at N' = 256, 41,088 for kMaxWarps warps, within
-//   the 48 KiB a launch may have without an opt-in.
+//   the 48 KiB a launch may have without an opt-in (the fused loss's round buffers come on top:
+//   launch_loss opts in where they pass it).
 __host__ __device__ inline int64_t qr_floats_per_warp(int64_t quantiles, int64_t target_quantiles) {
   if (quantiles <= kQrDirectMaxQuantiles) return (target_quantiles + 3) / 4 * 4;
   return qr_sort_size(static_cast<int>(target_quantiles)) + 4 * (target_quantiles + 1);
@@ -312,7 +313,16 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
 
   // double DQN: the online network's greedy next action by the quantiles' mean (the first of
   // equal maxima; NaN wins), kQChunk actions' loads and reductions in flight together
+  // (The fused loss forms each column's value and mean once, into the lane's entries of the
+  // stage and buf, both free until the target is staged and theta read: the actions' loop then
+  // reads them back instead of every action re-reading the column.)
   const QuantileRows<kRows> next = quantile_rows<kRows>(P, br, 1, b, d, row0, K);
+  if constexpr (reads_head(kRows))
+    for (int j = lane; j < K; j += 32) {
+      const auto c = next.column(j);
+      stage[j] = c.v;
+      buf[j] = c.mean;
+    }
   int a_star = 0;
   float best = -INFINITY;
   bool nan_seen = false;
@@ -322,7 +332,11 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
     for (int k = 0; k < kQChunk; ++k) {
       s[k] = 0.f;
       if (a0 + k < n)
-        for (int j = lane; j < K; j += 32) s[k] += next.q(a0 + k, j, next.column(j));
+        for (int j = lane; j < K; j += 32) {
+          typename QuantileRows<kRows>::Column c{0.f, 0.f};
+          if constexpr (reads_head(kRows)) c = {stage[j], buf[j]};
+          s[k] += next.q(a0 + k, j, c);
+        }
     }
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k) {
