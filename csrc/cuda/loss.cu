@@ -200,6 +200,7 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   P.staged = staged;
   P.work_floats = static_cast<int>(work_floats);
   P.sum_floats = static_cast<int>(sum_floats);
+  P.value_heads = value_heads_of(br);
   P.type = type;
   launch(kernel, grid, threads, smem, stream, br, P);
   return out;

@@ -520,7 +520,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
       for (int k = 0; k < W; ++k) poisoned = poisoned || part_c[buf][slot * W + k] > 0.f;
     if constexpr (kDueling)  // member m's value column by the sample's warp m % W
       if (live)
-        for (int m = wi; m < value_heads_of(br); m += W)
+        for (int m = wi; m < P.value_heads; m += W)
           write_value_grad(P, br, b, m, entry_row(buf, m * br.per_member), P.sum_floats, poisoned, lane);
     if constexpr (kQuantiles)
       if (live && poisoned)

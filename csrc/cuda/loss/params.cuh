@@ -33,7 +33,8 @@ constexpr int kStageUnroll = 12;  // loads in flight per lane while staging
 //     rows are read (kHeadDueling: the network has a value head per member and q is the dueling
 //     aggregate; kHeadPlain: it has none and q is the biased branch logits), the gradient to
 //     grad_head / grad_head_bf16. Entry d's logits and bias start at head_col_of(br, d,
-//     value_heads_of(br), atoms) of the compact head (NetLayout::branch_head(e, d).out_col).
+//     value_heads_of(br) = LossParams::value_heads, atoms) of the compact head
+//     (NetLayout::branch_head(e, d).out_col).
 enum class LossRows { kQ, kHeadDueling, kHeadPlain };
 
 constexpr bool reads_head(LossRows rows) { return rows != LossRows::kQ; }
@@ -61,6 +62,7 @@ struct LossParams {
   bool staged;      // general version: the rows are copied to shared memory first
   int work_floats;  // C51 / QR: shared memory per warp
   int sum_floats;   // the fused loss: a (sample, entry) row of the round buffers after the work areas (dqn_loss_kernel)
+  int value_heads;  // the fused loss: value_heads_of(br), formed on the host (a division per use costs registers)
   float v_min, v_max, dz, gamma;
   LossType type;
   // The fused loss (reads_head): q, q_next_online and q_next_target are the output layer's

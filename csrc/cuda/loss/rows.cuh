@@ -17,15 +17,11 @@ namespace dqn_ops {
 namespace cuda {
 namespace {  // see loss/params.cuh
 
-// The value head of entry d's member (kHeadDueling): its first column in a padded logits row
-// (member e's at e * round_up_to_align(atoms)) and in the output bias and the compact head (at
-// e * atoms), as head_bias_dueling_kernel and dueling_backward_kernel place it.
-__device__ __forceinline__ int64_t value_pad_col(const BranchTable& br, int d, int atoms) {
-  return member_of(br, d) * round_up_to_align(atoms);
-}
-__device__ __forceinline__ int64_t value_col(const BranchTable& br, int d, int atoms) {
-  return member_of(br, d) * int64_t(atoms);
-}
+// Member m's value head (kHeadDueling): its first column in a padded logits row (at
+// m * round_up_to_align(atoms)) and in the output bias and the compact head (at m * atoms), as
+// head_bias_dueling_kernel and dueling_backward_kernel place it.
+__device__ __forceinline__ int64_t value_pad_col(int m, int atoms) { return m * round_up_to_align(atoms); }
+__device__ __forceinline__ int64_t value_col(int m, int atoms) { return m * int64_t(atoms); }
 
 // One network pass's rows of branch d of sample b, as the loss reads them. dqn_loss (kQ): q,
 // action k's atom j at row[k * atoms + j]. The fused loss: the branch head's raw logits at the
@@ -75,7 +71,7 @@ __device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, i
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
       rows[p].row = base[p] + int64_t(b) * P.head_ld + br.pad_col[d];
-      rows[p].bias = b_out[p] + head_col_of(br, d, value_heads_of(br), NA);
+      rows[p].bias = b_out[p] + head_col_of(br, d, P.value_heads, NA);
 #pragma unroll
       for (int e = 0; e < kSlots; ++e) rows[p].v[e] = rows[p].mean[e] = 0.f;
     }
@@ -86,10 +82,10 @@ __device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, i
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
       const float* in = base[p] + int64_t(b) * P.head_ld;
-      const float* value = in + value_pad_col(br, d, NA);
-      const float* value_bias = b_out[p] + value_col(br, d, NA);
+      const float* value = in + value_pad_col(member_of(br, d), NA);
+      const float* value_bias = b_out[p] + value_col(member_of(br, d), NA);
       rows[p].row = in + br.pad_col[d];
-      rows[p].bias = b_out[p] + head_col_of(br, d, value_heads_of(br), NA);
+      rows[p].bias = b_out[p] + head_col_of(br, d, P.value_heads, NA);
 #pragma unroll
       for (int e = 0; e < kSlots; ++e) {
         rows[p].v[e] = at.has[e] ? biased_logit(value[at.j[e]], value_bias[at.j[e]]) : 0.f;
@@ -188,10 +184,10 @@ __device__ QuantileRows<kRows> quantile_rows(const LossParams& P, const BranchTa
   } else {
     const float* b_out = p == 2 ? P.b_target : P.b_online;
     const float* in = base + int64_t(b) * P.head_ld;
-    r.value = in + value_pad_col(br, d, slots);
-    r.value_bias = b_out + value_col(br, d, slots);
+    r.value = in + value_pad_col(member_of(br, d), slots);
+    r.value_bias = b_out + value_col(member_of(br, d), slots);
     r.row = in + br.pad_col[d];
-    r.bias = b_out + head_col_of(br, d, value_heads_of(br), slots);
+    r.bias = b_out + head_col_of(br, d, P.value_heads, slots);
   }
   return r;
 }
@@ -227,7 +223,7 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
       const float* row = base[p] + int64_t(b) * P.head_ld + br.pad_col[d];
-      const float* bias = b_out[p] + head_col_of(br, d, value_heads_of(br), NA);
+      const float* bias = b_out[p] + head_col_of(br, d, P.value_heads, NA);
 #pragma unroll
       for (int k = 0; k < kQChunk; ++k) {
         const bool live = k < n;
@@ -241,17 +237,17 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
   } else {
     const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
     float v[kSlots][3];
+    // the member's value head: 32-bit column offsets (64-bit pointers per pass cost registers)
+    const int m = member_of(br, d), value_pad = int(value_pad_col(m, NA)), value_at = int(value_col(m, NA));
 #pragma unroll
     for (int p = 0; p < 3; ++p) {  // every load of the three passes issued before the first add
       const float* in = base[p] + int64_t(b) * P.head_ld;
-      const float* value = in + value_pad_col(br, d, NA);
-      const float* value_bias = b_out[p] + value_col(br, d, NA);
       const float* row = in + br.pad_col[d];
-      const float* bias = b_out[p] + head_col_of(br, d, value_heads_of(br), NA);
+      const float* bias = b_out[p] + head_col_of(br, d, P.value_heads, NA);
 #pragma unroll
       for (int e = 0; e < kSlots; ++e) {
         const int j = at.j[e];
-        v[e][p] = at.has[e] ? biased_logit(value[j], value_bias[j]) : 0.f;
+        v[e][p] = at.has[e] ? biased_logit(in[value_pad + j], b_out[p][value_at + j]) : 0.f;
 #pragma unroll
         for (int k = 0; k < kQChunk; ++k)
           q.x[e][p][k] = k < n && at.has[e] ? biased_logit(row[k * NA + j], bias[k * NA + j]) : 0.f;
@@ -311,7 +307,7 @@ __device__ __forceinline__ float write_head_grad_column(float* dh, __nv_bfloat16
 // Entry d's head-logit gradient rows of sample b: the F32 compact and BF16 padded rows' first
 // columns (write_head_grad_column's dh and low).
 __device__ __forceinline__ float* head_grad_row(const LossParams& P, const BranchTable& br, int b, int d) {
-  return P.grad_head + int64_t(b) * P.head_out + head_col_of(br, d, value_heads_of(br), P.atoms);
+  return P.grad_head + int64_t(b) * P.head_out + head_col_of(br, d, P.value_heads, P.atoms);
 }
 __device__ __forceinline__ __nv_bfloat16* head_grad_row_bf16(const LossParams& P, const BranchTable& br, int b, int d) {
   return P.grad_head_bf16 + int64_t(b) * P.head_ld + br.pad_col[d];
@@ -344,8 +340,8 @@ __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& b
 __device__ void write_value_grad(const LossParams& P, const BranchTable& br, int b, int m, const float* branch_sums,
                                  int stride, bool poisoned, int lane) {
   const int NA = P.atoms;
-  float* dh = P.grad_head + int64_t(b) * P.head_out + int64_t(m) * NA;
-  __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld + int64_t(m) * round_up_to_align(NA);
+  float* dh = P.grad_head + int64_t(b) * P.head_out + value_col(m, NA);
+  __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld + value_pad_col(m, NA);
   for (int j = lane; j < NA; j += 32) {
     float dv = 0.f;
     for (int d = 0; d < br.per_member; ++d) dv += branch_sums[d * stride + j];
