@@ -161,14 +161,21 @@ def test_non_finite_samples_give_the_public_ops_bits(device, case):
 @requires_cuda
 @pytest.mark.parametrize("case", ["reference", "qr_200_quantiles", "qr_no_dueling_50_quantiles",
                                   "ensemble_3_reference", "ensemble_5_qr_33_quantiles"])
-def test_many_rounds_of_the_loss_kernels_grid_give_the_public_ops_bits(case):
+def test_many_rounds_of_the_loss_kernels_grid_keep_the_public_ops_bits(case):
     """At B = 3000 each block of the loss kernel's resident grid takes several rounds of samples,
-    so its round buffers alternate (the value columns' sums, QR's theta and gradient): the same
-    bits as the public ops (no poisoned sample, whose NaN would reach every weight's gradient)."""
+    so its round buffers alternate (the value columns' sums, QR's theta and gradient): the
+    per-sample outputs and the gradient are the public ops' bits (no poisoned sample, whose NaN
+    would reach every weight's gradient). The loss and mean-Q scalars sum per-block partials over
+    the launch's grid, which follows each kernel's occupancy (csrc/cuda/loss.cu): to rounding."""
     s = sample_inputs(case, "cuda", B=3000, seed=11)
     internal, public = _steps(s)
     want, got = _run(public, s.batch, True), _run(internal, s.batch, True)
-    _assert_same_step(got, want)
+    for i, (x, y) in enumerate(zip(got.saved, want.saved)):
+        same_bits(x, y, f"saved activation {i}")
+    for k in ("td_error", "grad"):
+        same_bits(getattr(got, k), getattr(want, k), k)
+    for k in ("loss", "mean_q"):
+        torch.testing.assert_close(getattr(got, k), getattr(want, k), rtol=1e-6, atol=1e-9, msg=k)
     assert torch.isfinite(got.grad).all()
 
 

@@ -50,9 +50,14 @@
 //     public ops' kernels in sequence: the forward's bias (+ dueling aggregation) of each pass,
 //     dqn_loss's kernel, mixed_backward's dueling backward (without dueling: d(head) = grad_q);
 //     5 launches (and the memset).
-// Both give the public ops' bits: the dueling arithmetic has one home (dueling.cuh). With a
-// caller's counter (the trainer's step passes one) neither has the memset: the kernel's last
-// block leaves the counter at 0 for the next launch.
+// Both give the public ops' bits for every per-sample output (the TD errors, the gradient): the
+// dueling arithmetic has one home (dueling.cuh). The loss and mean-Q scalars sum the blocks'
+// partials, and which samples a block sums follows the launch's resident grid (launch_loss), so
+// where the fused kernel's occupancy differs from dqn_loss's kernel's (QR's fused version runs
+// at most 85 registers, dqn_loss's 64; an ensemble's shared-memory rows) and the batch takes
+// more than one round of the grid, those two scalars may differ in their last bits (measured
+// at B = 3000, QR: a relative 1e-7). With a caller's counter (the trainer's step passes one)
+// neither has the memset: the kernel's last block leaves the counter at 0 for the next launch.
 #include <algorithm>
 #include <map>
 #include <mutex>
