@@ -55,9 +55,9 @@
 // partials, and which samples a block sums follows the launch's resident grid (launch_loss), so
 // where the fused kernel's occupancy differs from dqn_loss's kernel's (QR's fused version runs
 // at most 85 registers, dqn_loss's 64; an ensemble's shared-memory rows) and the batch takes
-// more than one round of the grid, those two scalars may differ in their last bits (measured
-// at B = 3000, QR: a relative 1e-7). With a caller's counter (the trainer's step passes one)
-// neither has the memset: the kernel's last block leaves the counter at 0 for the next launch.
+// more than one round of the grid, those two scalars may differ in their last bits. With a
+// caller's counter (the trainer's step passes one) neither has the memset: the kernel's last
+// block leaves the counter at 0 for the next launch.
 #include <algorithm>
 #include <map>
 #include <mutex>
