@@ -29,7 +29,8 @@ BACKWARD_PRECISIONS = ("tf32", "bf16", "fp32")
 LOSS_TYPES = ("c51", "qr", "mse", "huber", "iqn")
 # The configurations _dqn_loss_on_logits runs as one fused kernel on CUDA (the dueling
 # aggregation inside the C51 or QR loss: C51 up to FUSED_LOSS_MAX_ATOMS atoms, QR with any
-# quantile count the CUDA loss takes, either with at most FUSED_LOSS_MAX_BRANCHES branches);
+# quantile count the CUDA loss takes, either with at most FUSED_LOSS_MAX_BRANCHES branches over
+# an ensemble's members, bootstrap masks or not);
 # it composes the public kernels' arithmetic otherwise.
 # Read from the extension, which sizes the kernel by them.
 FUSED_LOSS_MAX_ATOMS: int = _C.FUSED_LOSS_MAX_ATOMS
@@ -572,8 +573,8 @@ def _dqn_loss_on_logits(logits: Tensor, logits_next_online: Tensor, logits_next_
     """dqn_loss on the output layer's logits (biases read from each network's params),
     returning d(loss)/d(head logits) as mixed_backward's dueling step would form it. One fused
     kernel on CUDA for C51 with at most FUSED_LOSS_MAX_ATOMS atoms or QR, with at most
-    FUSED_LOSS_MAX_BRANCHES branches, one member and no masks; the public kernels' arithmetic
-    otherwise. ``masks``:
+    FUSED_LOSS_MAX_BRANCHES branches over an ensemble's members, masks or not; the public
+    kernels' arithmetic otherwise. ``masks``:
     [B, E] bootstrap masks (E = the layout's ensemble members) or None, as for ``dqn_loss``.
     ``counter``: an int32 [1] tensor at 0 on the logits' device, the CUDA kernel's block counter,
     which the kernel leaves at 0 again: the launch then needs no memset of its own (one graph node
