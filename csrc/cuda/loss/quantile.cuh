@@ -17,6 +17,7 @@
 #include "../branch_table.cuh"
 #include "../quantiles.cuh"
 #include "../reductions.cuh"
+#include "loss_args.h"
 #include "params.cuh"
 #include "rows.cuh"
 
@@ -29,13 +30,13 @@ namespace {  // see loss/params.cuh
 //   direct: ~9.5 per pair (u, |u| clamped, the weight's select, the Huber piece's two, the two
 //     FMAs, the copysign, the shared loads shared by 4 pairs), N pairs per owned quantile:
 //     ~300 at N = 32, ~1,200 at N = 64, ~13,300 at N = 200 (7 rounds x 200 pairs);
-//   sorted, n2 the power of two >= N: the sort's log2(n2) (log2(n2) + 1) / 2 steps of n2 / 64
-//     compare-exchanges (~15 each), the scan's ~75 per 32 targets, and per owned quantile
-//     ~22 per step of the three interleaved searches (log2(n2) + 1 steps) and ~110 for the
-//     closed form: ~600 at N = 32 (the sort's steps on half a warp), ~1,100 at N = 64,
-//     ~4,900 at N = 200 (sort 36 x 4 x 15 ~ 2,200, scan 7 x 75 ~ 500, 7 x (9 x 22 + 110)
-//     ~ 2,200 for the quantiles).
-// Even at N = 64 and clearly below, so the direct loop keeps N <= 32, its one round. The choice
+//   sorted, n2 the power of two >= N': the sort in registers, log2(n2) (log2(n2) + 1) / 2 steps
+//     of 4 compare-exchanges a lane (~2 instructions each within a lane, ~16 a step across
+//     lanes: 8 shuffles and selections), the scan's ~100, and per owned quantile ~22 per step of
+//     the three interleaved searches (log2(n2) + 1 steps) and ~110 for the closed form: ~850 at
+//     N = 64, ~3,000 at N = 200 (sort 21 x 8 + 15 x 16 ~ 400, scan ~100, 7 x (9 x 22 + 110)
+//     ~ 2,200 for the quantiles: the searches are most of it).
+// The direct loop keeps N <= 32, its one round (~300; the sorted version there ~500). The choice
 // goes by N (a lane's quantiles: one round or several) whatever N' (IQN; QR's N' is N): the
 // direct version's pairs are N' per lane, the sorted version's sort of N' is paid once per branch.
 constexpr int kQrDirectMaxQuantiles = 32;
@@ -171,51 +172,116 @@ __device__ __forceinline__ void qr_round(const float* T, int N2, const float* th
 // prefix sums. At the runs' borders (u = -1, 0, 1) both neighbouring pieces and weights give
 // the same term, so which run a border target joins does not matter.
 
-// Sorts T[0..n2) ascending in place, n2 a power of two: a bitonic network, log2(n2)
-// (log2(n2) + 1) / 2 steps of n2 / 2 compare-exchanges, n2 / 64 per lane (below 64, some
-// lanes idle; disjoint pairs within a step, a __syncwarp between steps). No NaN reaches it (a branch with a
-// non-finite target is poisoned before).
-__device__ void qr_sort(float* T, int n2, int lane) {
-  for (int k = 2; k <= n2; k <<= 1)
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int p = lane; p < n2 / 2; p += 32) {
-        const int i = 2 * p - (p & (j - 1)), l = i + j;  // pair p of the step: (p / j) 2j + p % j
-        const float x = T[i], y = T[l];
-        const float lo = fminf(x, y), hi = fmaxf(x, y);
-        const bool up = (i & k) == 0;  // this pair's block of k sorts ascending
-        T[i] = up ? lo : hi;
-        T[l] = up ? hi : lo;
-      }
-      __syncwarp();
-    }
+// The sort's values a lane holds in registers: a warp sorts up to 32 x 8 = 256 targets.
+constexpr int kQrSortPerLane = 8;
+static_assert(32 * kQrSortPerLane >= kLossCudaMaxAtoms, "the register sort holds every target slot");
+
+// Lane l's elements T[8l .. 8l + 8) (first = 8l) as two 16-byte loads (the stage is 16-byte
+// aligned) where `load` (only for a lane whose first element lies below n2: the stage's
+// n2 + 4 (N2 + 1) floats hold them all), else `fill`.
+__device__ __forceinline__ void load_lane_targets(const float* T, int first, bool load, float fill,
+                                                  float (&v)[kQrSortPerLane]) {
+  static_assert(kQrSortPerLane == 8, "a lane's elements are two float4s");
+  float4 lo = make_float4(fill, fill, fill, fill), hi = lo;
+  if (load) {
+    lo = *reinterpret_cast<const float4*>(T + first);
+    hi = *reinterpret_cast<const float4*>(T + first + 4);
+  }
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
 }
 
-// S[k] = (sum_{j<k} t_j, sum_{j<k} t_j^2) for k = 0..N, t_j = T_j - c, in double: a warp scan
-// of each 32 targets plus the carry of those before, in a fixed order (deterministic). The
-// shift c (a target) keeps the closed form's differences of sums of squares from cancelling
-// away their digits when the targets sit far from 0 (a large reward): every term there is a
-// function of T_j - theta, so shifting both changes nothing else.
-__device__ void qr_prefix_sums(const float* T, int N, double c, double2* S, int lane) {
-  double c1 = 0.0, c2 = 0.0;
-  if (lane == 0) S[0] = make_double2(0.0, 0.0);
-  for (int j0 = 0; j0 < N; j0 += 32) {  // uniform across the warp
-    const int j = j0 + lane;
-    double s1 = j < N ? double(T[j]) - c : 0.0;
-    double s2 = s1 * s1;
+// Sorts the staged targets T[0..n2) ascending in place, n2 a power of two (qr_sort_size):
+// T[N2..n2) is taken as +inf. A bitonic network (log2(n2) (log2(n2) + 1) / 2 steps of compare-exchanges)
+// on the warp's registers: lane l holds elements 8l .. 8l + 7, so a step of distance j >= 8
+// pairs the same register of lanes l and l ^ j / 8 (one shuffle each), a shorter one the lane's
+// own registers. The shared memory is read and written once, each lane its own 8 elements, so no
+// lane waits on another before the caller's __syncwarp. No NaN reaches it (a branch with a
+// non-finite target is poisoned before); equal values are equal bits, or zeros of either sign,
+// which no sum or comparison after it tells apart.
+__device__ __forceinline__ void qr_sort(float* T, int n2, int N2, int lane) {
+  constexpr int R = kQrSortPerLane;
+  const int first = lane * R;
+  float v[R];
+  load_lane_targets(T, first, first < n2, INFINITY, v);
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const double a1 = __shfl_up_sync(0xffffffffu, s1, o), a2 = __shfl_up_sync(0xffffffffu, s2, o);
-      if (lane >= o) {
-        s1 += a1;
-        s2 += a2;
+  for (int r = 0; r < R; ++r)
+    if (first + r >= N2) v[r] = INFINITY;
+#pragma unroll
+  for (int k = 2; k <= 32 * R; k <<= 1) {
+    if (k > n2) break;  // warp-uniform: the first n2 elements are sorted, the rest are the +inf padding
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      if (j >= R) {  // pairs across lanes: the pair's direction, (index & k), is the lane's (k > R)
+        const int lane_bit = j / R;
+        const bool upper = (lane & lane_bit) != 0;
+        const bool keep_min = ((first & k) == 0) != upper;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float y = __shfl_xor_sync(0xffffffffu, v[r], lane_bit);
+          v[r] = keep_min ? fminf(v[r], y) : fmaxf(v[r], y);
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if ((r & j) == 0) {
+            const int l = r | j;
+            const bool up = ((first + r) & k) == 0;  // this pair's block of k sorts ascending
+            const float lo = fminf(v[r], v[l]), hi = fmaxf(v[r], v[l]);
+            v[r] = up ? lo : hi;
+            v[l] = up ? hi : lo;
+          }
       }
     }
-    s1 += c1;
-    s2 += c2;
-    if (j < N) S[j + 1] = make_double2(s1, s2);
-    c1 = __shfl_sync(0xffffffffu, s1, 31);
-    c2 = __shfl_sync(0xffffffffu, s2, 31);
   }
+  // n2 is a multiple of 4: a lane's elements below it are whole float4s
+  if (first < n2) *reinterpret_cast<float4*>(T + first) = make_float4(v[0], v[1], v[2], v[3]);
+  if (first + 4 < n2) *reinterpret_cast<float4*>(T + first + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// S[k] = (sum_{j<k} t_j, sum_{j<k} t_j^2) for k = 0..N2, t_j = T_j - c, in double, over the
+// sorted targets T[0..N2) as qr_sort's lanes hold them (lane l: T_{8l..8l+7}, read back as two
+// float4s rather than kept in registers across the caller's __syncwarp): each lane's sums of its
+// own in order, a warp scan of those (a fixed order: deterministic), then each lane's prefix
+// sums from the scan of the lanes before it. The shift c (a target) keeps the closed form's
+// differences of sums of squares from cancelling away their digits when the targets sit far from
+// 0 (a large reward): every term there is a function of T_j - theta, so shifting both changes
+// nothing else.
+__device__ __forceinline__ void qr_prefix_sums(const float* T, int N2, double c, double2* S, int lane) {
+  constexpr int R = kQrSortPerLane;
+  const int first = lane * R;
+  float v[R];
+  load_lane_targets(T, first, first < N2, 0.f, v);
+  double s1 = 0.0, s2 = 0.0;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (first + r < N2) {
+      const double t = double(v[r]) - c;
+      s1 += t;
+      s2 += t * t;
+    }
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {  // inclusive scan of the lanes' sums
+    const double a1 = __shfl_up_sync(0xffffffffu, s1, o), a2 = __shfl_up_sync(0xffffffffu, s2, o);
+    if (lane >= o) {
+      s1 += a1;
+      s2 += a2;
+    }
+  }
+  // the lanes before this one's: an exclusive scan by one more shift
+  s1 = __shfl_up_sync(0xffffffffu, s1, 1);
+  s2 = __shfl_up_sync(0xffffffffu, s2, 1);
+  if (lane == 0) {
+    s1 = s2 = 0.0;
+    S[0] = make_double2(0.0, 0.0);
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (first + r < N2) {
+      const double t = double(v[r]) - c;
+      s1 += t;
+      s2 += t * t;
+      S[first + r + 1] = make_double2(s1, s2);
+    }
 }
 
 // #{T_j < ka}, #{T_j < kb}, #{T_j <= kc} in the sorted T[0..n2), n2 a power of two: three
@@ -389,9 +455,8 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
     qr_round<1>(stage, N2, theta_row, tau_row, g, N, 0, lane, gscale, loss_sum, theta_sum);
   } else {
     const int n2 = qr_sort_size(N2);
-    for (int j = N2 + lane; j < n2; j += 32) stage[j] = INFINITY;
+    qr_sort(stage, n2, N2, lane);
     __syncwarp();
-    qr_sort(stage, n2, lane);
     const double c = stage[(N2 - 1) / 2];  // the median target: the prefix sums' shift
     double2* S = reinterpret_cast<double2*>(stage + n2);
     qr_prefix_sums(stage, N2, c, S, lane);
