@@ -252,13 +252,14 @@ __device__ __forceinline__ void qr_prefix_sums(const float* T, int N2, double c,
   float v[R];
   load_lane_targets(T, first, first < N2, 0.f, v);
   double s1 = 0.0, s2 = 0.0;
+  auto add = [&](int r) {
+    const double t = double(v[r]) - c;
+    s1 += t;
+    s2 += t * t;
+  };
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    if (first + r < N2) {
-      const double t = double(v[r]) - c;
-      s1 += t;
-      s2 += t * t;
-    }
+    if (first + r < N2) add(r);
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {  // inclusive scan of the lanes' sums
     const double a1 = __shfl_up_sync(0xffffffffu, s1, o), a2 = __shfl_up_sync(0xffffffffu, s2, o);
@@ -277,9 +278,7 @@ __device__ __forceinline__ void qr_prefix_sums(const float* T, int N2, double c,
 #pragma unroll
   for (int r = 0; r < R; ++r)
     if (first + r < N2) {
-      const double t = double(v[r]) - c;
-      s1 += t;
-      s2 += t * t;
+      add(r);
       S[first + r + 1] = make_double2(s1, s2);
     }
 }
