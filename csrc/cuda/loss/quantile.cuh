@@ -8,8 +8,9 @@
 // l + 32, ...):
 //   direct (N <= kQrDirectMaxQuantiles): the N x N' pairs, every lane reading the same T_j from
 //     shared memory (a broadcast);
-//   sorted (larger N): T sorted in shared memory with its prefix sums, and each quantile's sums
-//     in closed form from three binary searches: O((N + N') log N') per branch instead of O(N N').
+//   sorted (larger N): T sorted (in the warp's registers, then kept in shared memory) with its
+//     prefix sums, and each quantile's sums in closed form from three binary searches:
+//     O((N + N') log N') per branch instead of O(N N').
 #pragma once
 
 #include <cstdint>
