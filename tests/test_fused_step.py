@@ -39,13 +39,15 @@ CASES = {  # branches, atoms, loss type (and dueling=False: no value head; then 
     "cleanrl_like_101_atoms_no_dueling": ((2,), 101, "c51", False),
     "no_dueling_51_atoms": ((3, 2), 51, "c51", False),
     # QR's fused kernel: the sorted version (N > 32) and the direct one, more actions than a
-    # chunk of loads, a warp per branch of a full block, no value head, 8 warps of 256 quantiles
-    # (its shared memory past the default 48 KiB), more branches than a block's warps
+    # chunk of loads (the columns one at a time; up to a chunk, in batches), a warp per branch of
+    # a full block, no value head (with and without more actions than a chunk), 8 warps of 256
+    # quantiles (its shared memory past the default 48 KiB), more branches than a block's warps
     "qr_200_quantiles": ((3, 3, 3), 200, "qr"),
     "qr_32_quantiles": ((2, 5), 32, "qr"),
     "qr_six_actions_33_quantiles": ((6, 2), 33, "qr"),
     "qr_eight_uneven_branches": ((2, 3, 1, 4, 3, 2, 5, 2), 7, "qr"),
     "qr_no_dueling_50_quantiles": ((3, 2), 50, "qr", False),
+    "qr_no_dueling_five_actions": ((5, 2), 40, "qr", False),
     "qr_one_branch_256_quantiles": ((3,), 256, "qr"),
     "qr_nine_branches": ((2, 3, 1, 2, 4, 2, 3, 1, 2), 9, "qr"),
     # ensembles, with bootstrap masks (_batch): more entries than a block's warps, the most
@@ -144,8 +146,8 @@ def test_internal_ops_give_the_public_ops_bits(device, case, precision, batch_ne
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["reference", "eight_uneven_branches", "nine_branches", "one_atom_huber",
                                   "qr_200_quantiles", "qr_32_quantiles", "qr_no_dueling_50_quantiles",
-                                  "qr_nine_branches", "ensemble_3_reference", "ensemble_5_qr_33_quantiles",
-                                  "33_branches"])
+                                  "qr_no_dueling_five_actions", "qr_nine_branches", "ensemble_3_reference",
+                                  "ensemble_5_qr_33_quantiles", "33_branches"])
 def test_non_finite_samples_give_the_public_ops_bits(device, case):
     s = sample_inputs(case, device, poison_samples=True)
     internal, public = _steps(s)

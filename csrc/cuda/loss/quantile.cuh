@@ -390,10 +390,10 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
   // kFewActions, every action's q at each (for_each_full_column); for_each_q, one action's.
   using Rows = QuantileRows<kRows>;
   using FullColumn = typename Rows::FullColumn;
-  auto for_each_full_column = [&](const Rows& rows, int count, auto&& use) {
+  auto for_each_full_column = [&](const Rows& rows, int count, auto&& use, int only = -1) {
     for (int j0 = lane; j0 < count; j0 += 32 * kQrColumnBatch) {
       FullColumn c[kQrColumnBatch];
-      rows.template full_columns<kQrColumnBatch>(j0, count, c);
+      rows.template full_columns<kQrColumnBatch>(j0, count, c, only);
 #pragma unroll
       for (int g = 0; g < kQrColumnBatch; ++g)
         if (j0 + 32 * g < count) use(j0 + 32 * g, c[g]);
@@ -401,7 +401,7 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
   };
   auto for_each_q = [&](const Rows& rows, int count, int action, auto&& use) {
     if constexpr (kFewActions)
-      for_each_full_column(rows, count, [&](int j, const FullColumn& c) { use(j, c.at(action)); });
+      for_each_full_column(rows, count, [&](int j, const FullColumn& c) { use(j, c.at(action)); }, action);
     else
       for (int j = lane; j < count; j += 32) use(j, rows.q(action, j, rows.column(j)));
   };

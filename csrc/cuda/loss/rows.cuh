@@ -184,9 +184,11 @@ struct QuantileRows {
   };
   // Columns i0, i0 + 32, ..., kBatch of them, those below `count` (the others 0), with every load
   // of the batch issued before any is used: a batch costs one memory latency, where column() and
-  // q() a column at a time cost one a column (the fused QR loss is latency-bound).
+  // q() a column at a time cost one a column (the fused QR loss is latency-bound). `only` >= 0:
+  // the caller reads that action's q alone, so rows without a dueling mean load only its logits
+  // (the other q are then 0).
   template <int kBatch>
-  __device__ __forceinline__ void full_columns(int i0, int count, FullColumn (&c)[kBatch]) const {
+  __device__ __forceinline__ void full_columns(int i0, int count, FullColumn (&c)[kBatch], int only = -1) const {
     float v[kBatch], x[kBatch][kQChunk];
 #pragma unroll
     for (int g = 0; g < kBatch; ++g) {
@@ -196,7 +198,8 @@ struct QuantileRows {
 #pragma unroll
       for (int k = 0; k < kQChunk; ++k) {
         const int64_t at = int64_t(k) * slots + i;
-        x[g][k] = live && k < n ? (kRows == LossRows::kQ ? row[at] : biased_logit(row[at], bias[at])) : 0.f;
+        const bool used = k < n && (kRows == LossRows::kHeadDueling || only < 0 || k == only);
+        x[g][k] = live && used ? (kRows == LossRows::kQ ? row[at] : biased_logit(row[at], bias[at])) : 0.f;
       }
     }
 #pragma unroll
