@@ -195,10 +195,10 @@ __device__ __forceinline__ void load_lane_targets(const float* T, int first, boo
 // T[N2..n2) is taken as +inf. A bitonic network (log2(n2) (log2(n2) + 1) / 2 steps of
 // compare-exchanges) on the warp's registers: lane l holds elements 8l .. 8l + 7, so a step of
 // distance j >= 8 pairs the same register of lanes l and l ^ j / 8 (one shuffle each), a shorter
-// one the lane's own registers. The shared memory is read and written once, each lane its own 8 elements, so no
-// lane waits on another before the caller's __syncwarp. No NaN reaches it (a branch with a
-// non-finite target is poisoned before); equal values are equal bits, or zeros of either sign,
-// which no sum or comparison after it tells apart.
+// one the lane's own registers. The shared memory is read and written once, each lane its own 8
+// elements, so no lane waits on another before the caller's __syncwarp. No NaN reaches it (a
+// branch with a non-finite target is poisoned before); equal values are equal bits, or zeros of
+// either sign, which no sum or comparison after it tells apart.
 __device__ __forceinline__ void qr_sort(float* T, int n2, int N2, int lane) {
   constexpr int R = kQrSortPerLane;
   const int first = lane * R;
