@@ -411,8 +411,8 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // registers, which dqn_loss's rows fit without spilling (its sorted version's shared memory, 34
 // KiB a block at 200 quantiles, still lets 4 blocks reside). On the head logits (the column
 // reads, the head-gradient writes) 64 registers spilled a few hundred bytes a thread with
-// dueling, so kFusedQuantileMinBlocks 3 (at most 85 registers: no spill with dueling or without
-// since the sort runs in registers; ptxas -v on sm_90).
+// dueling, so kFusedQuantileMinBlocks 3 (at most 85 registers: no spill, with dueling or without,
+// the sort running in registers; ptxas -v on sm_90).
 // kFractions: IQN, kQuantiles' code (qr_branch<kQ, true>) with the fractions read per sample and the
 // three inputs' own slot counts; its own instantiation, so that QR's, with N = K = N' and the
 // midpoints known when it compiles, keeps its registers.
