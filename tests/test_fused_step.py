@@ -39,9 +39,9 @@ CASES = {  # branches, atoms, loss type (and dueling=False: no value head; then 
     "cleanrl_like_101_atoms_no_dueling": ((2,), 101, "c51", False),
     "no_dueling_51_atoms": ((3, 2), 51, "c51", False),
     # QR's fused kernel: the sorted version (N > 32) and the direct one, more actions than a
-    # chunk of loads, a warp per branch of a full block, no value head (with and without more
-    # actions than a chunk), 8 warps of 256 quantiles (its shared memory past the default 48
-    # KiB), more branches than a block's warps
+    # chunk of loads (the columns one at a time; up to a chunk, in batches), a warp per branch of
+    # a full block, no value head (with and without more actions than a chunk), 8 warps of 256
+    # quantiles (its shared memory past the default 48 KiB), more branches than a block's warps
     "qr_200_quantiles": ((3, 3, 3), 200, "qr"),
     "qr_32_quantiles": ((2, 5), 32, "qr"),
     "qr_six_actions_33_quantiles": ((6, 2), 33, "qr"),

@@ -43,7 +43,8 @@
 //     and writes d(loss)/d(head logits) itself: one launch (and the memset), the logits one trip
 //     through memory (LossRows::kHeadDueling, or kHeadPlain for a network without a value
 //     head). Each entry's sums for its member's value column wait in shared memory for the
-//     round's barrier. QR reads a column (a quantile of every action) at a time, keeps the
+//     round's barrier. QR reads a column (a quantile of every action) at a time (with at most
+//     kQChunk actions a branch, kQrColumnBatch columns, their loads issued together), keeps the
 //     taken action's quantiles and then their gradient in shared memory, and writes every
 //     action's head-gradient column from it (loss/quantile.cuh);
 //   composed (every other configuration: more branches, C51 past its atoms, MSE / Huber): the
@@ -142,10 +143,14 @@ LossResults launch_loss(const char* op, const BranchTable& br, LossParams& P, in
   DQN_CHECK(rows == LossRows::kQ || ((register_version || (qr && !iqn)) && br.count <= kFusedLossMaxBranches), op,
             ": the fused loss kernel takes C51 with at most ", kDuelingMaxAtoms, " atoms or QR, and at most ",
             kFusedLossMaxBranches, " branches over all members, got ", atoms, " atoms and ", br.count, " branches");
-  const bool in_registers = register_version && max_actions <= kQChunk;
-  const Kernel kernel = iqn                              ? dqn_loss_kernel<0, LossRows::kQ, false, true, true>
-                        : qr && rows == LossRows::kHeadDueling ? dqn_loss_kernel<0, LossRows::kHeadDueling, false, true>
-                        : qr && rows == LossRows::kHeadPlain   ? dqn_loss_kernel<0, LossRows::kHeadPlain, false, true>
+  const bool few_actions = max_actions <= kQChunk, in_registers = register_version && few_actions;
+  const Kernel kernel = iqn ? dqn_loss_kernel<0, LossRows::kQ, false, true, true>
+                        : qr && rows == LossRows::kHeadDueling
+                            ? (few_actions ? dqn_loss_kernel<0, LossRows::kHeadDueling, true, true>
+                                           : dqn_loss_kernel<0, LossRows::kHeadDueling, false, true>)
+                        : qr && rows == LossRows::kHeadPlain
+                            ? (few_actions ? dqn_loss_kernel<0, LossRows::kHeadPlain, true, true>
+                                           : dqn_loss_kernel<0, LossRows::kHeadPlain, false, true>)
                         : qr                             ? dqn_loss_kernel<0, LossRows::kQ, false, true>
                         : !register_version              ? dqn_loss_kernel<0, LossRows::kQ, false>
                         : rows == LossRows::kHeadDueling ? register_kernel<LossRows::kHeadDueling>(atoms, in_registers)

@@ -404,7 +404,8 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // which was slower still. kFourSlotMinBlocks: the <= 128-atom versions hold twice the values a
 // lane, so 2 blocks per SM (128 registers); their dueling instantiations still spill a little
 // (ptxas -v on sm_90), the others nothing.
-// kRowsInRegisters: every branch has at most kQChunk actions (BranchQ).
+// kRowsInRegisters: every branch has at most kQChunk actions (C51: BranchQ; the fused QR loss:
+// qr_branch's kFewActions).
 // kQuantiles: QR (qr_branch), a warp per branch as C51's, on dqn_loss's rows or (the fused loss)
 // the head logits. Its inner loops (the direct pairs' FMAs, the sorted version's dependent shared
 // loads) are latency-bound, and more warps hide more: 4 blocks (32 warps) per SM, at most 64
@@ -412,10 +413,10 @@ __device__ float3 bdq_sample(const BranchTable& br, const LossParams& P, int b, 
 // KiB a block at 200 quantiles, still lets 4 blocks reside). On the head logits (the column
 // reads, the head-gradient writes) 64 registers spilled a few hundred bytes a thread with
 // dueling, so kFusedQuantileMinBlocks 3 (at most 85 registers: no spill, with dueling or without,
-// the sort running in registers; ptxas -v on sm_90).
-// kFractions: IQN, kQuantiles' code (qr_branch<kQ, true>) with the fractions read per sample and the
-// three inputs' own slot counts; its own instantiation, so that QR's, with N = K = N' and the
-// midpoints known when it compiles, keeps its registers.
+// the sort running in registers and QR's columns read in batches; ptxas -v on sm_90).
+// kFractions: IQN, kQuantiles' code (qr_branch<kQ, true, false>) with the fractions read per
+// sample and the three inputs' own slot counts; its own instantiation, so that QR's, with
+// N = K = N' and the midpoints known when it compiles, keeps its registers.
 constexpr int kTwoSlotMinBlocks = 3;
 constexpr int kFourSlotMinBlocks = 2;
 constexpr int kQuantileMinBlocks = 4;
@@ -435,7 +436,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
   static_assert(32 * 4 >= kDuelingMaxAtoms, "the register versions cover every atom count the fused loss takes");
   static_assert(!reads_head(kRows) || kRegisterVersion || kQuantiles,
                 "the fused loss runs C51's register version or QR's");
-  static_assert(!kRowsInRegisters || kRegisterVersion, "rows in registers: the register version");
+  static_assert(!kRowsInRegisters || kRegisterVersion || (kQuantiles && reads_head(kRows)),
+                "rows in registers: the register version, or the fused QR loss's column batches");
   static_assert(!kQuantiles || !kRegisterVersion, "QR: its own version");
   static_assert(!kFractions || (kQuantiles && kRows == LossRows::kQ), "IQN runs QR's version on dqn_loss's rows");
   // C51 and QR: P.work_floats per warp. 16-byte aligned, as QR reads its stage as float4s
@@ -480,7 +482,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
       if constexpr (kQuantiles) {
         for (int d = wi; d < br.count; d += W) {
           const float m = masked ? member_mask(br, P, b, d) : 1.f;
-          const float3 r = qr_branch<kRows, kFractions>(br, P, b, d, masked ? scale * m : scale, work,
+          const float3 r = qr_branch<kRows, kFractions, kRowsInRegisters>(br, P, b, d, masked ? scale * m : scale, work,
                                                         reads_head(kRows) ? entry_row(buf, d) : nullptr, lane);
           if (masked && lane == 0) part_d[buf][warp] += m * r.x;
           x += r.x;

@@ -361,10 +361,19 @@ __device__ __forceinline__ void qr_sorted_sums(const float* T, const double2* S,
 // this warp's, lane-owned (quantile i's entry is lane i % 32's), holding the taken action's
 // quantiles theta, then their gradient, then the branch's sums. kIqn: IQN (P.fractions, N, K,
 // N' as P has them); else QR (the midpoints, K = N' = N), the same code with those known.
-template <LossRows kRows, bool kIqn>
+// kFewActions (the fused loss, every branch at most kQChunk actions): each pass reads
+// kQrColumnBatch of the lane's columns at a time, every action's q of them from loads issued
+// together (QuantileRows::full_columns), so a pass costs ceil(N / (32 kQrColumnBatch)) memory
+// latencies instead of one a column; the same q bits, summed in the same order. Two: the
+// dueling instantiation (at most 85 registers) holds two columns' loads without spilling; four
+// spilled 88 bytes a thread, eight ~300 (ptxas -v, sm_90).
+constexpr int kQrColumnBatch = 2;
+
+template <LossRows kRows, bool kIqn, bool kFewActions>
 __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, int d, float scale, float* stage,
                             float* buf, int lane) {
   static_assert(!kIqn || kRows == LossRows::kQ, "IQN's loss reads q (its head rows are per fraction)");
+  static_assert(!kFewActions || reads_head(kRows), "the batched columns are the fused loss's");
   const int N = P.atoms, K = kIqn ? P.next_atoms : N, N2 = kIqn ? P.target_atoms : N, n = br.size[d];
   const int64_t a = taken_action(br, P.actions, b, d);
   if (!(a >= 0 && a < n)) {  // no host sync can report it (see c51_branch)
@@ -377,33 +386,34 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
       if (k != a)
         for (int i = lane; i < N; i += 32) P.grad_q[(row0 + k) * N + i] = 0.f;
 
+  // A pass's columns j < count of the lane's, handed to use(j, ...) in the order of j:
+  // kFewActions, every action's q at each (for_each_full_column); for_each_q, one action's.
+  using Rows = QuantileRows<kRows>;
+  using FullColumn = typename Rows::FullColumn;
+  auto for_each_full_column = [&](const Rows& rows, int count, auto&& use, int only = -1) {
+    for (int j0 = lane; j0 < count; j0 += 32 * kQrColumnBatch) {
+      FullColumn c[kQrColumnBatch];
+      rows.template full_columns<kQrColumnBatch>(j0, count, c, only);
+#pragma unroll
+      for (int g = 0; g < kQrColumnBatch; ++g)
+        if (j0 + 32 * g < count) use(j0 + 32 * g, c[g]);
+    }
+  };
+  auto for_each_q = [&](const Rows& rows, int count, int action, auto&& use) {
+    if constexpr (kFewActions)
+      for_each_full_column(rows, count, [&](int j, const FullColumn& c) { use(j, c.at(action)); }, action);
+    else
+      for (int j = lane; j < count; j += 32) use(j, rows.q(action, j, rows.column(j)));
+  };
+
   // double DQN: the online network's greedy next action by the quantiles' mean (the first of
   // equal maxima; NaN wins), kQChunk actions' loads and reductions in flight together
-  // (The fused loss forms each column's value and mean once, into the lane's entries of the
-  // stage and buf, both free until the target is staged and theta read: the actions' loop then
-  // reads them back instead of every action re-reading the column.)
-  const QuantileRows<kRows> next = quantile_rows<kRows>(P, br, 1, b, d, row0, K);
-  if constexpr (reads_head(kRows))
-    for (int j = lane; j < K; j += 32) {
-      const auto c = next.column(j);
-      stage[j] = c.v;
-      buf[j] = c.mean;
-    }
+  const Rows next = quantile_rows<kRows>(P, br, 1, b, d, row0, K);
   int a_star = 0;
   float best = -INFINITY;
   bool nan_seen = false;
-  for (int a0 = 0; a0 < n && !nan_seen; a0 += kQChunk) {
-    float s[kQChunk];
-#pragma unroll
-    for (int k = 0; k < kQChunk; ++k) {
-      s[k] = 0.f;
-      if (a0 + k < n)
-        for (int j = lane; j < K; j += 32) {
-          typename QuantileRows<kRows>::Column c{0.f, 0.f};
-          if constexpr (reads_head(kRows)) c = {stage[j], buf[j]};
-          s[k] += next.q(a0 + k, j, c);
-        }
-    }
+  // s[k]: the lane's sum of action a0 + k's quantiles (0 past n)
+  auto choose = [&](int a0, const float (&s)[kQChunk]) {
 #pragma unroll
     for (int k = 0; k < kQChunk; ++k) {
       const float qv = quantile_mean(s[k], K);  // every lane, every k: a warp-wide reduction
@@ -413,18 +423,51 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
         nan_seen = qv != qv;
       }
     }
+  };
+  if constexpr (kFewActions) {  // one chunk: every action's sums from the same column batches
+    float s[kQChunk] = {};
+    for_each_full_column(next, K, [&](int, const FullColumn& c) {
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k)
+        if (k < n) s[k] += c.q[k];
+    });
+    choose(0, s);
+  } else {
+    // (The fused loss forms each column's value and mean once, into the lane's entries of the
+    // stage and buf, both free until the target is staged and theta read: the actions' loop
+    // then reads them back instead of every action re-reading the column.)
+    if constexpr (reads_head(kRows))
+      for (int j = lane; j < K; j += 32) {
+        const auto c = next.column(j);
+        stage[j] = c.v;
+        buf[j] = c.mean;
+      }
+    for (int a0 = 0; a0 < n && !nan_seen; a0 += kQChunk) {
+      float s[kQChunk];
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k) {
+        s[k] = 0.f;
+        if (a0 + k < n)
+          for (int j = lane; j < K; j += 32) {
+            typename Rows::Column c{0.f, 0.f};
+            if constexpr (reads_head(kRows)) c = {stage[j], buf[j]};
+            s[k] += next.q(a0 + k, j, c);
+          }
+      }
+      choose(a0, s);
+    }
   }
 
   // the target quantiles of that action, staged for the whole warp
-  const QuantileRows<kRows> target = quantile_rows<kRows>(P, br, 2, b, d, row0, N2);
+  const Rows target = quantile_rows<kRows>(P, br, 2, b, d, row0, N2);
   const float discount = P.gamma * (1.f - P.dones[b]);
   const float r = P.rewards[b];
   bool finite = true;
-  for (int j = lane; j < N2; j += 32) {
-    const float t = fmaf(discount, target.q(a_star, j, target.column(j)), r);
+  for_each_q(target, N2, a_star, [&](int j, float q) {
+    const float t = fmaf(discount, q, r);
     stage[j] = t;
     finite = finite && isfinite(t);
-  }
+  });
   // IQN: the sample's fractions are probabilities (NaN fails both comparisons); the CPU kernel
   // raises on one that is not, this one cannot without a host sync
   const float* tau_row = kIqn ? P.fractions + int64_t(b) * N : nullptr;
@@ -444,8 +487,8 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
     theta_row = P.q + (row0 + a) * N;
     g = P.grad_q + (row0 + a) * N;
   } else {
-    const QuantileRows<kRows> online = quantile_rows<kRows>(P, br, 0, b, d, row0, N);
-    for (int i = lane; i < N; i += 32) buf[i] = online.q(int(a), i, online.column(i));
+    const Rows online = quantile_rows<kRows>(P, br, 0, b, d, row0, N);
+    for_each_q(online, N, int(a), [&](int i, float q) { buf[i] = q; });
     theta_row = g = buf;
   }
   const float gscale = -scale / N2;

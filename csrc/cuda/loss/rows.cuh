@@ -168,6 +168,52 @@ struct QuantileRows {
   __device__ __forceinline__ float q(int k, int i, const Column& c) const {
     return q_at<kRows>(row, bias, int64_t(k) * slots + i, c.v, c.mean);
   }
+
+  // Branches of at most kQChunk actions (qr_branch's kFewActions): every action's q at a column,
+  // the bits q(k, i, column(i)) gives; `at` selects one (a select, not an index: the array stays
+  // in registers).
+  struct FullColumn {
+    float q[kQChunk];  // action k < n's
+    __device__ __forceinline__ float at(int k) const {
+      float x = 0.f;
+#pragma unroll
+      for (int e = 0; e < kQChunk; ++e)
+        if (e == k) x = q[e];
+      return x;
+    }
+  };
+  // Columns i0, i0 + 32, ..., kBatch of them, those below `count` (the others 0), with every load
+  // of the batch issued before any is used: a batch costs one memory latency, where column() and
+  // q() a column at a time cost one a column (the fused QR loss is latency-bound). `only` >= 0:
+  // the caller reads that action's q alone, so rows without a dueling mean load only its logits
+  // (the other q are then 0).
+  template <int kBatch>
+  __device__ __forceinline__ void full_columns(int i0, int count, FullColumn (&c)[kBatch], int only = -1) const {
+    float v[kBatch], x[kBatch][kQChunk];
+#pragma unroll
+    for (int g = 0; g < kBatch; ++g) {
+      const int i = i0 + 32 * g;
+      const bool live = i < count;
+      v[g] = kRows == LossRows::kHeadDueling && live ? biased_logit(value[i], value_bias[i]) : 0.f;
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k) {
+        const int64_t at = int64_t(k) * slots + i;
+        const bool used = k < n && (kRows == LossRows::kHeadDueling || only < 0 || k == only);
+        x[g][k] = live && used ? (kRows == LossRows::kQ ? row[at] : biased_logit(row[at], bias[at])) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kBatch; ++g) {
+      float s = 0.f;  // column()'s sum: in action order from 0.f
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k)
+        if (k < n) s += x[g][k];
+      const float mean = branch_mean(s, n);
+#pragma unroll
+      for (int k = 0; k < kQChunk; ++k)
+        c[g].q[k] = kRows == LossRows::kHeadDueling ? dueling_q(v[g], x[g][k], mean) : x[g][k];
+    }
+  }
 };
 
 // Pass p's (0: the online network on s, 1: on s', 2: the target network on s') QuantileRows of
