@@ -63,23 +63,6 @@ __host__ __device__ inline int64_t qr_floats_per_warp(int64_t quantiles, int64_t
   return qr_sort_size(static_cast<int>(target_quantiles)) + 4 * (target_quantiles + 1);
 }
 
-// Branch d's head-logit gradient of sample b from dq at `action` (-1: out of range, no action
-// taken), write_head_grad_column per quantile i with dq[i] (NaN where dq is null), the padding
-// zeroed; column i's sum to sums[i] (null: not kept; it may be dq itself, each lane reading its
-// entries before writing them).
-template <LossRows kRows>
-__device__ void write_branch_head_grad(const BranchTable& br, const LossParams& P, int b, int d, int action,
-                                       const float* dq, float* sums, int lane) {
-  const int N = P.atoms, n = br.size[d];
-  float* dh = head_grad_row(P, br, b, d);
-  __nv_bfloat16* low = head_grad_row_bf16(P, br, b, d);
-  for (int i = lane; i < N; i += 32) {
-    const float sum = write_head_grad_column<kRows>(dh, low, n, N, action, i, dq ? dq[i] : NAN);
-    if (sums) sums[i] = sum;
-  }
-  zero_head_padding(low, n * N, lane, 32);
-}
-
 // A poisoned sample's gradient rows in branch d, as the composed path has them: the taken
 // action's N quantiles NaN, or, when the action is out of range (no row is taken), every
 // action's. The fused loss (reads_head(kRows)): the head-logit gradient of those rows
@@ -92,7 +75,13 @@ __device__ void qr_poison_rows(const BranchTable& br, const LossParams& P, int b
   const int64_t a = taken_action(br, P.actions, b, d);
   const bool valid = a >= 0 && a < n;
   if constexpr (reads_head(kRows)) {
-    write_branch_head_grad<kRows>(br, P, b, d, valid ? int(a) : -1, nullptr, branch_sum, lane);
+    float* dh = head_grad_row(P, br, b, d);
+    __nv_bfloat16* low = head_grad_row_bf16(P, br, b, d);
+    for (int i = lane; i < N; i += 32) {
+      const float sum = write_head_grad_column<kRows>(dh, low, n, N, valid ? int(a) : -1, i, NAN);
+      if (branch_sum) branch_sum[i] = sum;
+    }
+    zero_head_padding(low, n * N, lane, 32);
   } else {
     float* g = P.grad_q + (q_row_of(br, b, P.total_actions, d) + (valid ? a : 0)) * N;
     const int count = valid ? N : n * N;
@@ -517,8 +506,12 @@ __device__ float3 qr_branch(const BranchTable& br, const LossParams& P, int b, i
     __syncwarp();
     qr_sorted_sums(stage, S, n2, N2, c, theta_row, tau_row, g, N, lane, gscale, loss_sum, theta_sum);
   }
-  if constexpr (reads_head(kRows))  // dq = g at the taken action, the head-logit gradient from it
-    write_branch_head_grad<kRows>(br, P, b, d, int(a), buf, buf, lane);
+  if constexpr (reads_head(kRows)) {  // dq = g at the taken action, the head-logit gradient from it
+    float* dh = head_grad_row(P, br, b, d);
+    __nv_bfloat16* low = head_grad_row_bf16(P, br, b, d);
+    for (int i = lane; i < N; i += 32) buf[i] = write_head_grad_column<kRows>(dh, low, n, N, int(a), i, buf[i]);
+    zero_head_padding(low, n * N, lane, 32);
+  }
   __syncwarp();  // the warp's next branch reuses the stage
   return make_float3(warp_sum(loss_sum) / N2, quantile_mean(theta_sum, N), 0.f);
 }
