@@ -166,15 +166,16 @@ def test_bf16_mirror_path_is_the_emulated_rounding(name):
 def check_bf16_mirror_emulated(net, s):
     """The BF16 mirror path of `net` on states `s` against the emulated-rounding reference (see
     test_bf16_mirror_path_is_the_emulated_rounding); tests/test_ensemble_network.py runs it on
-    ensembles."""
+    ensembles. `net` and `s` on any device (the reference runs on the CPU)."""
     out = net.forward_full(s)
     q, head, acts = reference_forward_emulated(net, s)
     assert all(a.dtype == torch.bfloat16 for a in out.activations)
     # c's columns of the stored network's activations (the extra units' exactly zero)
     for i, (a, b) in enumerate(zip(logical_activations(net.config, out.activations), acts)):
+        a = a.double().cpu()
         assert a.shape == b.shape
-        torch.testing.assert_close(a.double(), b, rtol=2 ** -7, atol=1e-6, msg=lambda m: f"activations[{i}]: {m}")
-        assert (a.double() != b).float().mean() < 1e-3, f"activations[{i}]"
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-6, msg=lambda m: f"activations[{i}]: {m}")
+        assert (a != b).float().mean() < 1e-3, f"activations[{i}]"
     assert rel_err(out.q_logits, q) < 1e-4 and rel_err(out.head_logits, head) < 1e-4
 
 
@@ -593,6 +594,29 @@ def test_cuda_forward_and_backward_match_the_cpu_reference(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_graphed_trainer_step_is_the_public_ops_step(name):
     _trainer_step_is_the_public_ops_step(SHAPES[name], "cuda")
+
+
+@requires_cuda
+@pytest.mark.parametrize("state_dim", [1, 3, 4, 7, 8])
+def test_cuda_first_layer_on_few_states_is_the_emulated_rounding(state_dim):
+    """On fewer than 8 states (BF16 rows narrower than 16 bytes) the first layer runs its own
+    kernel (csrc/cuda/dueling_forward.cu, narrow_input_layer_kernel) instead of a cuBLAS GEMM
+    and a bias + ReLU pass; 8 states take the GEMM. Both against the emulated-rounding reference
+    (1030 units, stored 1032: more groups of 4 than a block has threads, so a thread takes two),
+    and a NaN state keeps its sample's outputs NaN as on the CPU."""
+    c = DQNConfig(state_dim=state_dim, trunk_hidden=(1030, 20), value_hidden=6, adv_hidden=5, atoms=11,
+                  branches=(2, 3))
+    net = make_net(c, "cuda", seed=state_dim)
+    poison_cuda_cache()
+    check_bf16_mirror_emulated(net, torch.randn(300, state_dim, device="cuda"))
+    s = torch.randn(40, state_dim, device="cuda")
+    s[7, state_dim - 1] = float("nan")
+    poison_cuda_cache()
+    gpu = net.forward_full(s)
+    cpu = snapshot(net).to("cpu").forward_full(s.cpu())
+    nan_rows = gpu.q_logits.isnan().flatten(1).all(1).cpu()
+    assert nan_rows.tolist() == [i == 7 for i in range(40)]
+    assert torch.equal(cpu.q_logits.isnan(), gpu.q_logits.isnan().cpu())
 
 
 def test_decode_config_refuses_a_layout_of_the_wrong_length():

@@ -99,6 +99,42 @@ __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const flo
   }
 }
 
+// The first hidden layer where its input rows are narrower than 16 bytes (fewer than
+// kNarrowInputWidth states): cuBLAS takes such a GEMM (and its bias + ReLU pass after it) to an
+// Ampere kernel that reads the rows 4 bytes at a time, so this kernel computes the layer in one
+// pass. out[R, 4c..4c+4) = bf16(relu(x[r] . W[j] + b[j])) over R < count * rows (rows R >= rows:
+// the second network, on the same x), the K products summed in k order in F32 from 0, then the
+// F32 bias: the formula of the GEMM + bias_relu pair (a BF16 x BF16 product is exact in F32).
+// A thread per 4 consecutive outputs of a row (row_group); W [cols4 * 4, K] row-major.
+constexpr int64_t kNarrowInputWidth = 8;
+__global__ void narrow_input_layer_kernel(const __nv_bfloat16* __restrict__ x, int k_width,
+                                          const __nv_bfloat16* __restrict__ w_lo,
+                                          const __nv_bfloat16* __restrict__ w_hi, const float4* __restrict__ bias_lo,
+                                          const float4* __restrict__ bias_hi, int64_t rows, uint2* __restrict__ out,
+                                          int64_t all_rows, int64_t cols4) {
+  pdl_enter();
+  const RowGroup g = row_group(cols4);
+  if (g.idle) return;
+  for (int64_t r = g.first_row; r < all_rows; r += g.row_stride) {
+    const bool second = r >= rows;
+    const __nv_bfloat16* xr = x + (second ? r - rows : r) * k_width;
+    const __nv_bfloat16* w = second ? w_hi : w_lo;
+    const float4* bias = second ? bias_hi : bias_lo;
+    for (int64_t c = g.col; c < cols4; c += g.width) {
+      const __nv_bfloat16* wc = w + 4 * c * k_width;
+      float a[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int k = 0; k < k_width; ++k) {
+        const float xk = __bfloat162float(xr[k]);
+#pragma unroll
+        for (int o = 0; o < 4; ++o) a[o] = fmaf(xk, __bfloat162float(wc[o * k_width + k]), a[o]);
+      }
+      const float4 b = bias[c];
+      out[r * cols4 + c] = pack_bf16x4(relu_keep_nan(a[0] + b.x), relu_keep_nan(a[1] + b.y),
+                                       relu_keep_nan(a[2] + b.z), relu_keep_nan(a[3] + b.w));
+    }
+  }
+}
+
 // From the output layer's GEMM results in the padded layout (logits [rows, head_ld], see
 // NetLayout::head_ld) writes head = logits + b_out in the compact layout [rows, head_out] (head
 // may be null: not written) and q[b, action, z]: with dueling the aggregate (dueling.cuh), else
@@ -249,9 +285,10 @@ struct NetParams {
 // one bias vector at b_off covers all its blocks). With two networks, a group of one block (a
 // dense layer among them) is one strided-batched GEMM over both networks (the second network's
 // weights are the stride away from the first's: the lower address goes first, so the stride is
-// >= 0), a group of several blocks one strided-batched GEMM over its blocks per network. Every
-// element is computed as in a pass of its own (same operands, F32 accumulation, F32 bias, one
-// rounding to BF16).
+// >= 0), a group of several blocks one strided-batched GEMM over its blocks per network. The
+// first layer on fewer than kNarrowInputWidth states is one narrow_input_layer_kernel launch
+// instead (no GEMM). Every element is computed as in a pass of its own (same
+// operands, F32 accumulation, F32 bias, one rounding to BF16).
 std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, const std::vector<NetParams>& nets,
                                                const NetLayout& L, const at::TensorOptions& f32,
                                                cudaStream_t stream, size_t begin, size_t end) {
@@ -275,6 +312,19 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
     const int64_t out = layer.out_width;
     const std::string what = hidden_layer_name(L, i);
     const auto* in = static_cast<const __nv_bfloat16*>(i == begin ? x.data_ptr() : outs.back().data_ptr());
+    Tensor h = at::empty({count, rows, out}, x.options());
+    const float *bias_lo = lo.p + layer.b_off, *bias_hi = hi.p + layer.b_off;
+    auto* hp = static_cast<__nv_bfloat16*>(h.data_ptr());
+    const int64_t all_rows = count * rows;
+    if (i == 0 && layer.in_width < kNarrowInputWidth && layer.blocks.size() == 1 && out % 4 == 0 &&
+        aligned16(bias_lo, bias_hi, hp)) {
+      const int64_t w_off = layer.blocks[0].w_off;
+      launch(narrow_input_layer_kernel, row_group_blocks(all_rows, out / 4, kThreads), kThreads, 0, stream, in,
+             static_cast<int>(layer.in_width), lo.w + w_off, hi.w + w_off, reinterpret_cast<const float4*>(bias_lo),
+             reinterpret_cast<const float4*>(bias_hi), rows, reinterpret_cast<uint2*>(hp), all_rows, out / 4);
+      outs.push_back(h);
+      continue;
+    }
     // The first layer reads the same x for both networks (stride 0), the others their own input.
     const int64_t in_net_stride = i == begin ? 0 : rows * layer.in_width;
     for (const HeadGroup& g : block_groups(layer.blocks)) {
@@ -293,10 +343,6 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
                              g.w_stride, zp + n * rows * out + s.out_col, CUDA_R_32F, out, g.out_col_stride,
                              g.count, CUBLAS_COMPUTE_32F);
     }
-    Tensor h = at::empty({count, rows, out}, x.options());
-    const float *bias_lo = lo.p + layer.b_off, *bias_hi = hi.p + layer.b_off;
-    auto* hp = static_cast<__nv_bfloat16*>(h.data_ptr());
-    const int64_t all_rows = count * rows;
     if (out % 4 == 0 && aligned16(zp, bias_lo, bias_hi, hp))
       launch(bias_relu_bf16_x4_kernel, row_group_blocks(all_rows, out / 4, kThreads), kThreads, 0, stream,
              reinterpret_cast<const float4*>(zp), reinterpret_cast<const float4*>(bias_lo),
