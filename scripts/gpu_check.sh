@@ -12,6 +12,8 @@
 #       # half the suite (tests/conftest.py); the whole suite and the build exceed one device call,
 #       # so the other half (1/2) in a second call, SKIP_BUILD=1 while the machine is still warm
 #   PYTEST_ARGS=tests/test_spectral_norm.py BENCHES="spectral" bash scripts/gpu_check.sh
+#   PYTEST_ARGS='-q tests/test_qr.py -k "graphed or poison"' SKIP_BENCH=1 bash scripts/gpu_check.sh
+#       # PYTEST_ARGS is split as the shell splits a command line, so quotes group words
 #   TRAIN_EPOCHS=5 bash scripts/gpu_check.sh     # also a short training run per backend
 #   PARITY_EPOCHS=50 bash scripts/gpu_check.sh   # also the convergence-parity check
 #   PARITY_EPOCHS=50 PARITY_ARGS="--seeds 0 1 2 3 4 5 --jobs 6" bash scripts/gpu_check.sh   # more seeds, runs at once
@@ -92,8 +94,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   timeout_args=()
   if $PY -c "import pytest_timeout" 2> /dev/null; then timeout_args=(--timeout "${PYTEST_TIMEOUT:-300}"); fi
   : > "$OUT/pytest-failures.log"
+  eval "pytest_args=(${PYTEST_ARGS:--q tests})"  # quotes in PYTEST_ARGS group words (a -k expression)
   DQN_OPS_FAILURE_LOG="$OUT/pytest-failures.log" $PY -m pytest -rfEs -p no:cacheprovider ${timeout_args[@]+"${timeout_args[@]}"} \
-    ${PYTEST_ARGS:--q tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+    "${pytest_args[@]}" 2>&1 | tee "$OUT/pytest.log" | tail -40
   test_rc=${PIPESTATUS[0]}
   if [ -s "$OUT/pytest-failures.log" ]; then echo "== failed tests"; cat "$OUT/pytest-failures.log"; fi
 fi
