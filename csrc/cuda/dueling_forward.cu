@@ -12,13 +12,14 @@
 //   + the output layer's GEMMs, one per head group likewise (head_groups)
 //   + 1 (output bias + dueling aggregation)
 // = 2L + 3H + 3 for H >= 1 with dueling and D >= 2 branches of one size (two groups a layer):
-// 10 for the reference config (L = 2, H = 1).
+// 10 for the reference config (L = 2, H = 1). On fewer than 8 states the first trunk layer is
+// one launch (narrow_input_layer_kernel), not two.
 // _online_and_target_logits, the trainer's fused path, stops before the last kernel, and runs
 // the online network on [s; s'] and the target network on s' together: with batch_networks,
 // each layer of both networks is one bias + ReLU launch, and each single-block group (a dense
 // layer's, the value head's) one strided-batched GEMM (2 launches fewer than two passes per
-// dense layer, 6 for the reference config; the target then also runs on s, rows it does not
-// need).
+// dense layer, 6 for the reference config, one on a narrow first layer; the target then also
+// runs on s, rows it does not need).
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -100,12 +101,13 @@ __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const flo
 }
 
 // The first hidden layer where its input rows are narrower than 16 bytes (fewer than
-// kNarrowInputWidth states): cuBLAS takes such a GEMM (and its bias + ReLU pass after it) to an
-// Ampere kernel that reads the rows 4 bytes at a time, so this kernel computes the layer in one
-// pass. out[R, 4c..4c+4) = bf16(relu(x[r] . W[j] + b[j])) over R < count * rows (rows R >= rows:
-// the second network, on the same x), the K products summed in k order in F32 from 0, then the
-// F32 bias: the formula of the GEMM + bias_relu pair (a BF16 x BF16 product is exact in F32).
-// A thread per 4 consecutive outputs of a row (row_group); W [cols4 * 4, K] row-major.
+// kNarrowInputWidth states): cuBLAS runs such a GEMM on an Ampere kernel that reads the rows 4
+// bytes at a time, and the bias + ReLU would be a second launch, so this kernel computes the
+// layer in one pass. out[R, 4c..4c+4) = bf16(relu(x[r] . W[j] + b[j])) over R < count * rows
+// (rows R >= rows: the second network, on the same x), the K products summed in k order in F32
+// from 0, then the F32 bias: the formula of the GEMM + bias_relu pair (a BF16 x BF16 product is
+// exact in F32; the GEMM's summation order may differ). A thread per 4 consecutive outputs of a
+// row (row_group); W [cols4 * 4, K] row-major.
 constexpr int64_t kNarrowInputWidth = 8;
 __global__ void narrow_input_layer_kernel(const __nv_bfloat16* __restrict__ x, int k_width,
                                           const __nv_bfloat16* __restrict__ w_lo,
@@ -301,8 +303,16 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
   const NetParams& lo = *slot_net[0];
   const NetParams& hi = *slot_net[1];
   const int64_t w_stride = hi.w - lo.w;
+  // Whether layer i is the first on fewer than kNarrowInputWidth states, which
+  // narrow_input_layer_kernel computes alone (no GEMM, no scratch).
+  auto narrow = [&](size_t i) {
+    const HiddenLayer& layer = L.hidden[i];
+    return i == 0 && layer.in_width < kNarrowInputWidth && layer.blocks.size() == 1 && layer.out_width % 4 == 0 &&
+           aligned16(lo.p + layer.b_off, hi.p + layer.b_off);
+  };
   int64_t widest = 0;
-  for (size_t i = begin; i < end; ++i) widest = std::max(widest, L.hidden[i].out_width);
+  for (size_t i = begin; i < end; ++i)
+    if (!narrow(i)) widest = std::max(widest, L.hidden[i].out_width);
   // One F32 scratch for the pre-activations of every layer (stream-ordered reuse).
   Tensor z = at::empty({count * rows * widest}, f32);
   float* zp = z.data_ptr<float>();
@@ -316,8 +326,8 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
     const float *bias_lo = lo.p + layer.b_off, *bias_hi = hi.p + layer.b_off;
     auto* hp = static_cast<__nv_bfloat16*>(h.data_ptr());
     const int64_t all_rows = count * rows;
-    if (i == 0 && layer.in_width < kNarrowInputWidth && layer.blocks.size() == 1 && out % 4 == 0 &&
-        aligned16(bias_lo, bias_hi, hp)) {
+    if (narrow(i)) {
+      TORCH_INTERNAL_ASSERT(aligned16(hp));  // a fresh tensor: the caching allocator aligns its blocks
       const int64_t w_off = layer.blocks[0].w_off;
       launch(narrow_input_layer_kernel, row_group_blocks(all_rows, out / 4, kThreads), kThreads, 0, stream, in,
              static_cast<int>(layer.in_width), lo.w + w_off, hi.w + w_off, reinterpret_cast<const float4*>(bias_lo),
