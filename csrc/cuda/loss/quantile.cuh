@@ -366,7 +366,7 @@ __device__ __forceinline__ void qr_sorted_sums(const float* T, const double2* S,
 // together (QuantileRows::full_columns), so a pass costs ceil(N / (32 kQrColumnBatch)) memory
 // latencies instead of one a column; the same q bits, summed in the same order. Two: the
 // dueling instantiation (at most 85 registers) holds two columns' loads without spilling; four
-// spilled 88 bytes a thread, eight ~300 (ptxas -v, sm_90).
+// spilled 88 bytes a thread (and ran slower), eight ~300 (ptxas -v, sm_90).
 constexpr int kQrColumnBatch = 2;
 
 template <LossRows kRows, bool kIqn, bool kFewActions>
