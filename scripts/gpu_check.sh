@@ -39,22 +39,29 @@
 # Sanitizers: scripts/verify_gpu.sh.
 #
 # Training runs go to $OUT/runs.tar.gz (metrics.csv, summary.json, learning_curve.png; not the checkpoints),
-# the logs (env, build, pytest, benchmarks) to $OUT/logs.tar.gz.
+# the logs (env, build, pytest, benchmarks) to $OUT/logs.tar.gz (logs-2.tar.gz, ... for later runs in one call).
 #
 # This is exactly what runs on the H200 through the device tool (its python3 has torch,
 # nvcc, pytest and ninja; nothing can be downloaded there).
 source "$(dirname "$0")/gpu_common.sh"
 
 # The logs in one archive at any exit, a call's `timeout` included (its TERM reaches this script's
-# process group): the device tool brings back at most 8 files from $OUT.
+# process group): the device tool brings back at most 8 files from $OUT. A second run of this
+# script in the same call (SKIP_BUILD=1 ...) archives to logs-2.tar.gz, and so on, rather than
+# over the first run's logs.
+logs_archive=logs.tar.gz
+for n in 2 3 4 5 6 7 8 9; do
+  [ -e "$OUT/$logs_archive" ] || break
+  logs_archive=logs-$n.tar.gz
+done
 archive() {
   trap - EXIT TERM
   if [ -d runs ]; then tar czf "$OUT/runs.tar.gz" --exclude='*.log' --exclude='*.pt' runs; fi  # files come back only up to 16 MiB
-  (cd "$OUT" && shopt -s nullglob && files=(env.txt ./*.log) && [ -e env.txt ] && tar czf logs.tar.gz "${files[@]}" \
+  (cd "$OUT" && shopt -s nullglob && files=(env.txt ./*.log) && [ -e env.txt ] && tar czf "$logs_archive" "${files[@]}" \
      && rm -f "${files[@]}")
 }
 trap archive EXIT
-trap 'echo "== cut by a signal: the logs so far are in logs.tar.gz"; archive; exit 143' TERM
+trap 'echo "== cut by a signal: the logs so far are in $logs_archive"; archive; exit 143' TERM
 other_rc=0  # a failed part besides the tests (the A/B, a benchmark, the sanitizers) fails the call too
 
 {
