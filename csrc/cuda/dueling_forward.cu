@@ -71,6 +71,11 @@ __global__ void cast_to_bf16_x4_kernel(const float4* __restrict__ in, uint2* __r
 // takes 4 consecutive columns a thread (16-byte loads, 8-byte stores). `v < 0 ? 0 : v` keeps a
 // NaN a NaN (as torch.relu does) so a non-finite input stays visible downstream.
 __device__ __forceinline__ float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
+// The x4 form, 4 consecutive columns' z and bias, packed for one 8-byte store.
+__device__ __forceinline__ uint2 bias_relu_bf16x4(float4 z, float4 b) {
+  return pack_bf16x4(relu_keep_nan(z.x + b.x), relu_keep_nan(z.y + b.y), relu_keep_nan(z.z + b.z),
+                     relu_keep_nan(z.w + b.w));
+}
 
 __global__ void bias_relu_bf16_kernel(const float* __restrict__ z, const float* __restrict__ bias_lo,
                                       const float* __restrict__ bias_hi, int64_t split,
@@ -92,11 +97,8 @@ __global__ void bias_relu_bf16_x4_kernel(const float4* __restrict__ z, const flo
   if (g.idle) return;
   for (int64_t r = g.first_row; r < rows; r += g.row_stride) {
     const float4* bias = r < split ? bias_lo : bias_hi;
-    for (int64_t c = g.col; c < cols4; c += g.width) {
-      const float4 v = z[r * cols4 + c], b = bias[c];
-      out[r * cols4 + c] = pack_bf16x4(relu_keep_nan(v.x + b.x), relu_keep_nan(v.y + b.y),
-                                       relu_keep_nan(v.z + b.z), relu_keep_nan(v.w + b.w));
-    }
+    for (int64_t c = g.col; c < cols4; c += g.width)
+      out[r * cols4 + c] = bias_relu_bf16x4(z[r * cols4 + c], bias[c]);
   }
 }
 
@@ -130,9 +132,7 @@ __global__ void narrow_input_layer_kernel(const __nv_bfloat16* __restrict__ x, i
 #pragma unroll
         for (int o = 0; o < 4; ++o) a[o] = fmaf(xk, __bfloat162float(wc[o * k_width + k]), a[o]);
       }
-      const float4 b = bias[c];
-      out[r * cols4 + c] = pack_bf16x4(relu_keep_nan(a[0] + b.x), relu_keep_nan(a[1] + b.y),
-                                       relu_keep_nan(a[2] + b.z), relu_keep_nan(a[3] + b.w));
+      out[r * cols4 + c] = bias_relu_bf16x4(make_float4(a[0], a[1], a[2], a[3]), bias[c]);
     }
   }
 }
