@@ -119,13 +119,21 @@ __device__ void branch_rows(const LossParams& P, const BranchTable& br, int b, i
   }
 }
 
+// Element i of a branch's rows as a pass reads it: q itself (kQ), else the head logit with its
+// output bias (the fused loss: bias laid out as row).
+template <LossRows kRows>
+__device__ __forceinline__ float row_value(const float* row, const float* bias, int64_t i) {
+  if constexpr (kRows == LossRows::kQ) return row[i];
+  else return biased_logit(row[i], bias[i]);
+}
+
 // q of action k at atom j (i = k * atoms + j) of a branch's rows (row; the fused loss: bias),
 // v and mean at that atom (kHeadDueling).
 template <LossRows kRows>
 __device__ __forceinline__ float q_at(const float* row, const float* bias, int64_t i, float v, float mean) {
-  if constexpr (kRows == LossRows::kHeadDueling) return dueling_q(v, biased_logit(row[i], bias[i]), mean);
-  else if constexpr (kRows == LossRows::kHeadPlain) return biased_logit(row[i], bias[i]);
-  else return row[i];
+  const float x = row_value<kRows>(row, bias, i);
+  if constexpr (kRows == LossRows::kHeadDueling) return dueling_q(v, x, mean);
+  else return x;
 }
 
 // The QR loss (qr_branch): one network pass's rows of branch d of sample b, read a column (one
@@ -155,7 +163,7 @@ struct QuantileRows {
 #pragma unroll
         for (int k = 0; k < kQChunk; ++k) {
           const int64_t at = int64_t(k0 + k) * slots + i;
-          x[k] = k0 + k < n ? biased_logit(row[at], bias[at]) : 0.f;
+          x[k] = k0 + k < n ? row_value<kRows>(row, bias, at) : 0.f;
         }
 #pragma unroll
         for (int k = 0; k < kQChunk; ++k)
@@ -199,7 +207,7 @@ struct QuantileRows {
       for (int k = 0; k < kQChunk; ++k) {
         const int64_t at = int64_t(k) * slots + i;
         const bool used = k < n && (kRows == LossRows::kHeadDueling || only < 0 || k == only);
-        x[g][k] = live && used ? (kRows == LossRows::kQ ? row[at] : biased_logit(row[at], bias[at])) : 0.f;
+        x[g][k] = live && used ? row_value<kRows>(row, bias, at) : 0.f;
       }
     }
 #pragma unroll
