@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "act_args.h"
+#include "dense_layer_mode.h"
 #include "fused_loss_limits.h"
 #include "iqn_fractions_args.h"
 #include "loss_args.h"
@@ -37,6 +38,8 @@
 //   _side_stream(device index, current stream as an int, lane >= 1) -> the side stream of that
 //     device, stream and lane for the calling thread, as an int (csrc/cuda/side_stream.h; lane 0
 //     is the ops' own); RuntimeError in a build without the CUDA kernels;
+// the dense layer kernel's switch (csrc/dense_layer_mode.h; dqn_ops/dense_kernel.py wraps it):
+//   _dense_layer_mode() -> "auto" | "on" | "off", _set_dense_layer_mode(name) -> the previous name;
 // and one test hook, not part of the API:
 //   _set_spectral_strategy(name) -> previous name: "auto" (the default) or "cooperative" (every
 //     matrix of batched_spectral_norm on CUDA takes the cooperative strategy; csrc/spectral_args.h).
@@ -90,6 +93,25 @@ PyObject* side_stream_py(PyObject* /*self*/, PyObject* args) {
 #endif
 }
 
+PyObject* dense_layer_mode_py(PyObject* /*self*/, PyObject* /*args*/) {
+  return raising_runtime_error(
+      [] { return PyUnicode_FromString(dqn_ops::dense_layer_mode_name(dqn_ops::dense_layer_mode())); });
+}
+
+PyObject* set_dense_layer_mode_py(PyObject* /*self*/, PyObject* args) {
+  const char* name = nullptr;
+  if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
+  dqn_ops::DenseLayerMode mode;
+  if (!dqn_ops::parse_dense_layer_mode(name, &mode)) {
+    PyErr_SetString(PyExc_ValueError, "_set_dense_layer_mode: expected 'auto', 'on' or 'off'");
+    return nullptr;
+  }
+  // Raises when DQN_OPS_DENSE_KERNEL holds an unknown value.
+  return raising_runtime_error([mode] {
+    return PyUnicode_FromString(dqn_ops::dense_layer_mode_name(dqn_ops::set_dense_layer_mode(mode)));
+  });
+}
+
 PyObject* set_spectral_strategy_py(PyObject* /*self*/, PyObject* args) {
   const char* name = nullptr;
   if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
@@ -114,6 +136,10 @@ PyObject* PyInit__C(void) {
        "Turns the side streams on or off for the process; returns the previous setting."},
       {"_side_stream", side_stream_py, METH_VARARGS,
        "The side stream (an int cudaStream_t) of (device index, current stream, lane >= 1) for this thread."},
+      {"_dense_layer_mode", dense_layer_mode_py, METH_NOARGS,
+       "Which dense hidden layers the CUDA forward runs with its own GEMM kernel: 'auto', 'on' or 'off'."},
+      {"_set_dense_layer_mode", set_dense_layer_mode_py, METH_VARARGS,
+       "Sets the dense layer kernel's mode ('auto', 'on' or 'off') for the process; returns the previous one."},
       {"_set_spectral_strategy", set_spectral_strategy_py, METH_VARARGS,
        "Test hook: batched_spectral_norm's CUDA strategy, 'auto' or 'cooperative'; returns the previous one."},
       {nullptr, nullptr, 0, nullptr}};

@@ -59,20 +59,25 @@ def kernels_per_call(fn):
 
 
 def code_path_switches() -> dict:
-    """dqn_ops's run-time switches that change which CUDA code a step runs (not its numbers):
-    the side streams (``dqn_ops.side_stream``, env DQN_OPS_SIDE_STREAM) and programmatic
-    dependent launch (env DQN_OPS_PDL; on unless "0"), as this process has them."""
+    """dqn_ops's run-time switches that change which CUDA code a step runs, as this process has
+    them: the side streams (``dqn_ops.side_stream``, env DQN_OPS_SIDE_STREAM) and programmatic
+    dependent launch (env DQN_OPS_PDL; on unless "0"), which keep every bit, and the dense layer
+    kernel's mode (``dqn_ops.dense_kernel``, env DQN_OPS_DENSE_KERNEL: "auto", "on" or "off"),
+    whose sums may round differently from cuBLAS's."""
     import os
 
-    from dqn_ops import side_stream
+    from dqn_ops import dense_kernel, side_stream
 
-    return dict(side_streams=side_stream.enabled(), pdl=os.environ.get("DQN_OPS_PDL", "1") != "0")
+    return dict(side_streams=side_stream.enabled(), pdl=os.environ.get("DQN_OPS_PDL", "1") != "0",
+                dense_kernel=dense_kernel.mode())
 
 
 def switches_note(switches: dict) -> str:
-    """The switches as a result file's markdown says them: "side streams on, PDL on"."""
-    return (f"side streams {'on' if switches['side_streams'] else 'off'}, "
-            f"PDL {'on' if switches['pdl'] else 'off'}")
+    """The switches as a result file's markdown says them: "side streams on, PDL on, dense
+    kernel auto" (files written before the dense kernel do not name it)."""
+    on = lambda key: "on" if switches[key] else "off"  # noqa: E731
+    note = f"side streams {on('side_streams')}, PDL {on('pdl')}"
+    return note + (f", dense kernel {switches['dense_kernel']}" if "dense_kernel" in switches else "")
 
 
 def run_meta(device="cuda", **extra):

@@ -1,25 +1,29 @@
 // bf16_dueling_forward on CUDA: BF16 x BF16 -> F32 GEMMs (COMPUTE_32F) on torch's cuBLAS
-// handle, with bias + ReLU + BF16 cast fused into one pass after each hidden layer's GEMMs.
+// handle, with bias + ReLU + BF16 cast fused into one pass after each hidden layer's GEMMs; a
+// dense hidden layer (a trunk layer, the heads' merged first layer) is instead one launch of
+// dqn_ops's own GEMM with the bias + ReLU + cast in its epilogue (dense_layer.h) where that
+// kernel applies (K a multiple of 8, N even, DQN_OPS_DENSE_KERNEL not 0).
 //
-// Launches, for L trunk layers and H head layers:
+// Launches, for L trunk layers and H head layers, with the dense layer kernel:
 //   1 (states -> BF16)
-//   + L x (GEMM + bias/ReLU) for the trunk
-//   + (H >= 1) GEMM + bias/ReLU for head layer 1: every head's first layer is one GEMM over
-//     the adjacent rows of W_h1
+//   + L for the trunk
+//   + (H >= 1) 1 for head layer 1: every head's first layer is one GEMM over the adjacent rows
+//     of W_h1
 //   + for each head layer 2..H, a GEMM per group of its blocks (NetLayout's block_groups: the
 //     value head's, then the branch heads' as one strided batch when they share a shape) + 1
 //     bias/ReLU
 //   + the output layer's GEMMs, one per head group likewise (head_groups)
 //   + 1 (output bias + dueling aggregation)
-// = 2L + 3H + 3 for H >= 1 with dueling and D >= 2 branches of one size (two groups a layer):
-// 10 for the reference config (L = 2, H = 1). On fewer than 8 states the first trunk layer is
-// one launch (narrow_input_layer_kernel), not two.
+// = L + 3H + 2 for H >= 1 with dueling and D >= 2 branches of one size (two groups a layer):
+// 7 for the reference config (L = 2, H = 1). A dense layer the kernel does not take is a GEMM
+// and a bias + ReLU pass (two launches); on fewer than 8 states the first trunk layer is one
+// launch of narrow_input_layer_kernel.
 // _online_and_target_logits, the trainer's fused path, stops before the last kernel, and runs
 // the online network on [s; s'] and the target network on s' together: with batch_networks,
-// each layer of both networks is one bias + ReLU launch, and each single-block group (a dense
-// layer's, the value head's) one strided-batched GEMM (2 launches fewer than two passes per
-// dense layer, 6 for the reference config, one on a narrow first layer; the target then also
-// runs on s, rows it does not need).
+// each hidden layer of both networks is one launch of the dense layer kernel or of the
+// bias + ReLU pass, and each single-block group (a dense layer's, the value head's) one
+// strided-batched GEMM (for the reference config 3 launches fewer than two passes, one per
+// dense layer; the target then also runs on s, rows it does not need).
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -35,6 +39,7 @@
 #include <torch/library.h>
 
 #include "branch_table.cuh"
+#include "dense_layer.h"
 #include "dueling.cuh"
 #include "elementwise.cuh"
 #include "forward.h"
@@ -69,8 +74,7 @@ __global__ void cast_to_bf16_x4_kernel(const float4* __restrict__ in, uint2* __r
 // out = bf16(relu(z + bias)), z [rows, cols] row-major, bias = bias_lo for the rows before
 // `split` and bias_hi from there (two networks' layers stacked: hidden_layers); the x4 version
 // takes 4 consecutive columns a thread (16-byte loads, 8-byte stores). `v < 0 ? 0 : v` keeps a
-// NaN a NaN (as torch.relu does) so a non-finite input stays visible downstream.
-__device__ __forceinline__ float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
+// NaN a NaN (relu_keep_nan).
 // The x4 form, 4 consecutive columns' z and bias, packed for one 8-byte store.
 __device__ __forceinline__ uint2 bias_relu_bf16x4(float4 z, float4 b) {
   return pack_bf16x4(relu_keep_nan(z.x + b.x), relu_keep_nan(z.y + b.y), relu_keep_nan(z.z + b.z),
@@ -253,8 +257,8 @@ __global__ void iqn_phi_z_x4_kernel(const float4* __restrict__ pre, const float4
       const uint2 p = pack_bf16x4(relu_keep_nan(v.x + b.x), relu_keep_nan(v.y + b.y), relu_keep_nan(v.z + b.z),
                                   relu_keep_nan(v.w + b.w));
       phi[r * cols4 + c] = p;
-      const float4 pf = unpack_bf16x4(p), hf = unpack_bf16x4(h_row[c]);
-      z[r * cols4 + c] = pack_bf16x4(hf.x * pf.x, hf.y * pf.y, hf.z * pf.z, hf.w * pf.w);
+      const uint2 hc = h_row[c];
+      z[r * cols4 + c] = make_uint2(bf16_product2(hc.x, p.x), bf16_product2(hc.y, p.y));
     }
   }
 }
@@ -281,8 +285,9 @@ struct NetParams {
 // The hidden layers [begin, end) of L.hidden of one or two networks on the same BF16 input rows
 // x [rows, width of layer begin's input] (the states for begin = 0): per network h_begin+1..h_end,
 // BF16 [rows, width] each. Two networks only from the first layer (begin = 0).
-// Each layer's GEMMs write F32 pre-activations into one scratch [count, rows, width], then one
-// bias + ReLU launch over all its rows makes the layer's [count, rows, width] output: a dense
+// A dense layer is one launch of the dense layer kernel over both networks where it applies.
+// Otherwise each layer's GEMMs write F32 pre-activations into one scratch [count, rows, width],
+// then one bias + ReLU launch over all its rows makes the layer's [count, rows, width] output: a dense
 // layer is one GEMM, a block-diagonal one a GEMM per group of same-shape blocks (block_groups;
 // one bias vector at b_off covers all its blocks). With two networks, a group of one block (a
 // dense layer among them) is one strided-batched GEMM over both networks (the second network's
@@ -313,9 +318,13 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
   int64_t widest = 0;
   for (size_t i = begin; i < end; ++i)
     if (!narrow(i)) widest = std::max(widest, L.hidden[i].out_width);
-  // One F32 scratch for the pre-activations of every layer (stream-ordered reuse).
-  Tensor z = at::empty({count * rows * widest}, f32);
-  float* zp = z.data_ptr<float>();
+  // One F32 scratch for the pre-activations of every layer the GEMM + bias_relu path runs
+  // (stream-ordered reuse), made at its first use: a layer of the dense kernel needs none.
+  Tensor z;
+  auto scratch = [&] {
+    if (!z.defined()) z = at::empty({count * rows * widest}, f32);
+    return z.data_ptr<float>();
+  };
   std::vector<Tensor> outs;  // each layer's [count, rows, width]
   for (size_t i = begin; i < end; ++i) {
     const HiddenLayer& layer = L.hidden[i];
@@ -337,6 +346,29 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
     }
     // The first layer reads the same x for both networks (stride 0), the others their own input.
     const int64_t in_net_stride = i == begin ? 0 : rows * layer.in_width;
+    if (layer.blocks.size() == 1) {  // a dense layer: one kernel where it can (dense_layer.h)
+      const HeadSlice& s = layer.blocks[0];
+      TORCH_INTERNAL_ASSERT(s.in_col == 0 && s.in_width == layer.in_width && s.out_col == 0 && s.out_width == out);
+      DenseLayerArgs dense{};
+      dense.x = in;
+      dense.x_net_stride = in_net_stride;
+      dense.w = lo.w + s.w_off;
+      dense.w_net_stride = w_stride;
+      dense.bias_lo = bias_lo;
+      dense.bias_hi = bias_hi;
+      dense.out = hp;
+      dense.out_net_stride = rows * out;
+      dense.rows = rows;
+      dense.N = out;
+      dense.K = layer.in_width;
+      dense.nets = static_cast<int>(count);
+      if (dense_layer_applies(dense)) {
+        dense_layer(dense, stream);
+        outs.push_back(h);
+        continue;
+      }
+    }
+    float* const zp = scratch();
     for (const HeadGroup& g : block_groups(layer.blocks)) {
       const HeadSlice& s = g.first;
       if (g.count == 1) {
@@ -405,7 +437,8 @@ NetParams net_params(const Tensor& params, const Tensor& params_bf16) {
 
 // IQN's layer after the trunk (docs/iqn-design.md): from the last trunk layer h [rows, T] and the
 // fractions [rows, N], the cosines c [rows * N, n], phi and z = h * phi [rows * N, T], BF16:
-// 1 cosine launch, phi's GEMM, 1 bias + ReLU + product launch.
+// 1 cosine launch, then phi's GEMM with the bias + ReLU + product in its epilogue (the dense
+// layer kernel), or where that kernel does not apply the GEMM and 1 bias + ReLU + product launch.
 std::vector<Tensor> iqn_embedding(const char* op, const Tensor& h, const Tensor& fractions, const NetParams& net,
                                   const NetLayout& L, const at::TensorOptions& f32, cudaStream_t stream) {
   const int64_t rows = fractions.numel(), n = L.iqn_embedding, T = L.phi.out_width;
@@ -413,15 +446,33 @@ std::vector<Tensor> iqn_embedding(const char* op, const Tensor& h, const Tensor&
   auto* c_ptr = static_cast<__nv_bfloat16*>(c.data_ptr());
   launch(iqn_cosines_kernel, row_group_blocks(rows, n, kThreads), kThreads, 0, stream, fractions.data_ptr<float>(),
          c_ptr, rows, static_cast<int>(n));
-  Tensor pre = at::empty({rows, T}, f32);
   const HeadSlice& w = L.phi.blocks[0];
-  gemm(op, "phi", rows, T, n, Operand{c_ptr, CUDA_R_16BF, n, false}, Operand{net.w + w.w_off, CUDA_R_16BF, n, true},
-       pre.data_ptr<float>(), CUDA_R_32F, T, CUBLAS_COMPUTE_32F);
   Tensor phi = at::empty({rows, T}, h.options()), z = at::empty({rows, T}, h.options());
-  const float *pre_ptr = pre.data_ptr<float>(), *b_ptr = net.p + L.phi.b_off;
+  const float* b_ptr = net.p + L.phi.b_off;
   const auto* h_ptr = static_cast<const __nv_bfloat16*>(h.data_ptr());
   auto *phi_ptr = static_cast<__nv_bfloat16*>(phi.data_ptr()), *z_ptr = static_cast<__nv_bfloat16*>(z.data_ptr());
   const int64_t N = fractions.size(fractions.dim() - 1);
+  // phi and z in the GEMM's epilogue where the dense layer kernel applies (dense_layer.h).
+  DenseLayerArgs dense{};
+  dense.x = c_ptr;
+  dense.w = net.w + w.w_off;
+  dense.bias_lo = dense.bias_hi = b_ptr;
+  dense.out = phi_ptr;
+  dense.rows = rows;
+  dense.N = T;
+  dense.K = n;
+  dense.nets = 1;
+  dense.scale = h_ptr;
+  dense.scale_group = N;
+  dense.scaled_out = z_ptr;
+  if (dense_layer_applies(dense)) {
+    dense_layer(dense, stream);
+    return {c, phi, z};
+  }
+  Tensor pre = at::empty({rows, T}, f32);
+  gemm(op, "phi", rows, T, n, Operand{c_ptr, CUDA_R_16BF, n, false}, Operand{net.w + w.w_off, CUDA_R_16BF, n, true},
+       pre.data_ptr<float>(), CUDA_R_32F, T, CUBLAS_COMPUTE_32F);
+  const float* pre_ptr = pre.data_ptr<float>();
   if (T % 4 == 0 && aligned16(pre_ptr, b_ptr, h_ptr, phi_ptr, z_ptr))
     launch(iqn_phi_z_x4_kernel, row_group_blocks(rows, T / 4, kThreads), kThreads, 0, stream,
            reinterpret_cast<const float4*>(pre_ptr), reinterpret_cast<const float4*>(b_ptr),

@@ -43,6 +43,10 @@ inline unsigned row_group_blocks(int64_t rows, int64_t cols, int threads) {
   return static_cast<unsigned>(std::min<int64_t>((rows + per_block - 1) / per_block, 1 << 16));
 }
 
+// The hidden layers' ReLU: `v < 0 ? 0 : v` keeps a NaN a NaN (as torch.relu does), so a
+// non-finite input stays visible downstream.
+__device__ __forceinline__ float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
+
 // Four floats rounded to BF16 and packed for one 8-byte store.
 __device__ __forceinline__ uint2 pack_bf16x4(float a, float b, float c, float d) {
   const __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
@@ -52,6 +56,15 @@ __device__ __forceinline__ float4 unpack_bf16x4(uint2 v) {
   const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
   const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
   return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// IQN's z = bf16(h * phi) of two columns, each pair packed in a 32-bit word (z[r] = h_L[r / N] *
+// phi[r]): the product of two BF16 values is exact in F32, so z is rounded once.
+__device__ __forceinline__ unsigned bf16_product2(unsigned h, unsigned phi) {
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&phi));
+  const __nv_bfloat162 z = __floats2bfloat162_rn(a.x * b.x, a.y * b.y);
+  return *reinterpret_cast<const unsigned*>(&z);
 }
 
 // Whether every pointer is 16-byte aligned: the x4 kernels' float4 / 8-byte BF16 accesses

@@ -1,0 +1,131 @@
+"""The dense hidden layer kernel (csrc/cuda/dense_layer.cu): a dense layer's GEMM with the F32
+bias, ReLU and the rounding to BF16 in its epilogue, run by the forward where its switch
+(dqn_ops.dense_kernel) gives it the layer. The CUDA tests here force it on for every layer it can
+run (K a multiple of 8, N even). Its tile shape depends on the number of rows; every element must
+be the same bits whichever shape runs it."""
+import pytest
+import torch
+
+from conftest import requires_cuda
+from dqn_ops import DQNConfig, dense_kernel
+from poison import poison_cuda_cache
+from reference import head_widths, logical_activations, mirror_layers
+from step_check import snapshot
+from test_network_shapes import check_bf16_mirror_emulated, make_net
+
+# Widths that leave tails in every dimension of the kernel's tiles: K = 40 (the states) and 136
+# (130 stored rounded up to 8) are not multiples of its K tile (32), N = 136 not of 64 or 128;
+# the heads' merged first layer is dense too (K = 256, N = 24 + 2 x 16).
+SHAPE = DQNConfig(state_dim=40, trunk_hidden=(130, 256), value_hidden=24, adv_hidden=16, atoms=5, branches=(2, 3))
+# Rows that take each tile shape on a GPU of 132 SMs (dense_layer picks the largest tile whose
+# grid covers the SMs): 32 x 64 at 300, 64 x 64 at 3000, 128 x 128 at 9000; and one row.
+BATCHES = [1, 300, 3000, 9000]
+
+
+@pytest.fixture
+def kernel_mode(request):
+    """The dense kernel's mode for one test (default "on"), the process's restored after it."""
+    before = dense_kernel.set_mode(getattr(request, "param", "on"))
+    yield dense_kernel.mode()
+    dense_kernel.set_mode(before)
+
+
+def test_the_mode_switch_round_trips_and_refuses_an_unknown_mode():
+    before = dense_kernel.mode()
+    assert before in dense_kernel.MODES
+    try:
+        for m in dense_kernel.MODES:
+            dense_kernel.set_mode(m)
+            assert dense_kernel.mode() == m
+        with pytest.raises(ValueError, match="expected one of"):
+            dense_kernel.set_mode("fast")
+        assert dense_kernel.mode() == dense_kernel.MODES[-1]
+    finally:
+        dense_kernel.set_mode(before)
+
+
+def _kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages()]
+
+
+@requires_cuda
+@pytest.mark.parametrize("B", BATCHES)
+def test_cuda_dense_layers_are_the_formula_on_their_inputs(B, kernel_mode):
+    """Each dense layer's output against float64 on the same input (the GPU's own activation
+    before it, so a rounding flip upstream does not count here): relu(x W^T + b) with the
+    mirror's BF16 W and the F32 b, within the rounding to BF16 (2^-8 of the value) plus the F32
+    sum's error (2^-16 of the sum of the products' magnitudes, a generous bound for a
+    tensor core's accumulation; a wrong element is off by the size of a product), and at most
+    1e-3 of the elements off the rounded float64 value."""
+    net = make_net(SHAPE, "cuda", seed=B)
+    poison_cuda_cache()
+    acts = [a.double().cpu() for a in logical_activations(SHAPE, net.forward_full(
+        torch.randn(B, SHAPE.state_dim, device="cuda")).activations)]
+    layers = mirror_layers(net)
+    stems = [f"s{i + 1}" for i in range(len(SHAPE.trunk_hidden))]
+    # The heads' first layers, side by side in head order: the one dense layer they form.
+    heads = [stem.format(1) for stem, _, _ in head_widths(SHAPE)]
+    weights = [layers[n] for n in stems] + [tuple(torch.cat(t) for t in zip(*(layers[n] for n in heads)))]
+    for i, (w, b) in enumerate(weights):
+        x, y = acts[i], acts[i + 1]
+        ref = torch.relu(x @ w.T + b)
+        magnitude = x.abs() @ w.abs().T + b.abs()
+        assert ((y - ref).abs() <= 2 ** -8 * ref.abs() + 2 ** -16 * magnitude).all(), f"layer {i + 1}"
+        assert (y != ref.to(torch.bfloat16).double()).double().mean() < 1e-3, f"layer {i + 1}"
+
+
+@requires_cuda
+def test_cuda_dense_layers_keep_the_emulated_rounding_through_the_network(kernel_mode):
+    net = make_net(SHAPE, "cuda")
+    poison_cuda_cache()
+    check_bf16_mirror_emulated(net, torch.randn(64, SHAPE.state_dim, device="cuda"))
+
+
+@requires_cuda
+def test_cuda_dense_layer_bits_do_not_depend_on_the_rows_or_the_tile(kernel_mode):
+    """Rows run inside a 9000-row forward (128 x 128 tiles) and alone (300: 32 x 64; 3000:
+    64 x 64) are the same bits, at offsets that are not multiples of any tile."""
+    net = make_net(SHAPE, "cuda", seed=1)
+    s = torch.randn(9000, SHAPE.state_dim, device="cuda")
+    poison_cuda_cache()
+    whole = net.forward_full(s).activations
+    for first, count in [(0, 300), (4001, 300), (5555, 3000), (8999, 1)]:
+        poison_cuda_cache()
+        part = net.forward_full(s[first:first + count]).activations
+        for i, (a, b) in enumerate(zip(whole, part)):
+            assert torch.equal(a[first:first + count].view(torch.int16), b.view(torch.int16)), (first, count, i)
+
+
+@requires_cuda
+def test_cuda_dense_layer_keeps_a_nan_sample_nan_and_its_neighbours_finite(kernel_mode):
+    net = make_net(SHAPE, "cuda", seed=2)
+    s = torch.randn(3000, SHAPE.state_dim, device="cuda")
+    s[1234, 17] = float("nan")
+    poison_cuda_cache()
+    gpu = net.forward_full(s)
+    cpu = snapshot(net).to("cpu").forward_full(s.cpu())
+    for a, b in zip(gpu.activations, cpu.activations):
+        assert torch.equal(a.isnan().cpu(), b.isnan())
+        assert a[1234].isnan().any() and not a[torch.arange(3000, device="cuda") != 1234].isnan().any()
+    assert torch.equal(gpu.q_logits.isnan().cpu(), cpu.q_logits.isnan())
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel_mode", ["on", "off"], indirect=True)
+@pytest.mark.parametrize("B", [300, 9000])
+def test_cuda_dense_layers_run_the_dense_kernel_as_the_mode_says(B, kernel_mode):
+    """Every hidden layer of SHAPE is dense with K a multiple of 8: with the mode "on" none takes
+    the GEMM + bias_relu pass, with "off" every one does."""
+    net = make_net(SHAPE, "cuda")
+    s = torch.randn(B, SHAPE.state_dim, device="cuda")
+    net.forward_full(s)  # the first call's one-time work outside the profiled region
+    names = _kernel_names(lambda: net.forward_full(s))
+    if not any("dqn_ops" in n for n in names):
+        pytest.skip("the profiler recorded no kernels on this machine")
+    dense = sum("dense_layer_kernel" in n for n in names)
+    bias_relu = sum("bias_relu_bf16" in n for n in names)
+    assert (dense > 0 and bias_relu == 0) if kernel_mode == "on" else (dense == 0 and bias_relu > 0), names
