@@ -1,8 +1,8 @@
 // bf16_dueling_forward on CUDA: BF16 x BF16 -> F32 GEMMs (COMPUTE_32F) on torch's cuBLAS
 // handle, with bias + ReLU + BF16 cast fused into one pass after each hidden layer's GEMMs; a
 // dense hidden layer (a trunk layer, the heads' merged first layer) is instead one launch of
-// dqn_ops's own GEMM with the bias + ReLU + cast in its epilogue (dense_layer.h) where that
-// kernel applies (K a multiple of 8, N even, DQN_OPS_DENSE_KERNEL not 0).
+// dqn_ops's own GEMM with the bias + ReLU + cast in its epilogue (dense_layer.h) where its
+// switch gives it the layer (csrc/dense_layer_mode.h; by default layers of >= 128 outputs).
 //
 // Launches, for L trunk layers and H head layers, with the dense layer kernel:
 //   1 (states -> BF16)
