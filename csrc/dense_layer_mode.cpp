@@ -16,7 +16,7 @@ std::atomic<DenseLayerMode>& dense_layer_setting() {
     const char* env = std::getenv("DQN_OPS_DENSE_KERNEL");
     DenseLayerMode mode = DenseLayerMode::kAuto;
     DQN_CHECK(env == nullptr || *env == '\0' || parse_dense_layer_mode(env, &mode),
-              "dqn_ops: DQN_OPS_DENSE_KERNEL: expected auto, 1 or 0, got '", env, "'");
+              "dqn_ops: DQN_OPS_DENSE_KERNEL: expected auto, on (1) or off (0), got '", env, "'");
     return mode;
   }()};
   return setting;

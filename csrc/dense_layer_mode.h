@@ -6,8 +6,8 @@
 //   - kOn: every layer the kernel can run (the tests of the kernel itself);
 //   - kOff: none.
 // Set by
-//   - the environment variable DQN_OPS_DENSE_KERNEL=auto|1|0 (unset: auto), read once, at the
-//     first call of dense_layer_mode(); any other value raises there;
+//   - the environment variable DQN_OPS_DENSE_KERNEL=auto|1|0 (or on|off; unset: auto), read once,
+//     at the first call of dense_layer_mode(); any other value raises there;
 //   - dqn_ops._C._set_dense_layer_mode(name) (dqn_ops.dense_kernel.set_mode), which returns the
 //     previous one.
 // A process-wide setting read with one atomic load per layer. A CUDA graph keeps the kernels it

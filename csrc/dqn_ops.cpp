@@ -103,7 +103,7 @@ PyObject* set_dense_layer_mode_py(PyObject* /*self*/, PyObject* args) {
   if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
   dqn_ops::DenseLayerMode mode;
   if (!dqn_ops::parse_dense_layer_mode(name, &mode)) {
-    PyErr_SetString(PyExc_ValueError, "_set_dense_layer_mode: expected 'auto', 'on' or 'off'");
+    PyErr_SetString(PyExc_ValueError, "_set_dense_layer_mode: expected 'auto', 'on' ('1') or 'off' ('0')");
     return nullptr;
   }
   // Raises when DQN_OPS_DENSE_KERNEL holds an unknown value.

@@ -4,10 +4,11 @@ epilogue adds the F32 bias, applies ReLU and rounds to BF16 (``csrc/cuda/dense_l
 which as a cuBLAS GEMM with an F32 output and a bias + ReLU pass. Both compute the same formula;
 the F32 sums' order, so at times the last bit of an activation, differs.
 
-Modes: ``"auto"`` (the default: the layers where the kernel was measured faster,
-``bench/NOTES.md``), ``"on"`` (every layer it can run: K a multiple of 8, N even) and ``"off"``.
-The environment variable ``DQN_OPS_DENSE_KERNEL=auto|1|0`` sets the process's mode at first use; a
-CUDA graph keeps the kernels it was captured with. The CPU kernels ignore it.
+Modes: ``"auto"`` (the default: layers of at least 128 outputs, where the kernel was measured
+faster, ``bench/NOTES.md``), ``"on"`` (every layer it can run: K a multiple of 8, N even, 16-byte
+aligned operands, an sm_80 or newer GPU) and ``"off"``. The environment variable
+``DQN_OPS_DENSE_KERNEL=auto|1|0`` sets the process's mode at its first use (a bad value raises
+there); a CUDA graph keeps the kernels it was captured with. The CPU kernels ignore it.
 """
 from . import _C
 

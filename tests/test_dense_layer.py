@@ -4,6 +4,7 @@ bias, ReLU and the rounding to BF16 in its epilogue, run by the forward where it
 run (K a multiple of 8, N even). Its tile shape depends on the number of rows; every element must
 be the same bits whichever shape runs it."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,17 +15,19 @@ import torch
 import dqn_ops
 from conftest import requires_cuda
 from dqn_ops import DQNConfig, _C, dense_kernel
+from dqn_ops.step import InternalOpsStep
 from poison import poison_cuda_cache
 from reference import head_widths, logical_activations, mirror_layers
-from step_check import snapshot
+from step_check import same_bits, snapshot
 from test_network_shapes import check_bf16_mirror_emulated, make_net
 
 # Widths that leave tails in every dimension of the kernel's tiles: K = 40 (the states) and 136
-# (130 stored rounded up to 8) are not multiples of its K tile (32), N = 136 not of 64 or 128;
-# the heads' merged first layer is dense too (K = 256, N = 24 + 2 x 16).
+# (130 stored rounded up to 8) are not multiples of its K tile (64), N = 136 and 56 not of 64 or
+# 128; the heads' merged first layer is dense too (K = 256, N = 24 + 2 x 16).
 SHAPE = DQNConfig(state_dim=40, trunk_hidden=(130, 256), value_hidden=24, adv_hidden=16, atoms=5, branches=(2, 3))
-# Rows that take each tile shape on a GPU of 132 SMs (dense_layer picks the largest tile whose
-# grid covers the SMs): 32 x 64 at 300, 64 x 64 at 3000, 128 x 128 at 9000; and one row.
+# Rows that take each tile shape for the 256-wide layer on a GPU of 132 SMs (dense_layer picks
+# the largest tile whose grid covers the SMs): 32 x 64 at 300, 64 x 64 at 3000, 128 x 128 at
+# 9000; and one row.
 BATCHES = [1, 300, 3000, 9000]
 
 
@@ -58,6 +61,28 @@ def _kernel_names(fn):
     return [e.key for e in prof.key_averages()]
 
 
+def _tiles(names):
+    """The tile shapes ("BM, BN") of the dense kernels among profiled kernel names."""
+    return {re.search(r"dense_layer_kernel<(\d+), (\d+)", n).group(0).split("<")[1] for n in names
+            if "dense_layer_kernel" in n}
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).cuda()
+
+
+def _check_formula(x, w, b, y, what):
+    """y = bf16(relu(x W^T + b)) within the rounding to BF16 (2^-8 of the value) plus the F32
+    sum's error (2^-16 of the sum of the products' magnitudes, a generous bound for a tensor
+    core's accumulation; a wrong element is off by the size of a product), and at most 1e-3 of
+    the elements (one where there are fewer than 1000) off the rounded float64 value. x, w, b, y
+    float64 on the CPU."""
+    ref = torch.relu(x @ w.T + b)
+    magnitude = x.abs() @ w.abs().T + b.abs()
+    assert ((y - ref).abs() <= 2 ** -8 * ref.abs() + 2 ** -16 * magnitude).all(), what
+    assert (y != ref.to(torch.bfloat16).double()).sum() <= max(1, 1e-3 * y.numel()), what
+
+
 @pytest.mark.parametrize("value,want", [(None, "auto"), ("auto", "auto"), ("1", "on"), ("0", "off"), ("on", "on"),
                                         ("fast", None)])
 def test_the_environment_variable_sets_the_mode_at_its_first_use(value, want):
@@ -88,7 +113,7 @@ def test_the_environment_variable_sets_the_mode_at_its_first_use(value, want):
 
 
 def test_the_hook_refuses_an_unknown_mode_name():
-    with pytest.raises(ValueError, match="expected 'auto', 'on' or 'off'"):
+    with pytest.raises(ValueError, match=r"expected 'auto', 'on' \('1'\) or 'off' \('0'\)"):
         _C._set_dense_layer_mode("1x")
 
 
@@ -96,33 +121,68 @@ def test_the_hook_refuses_an_unknown_mode_name():
 @pytest.mark.parametrize("B", BATCHES)
 def test_cuda_dense_layers_are_the_formula_on_their_inputs(B, kernel_mode):
     """Each dense layer's output against float64 on the same input (the GPU's own activation
-    before it, so a rounding flip upstream does not count here): relu(x W^T + b) with the
-    mirror's BF16 W and the F32 b, within the rounding to BF16 (2^-8 of the value) plus the F32
-    sum's error (2^-16 of the sum of the products' magnitudes, a generous bound for a
-    tensor core's accumulation; a wrong element is off by the size of a product), and at most
-    1e-3 of the elements off the rounded float64 value."""
+    before it, so a rounding flip upstream does not count here), the mirror's BF16 W and the F32
+    b (_check_formula)."""
     net = make_net(SHAPE, "cuda", seed=B)
     poison_cuda_cache()
     acts = [a.double().cpu() for a in logical_activations(SHAPE, net.forward_full(
-        torch.randn(B, SHAPE.state_dim, device="cuda")).activations)]
+        _randn(B, SHAPE.state_dim, seed=B)).activations)]
     layers = mirror_layers(net)
     stems = [f"s{i + 1}" for i in range(len(SHAPE.trunk_hidden))]
     # The heads' first layers, side by side in head order: the one dense layer they form.
     heads = [stem.format(1) for stem, _, _ in head_widths(SHAPE)]
     weights = [layers[n] for n in stems] + [tuple(torch.cat(t) for t in zip(*(layers[n] for n in heads)))]
     for i, (w, b) in enumerate(weights):
-        x, y = acts[i], acts[i + 1]
-        ref = torch.relu(x @ w.T + b)
-        magnitude = x.abs() @ w.abs().T + b.abs()
-        assert ((y - ref).abs() <= 2 ** -8 * ref.abs() + 2 ** -16 * magnitude).all(), f"layer {i + 1}"
-        assert (y != ref.to(torch.bfloat16).double()).double().mean() < 1e-3, f"layer {i + 1}"
+        _check_formula(acts[i], w, b, acts[i + 1], f"layer {i + 1}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [100, 256])
+@pytest.mark.parametrize("B", [3, 500])
+def test_cuda_iqn_phi_and_z_in_the_epilogue(B, T, kernel_mode):
+    """IQN's phi layer through the kernel: phi the formula on the GPU's own cosines, and z =
+    bf16(h_L[r // N] * phi[r]) bit for bit (the product of two BF16 values is exact in F32), on
+    B * N rows that are not a multiple of any tile's, with h_L 104 (100 stored) and 256 wide."""
+    c = DQNConfig(state_dim=40, trunk_hidden=(130, T), value_hidden=24, adv_hidden=16, atoms=1, branches=(2, 3),
+                  iqn_embedding=64)
+    N = 7
+    net = make_net(c, "cuda", seed=T + B)
+    tau = torch.rand(B, N, generator=torch.Generator().manual_seed(B)).cuda()
+    poison_cuda_cache()
+    out = net.forward_full(_randn(B, c.state_dim, seed=T), tau)
+    acts = [a.double().cpu() for a in logical_activations(c, out.activations)]
+    h_L, cos, phi, z = acts[len(c.trunk_hidden)], acts[-4], acts[-3], acts[-2]
+    _check_formula(cos, *mirror_layers(net)["phi"], phi, "phi")
+    want = (h_L.repeat_interleave(N, 0) * phi).to(torch.bfloat16)
+    assert torch.equal(z.to(torch.bfloat16).view(torch.int16), want.view(torch.int16))
+
+
+@requires_cuda
+@pytest.mark.parametrize("B", [1, 300, 3000])
+def test_cuda_both_networks_in_one_launch_give_each_pass_its_bits(B, kernel_mode):
+    """The trainer's batched forward (both networks' layers in one launch: blockIdx.z, the second
+    network's weights and bias, its own input past the first layer) against two passes, on
+    SHAPE's tails, with either network's weights at the lower address and one network as both."""
+    a, b = make_net(SHAPE, "cuda", seed=1), make_net(SHAPE, "cuda", seed=2)
+    state_pairs = _randn(2 * B, SHAPE.state_dim, seed=B)
+    for online, target in [(a, b), (b, a), (a, a)]:
+        outs = []
+        for batched in (False, True):
+            poison_cuda_cache()
+            outs.append(InternalOpsStep(online, target, batch_networks=batched).forward(state_pairs))
+        want, got = outs
+        pairs = [("logits", got.logits, want.logits), ("logits_next_target", got.logits_next_target,
+                                                        want.logits_next_target)]
+        pairs += [(f"activations[{i}]", x, y) for i, (x, y) in enumerate(zip(got.activations, want.activations))]
+        for name, x, y in pairs:
+            same_bits(x, y, name)
 
 
 @requires_cuda
 def test_cuda_dense_layers_keep_the_emulated_rounding_through_the_network(kernel_mode):
     net = make_net(SHAPE, "cuda")
     poison_cuda_cache()
-    check_bf16_mirror_emulated(net, torch.randn(64, SHAPE.state_dim, device="cuda"))
+    check_bf16_mirror_emulated(net, _randn(64, SHAPE.state_dim, seed=64))
 
 
 @requires_cuda
@@ -130,7 +190,7 @@ def test_cuda_dense_layer_bits_do_not_depend_on_the_rows_or_the_tile(kernel_mode
     """Rows run inside a 9000-row forward (128 x 128 tiles) and alone (300: 32 x 64; 3000:
     64 x 64) are the same bits, at offsets that are not multiples of any tile."""
     net = make_net(SHAPE, "cuda", seed=1)
-    s = torch.randn(9000, SHAPE.state_dim, device="cuda")
+    s = _randn(9000, SHAPE.state_dim, seed=1)
     poison_cuda_cache()
     whole = net.forward_full(s).activations
     for first, count in [(0, 300), (4001, 300), (5555, 3000), (8999, 1)]:
@@ -138,12 +198,19 @@ def test_cuda_dense_layer_bits_do_not_depend_on_the_rows_or_the_tile(kernel_mode
         part = net.forward_full(s[first:first + count]).activations
         for i, (a, b) in enumerate(zip(whole, part)):
             assert torch.equal(a[first:first + count].view(torch.int16), b.view(torch.int16)), (first, count, i)
+    # The comparison crossed tile shapes: the whole ran the largest tile, 300 rows the smallest
+    # (where the profiler records kernels, on a GPU of 132 SMs as BATCHES assumes).
+    names = {count: _kernel_names(lambda: net.forward_full(s[:count])) for count in (300, 9000)}
+    if all(any("dqn_ops" in n for n in v) for v in names.values()) and \
+            torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        tiles = {count: _tiles(v) for count, v in names.items()}
+        assert "128, 128" in tiles[9000] and "32, 64" in tiles[300], tiles
 
 
 @requires_cuda
 def test_cuda_dense_layer_keeps_a_nan_sample_nan_and_its_neighbours_finite(kernel_mode):
     net = make_net(SHAPE, "cuda", seed=2)
-    s = torch.randn(3000, SHAPE.state_dim, device="cuda")
+    s = _randn(3000, SHAPE.state_dim, seed=2)
     s[1234, 17] = float("nan")
     poison_cuda_cache()
     gpu = net.forward_full(s)
@@ -161,7 +228,7 @@ def test_cuda_dense_layers_run_the_dense_kernel_as_the_mode_says(B, kernel_mode)
     """Every hidden layer of SHAPE is dense with K a multiple of 8: with the mode "on" none takes
     the GEMM + bias_relu pass, with "off" every one does."""
     net = make_net(SHAPE, "cuda")
-    s = torch.randn(B, SHAPE.state_dim, device="cuda")
+    s = _randn(B, SHAPE.state_dim, seed=B)
     net.forward_full(s)  # the first call's one-time work outside the profiled region
     names = _kernel_names(lambda: net.forward_full(s))
     if not any("dqn_ops" in n for n in names):

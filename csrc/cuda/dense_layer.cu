@@ -260,14 +260,20 @@ bool dense_layer_applies(const DenseLayerArgs& a) {
   if (mode == DenseLayerMode::kOff || (mode == DenseLayerMode::kAuto && !measured_faster(a))) return false;
   if (at::cuda::getCurrentDeviceProperties()->major < 8) return false;  // mma.sync on BF16, cp.async
   const bool two = a.nets == 2;
+  // N and K within int with a tile to spare: the kernel's column and k indices are ints.
   const bool shapes = (a.nets == 1 || two) && a.rows > 0 && a.N > 0 && a.K > 0 && a.N % 2 == 0 && a.K % 8 == 0 &&
-                      a.N <= INT_MAX && a.K <= INT_MAX;
+                      a.N <= INT_MAX - 128 && a.K <= INT_MAX - 128;
   const bool strides = !two || (a.x_net_stride % 8 == 0 && a.w_net_stride % 8 == 0 && a.out_net_stride % 2 == 0);
-  const bool scaled = a.scaled_out == nullptr ||
-                      (a.nets == 1 && a.scale_group > 0 && aligned(a.scale, 4) && aligned(a.scaled_out, 4));
+  const bool scaled = a.scaled_out == nullptr || (a.nets == 1 && a.scale != nullptr && a.scale_group > 0 &&
+                                                   a.scale_group <= INT_MAX && aligned(a.scale, 4) &&
+                                                   aligned(a.scaled_out, 4));
   if (!(shapes && strides && scaled && aligned(a.x, 16) && aligned(a.w, 16) && aligned(a.out, 4))) return false;
+  // The grid's y dimension holds the row tiles. It bounds rows by 65535 tiles (8.4M rows at the
+  // 128-row tile, which any layer of more than ~17k rows takes), which the trainer's batched pass
+  // (at most 2 x 4096 rows a network) never meets, so the batched pass and a pass of one network
+  // take the same path.
   const int64_t rows_per_tile = tile_rows(pick_tile(a));
-  return (a.rows + rows_per_tile - 1) / rows_per_tile <= 65535;  // the grid's y dimension
+  return (a.rows + rows_per_tile - 1) / rows_per_tile <= 65535;
 }
 
 void dense_layer(const DenseLayerArgs& a, cudaStream_t stream) {

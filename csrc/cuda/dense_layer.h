@@ -34,17 +34,17 @@ struct DenseLayerArgs {
   int nets;
   // Optional, one network only (IQN's phi layer, whose output z = h_L[r / N] * phi the heads
   // read): with scaled_out set, also scaled_out[r, c] = bf16(scale[r / scale_group, c] *
-  // out[r, c]), scale BF16 [rows / scale_group, N] and scaled_out [rows, N] (row stride N).
+  // out[r, c]), scale BF16 [ceil(rows / scale_group), N] and scaled_out [rows, N] (row stride N).
   const __nv_bfloat16* scale = nullptr;
   int64_t scale_group = 1;
   __nv_bfloat16* scaled_out = nullptr;
 };
 
 // Whether dense_layer runs `a` on the current device: the switch (csrc/dense_layer_mode.h: off,
-// on, or auto's measured rule), sm_80 or newer, K a multiple of 8 and 16-byte aligned rows
-// and network strides (the operand tiles are copied 16 bytes at a time), N even and `out` 4-byte
-// aligned (the outputs are stored in pairs; `scale` and `scaled_out` too), and sizes within the
-// kernel's int indexing.
+// on, or auto's rule: N >= 128), sm_80 or newer, K a multiple of 8 and 16-byte aligned rows and
+// network strides (the operand tiles are copied 16 bytes at a time), N even and `out` 4-byte
+// aligned (the outputs are stored in pairs), the scaled output (one network, `scale` and
+// `scaled_out` 4-byte aligned), N and K within int, and at most 65535 row tiles (the grid's y).
 bool dense_layer_applies(const DenseLayerArgs& a);
 
 // Launches the layer on `stream` (dense_layer_applies(a) must hold). Every output element is the

@@ -315,14 +315,12 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
     return i == 0 && layer.in_width < kNarrowInputWidth && layer.blocks.size() == 1 && layer.out_width % 4 == 0 &&
            aligned16(lo.p + layer.b_off, hi.p + layer.b_off);
   };
-  int64_t widest = 0;
-  for (size_t i = begin; i < end; ++i)
-    if (!narrow(i)) widest = std::max(widest, L.hidden[i].out_width);
-  // One F32 scratch for the pre-activations of every layer the GEMM + bias_relu path runs
-  // (stream-ordered reuse), made at its first use: a layer of the dense kernel needs none.
+  // One F32 scratch for the pre-activations of the layers the GEMM + bias_relu path runs
+  // (stream-ordered reuse), made at its first use and grown for a wider layer: the dense kernel's
+  // and the narrow kernel's layers need none.
   Tensor z;
-  auto scratch = [&] {
-    if (!z.defined()) z = at::empty({count * rows * widest}, f32);
+  auto scratch = [&](int64_t width) {
+    if (!z.defined() || z.numel() < count * rows * width) z = at::empty({count * rows * width}, f32);
     return z.data_ptr<float>();
   };
   std::vector<Tensor> outs;  // each layer's [count, rows, width]
@@ -368,7 +366,7 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
         continue;
       }
     }
-    float* const zp = scratch();
+    float* const zp = scratch(out);
     for (const HeadGroup& g : block_groups(layer.blocks)) {
       const HeadSlice& s = g.first;
       if (g.count == 1) {
