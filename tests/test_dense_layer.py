@@ -63,8 +63,7 @@ def _kernel_names(fn):
 
 def _tiles(names):
     """The tile shapes ("BM, BN") of the dense kernels among profiled kernel names."""
-    return {re.search(r"dense_layer_kernel<(\d+), (\d+)", n).group(0).split("<")[1] for n in names
-            if "dense_layer_kernel" in n}
+    return {f"{m[1]}, {m[2]}" for n in names if (m := re.search(r"dense_layer_kernel<(\d+), (\d+)", n))}
 
 
 def _randn(*shape, seed):
@@ -138,23 +137,29 @@ def test_cuda_dense_layers_are_the_formula_on_their_inputs(B, kernel_mode):
 
 @requires_cuda
 @pytest.mark.parametrize("T", [100, 256])
-@pytest.mark.parametrize("B", [3, 500])
+@pytest.mark.parametrize("B", [3, 500, 1300])
 def test_cuda_iqn_phi_and_z_in_the_epilogue(B, T, kernel_mode):
     """IQN's phi layer through the kernel: phi the formula on the GPU's own cosines, and z =
     bf16(h_L[r // N] * phi[r]) bit for bit (the product of two BF16 values is exact in F32), on
-    B * N rows that are not a multiple of any tile's, with h_L 104 (100 stored) and 256 wide."""
+    B * N rows that are not a multiple of any tile's (9100 rows: the 128 x 128 tile at T = 256),
+    with h_L 100 (104 stored) and 256 wide; and phi took the kernel (no iqn_phi_z pass)."""
     c = DQNConfig(state_dim=40, trunk_hidden=(130, T), value_hidden=24, adv_hidden=16, atoms=1, branches=(2, 3),
                   iqn_embedding=64)
     N = 7
     net = make_net(c, "cuda", seed=T + B)
     tau = torch.rand(B, N, generator=torch.Generator().manual_seed(B)).cuda()
     poison_cuda_cache()
-    out = net.forward_full(_randn(B, c.state_dim, seed=T), tau)
+    states = _randn(B, c.state_dim, seed=T)
+    out = net.forward_full(states, tau)
     acts = [a.double().cpu() for a in logical_activations(c, out.activations)]
-    h_L, cos, phi, z = acts[len(c.trunk_hidden)], acts[-4], acts[-3], acts[-2]
+    L = len(c.trunk_hidden)
+    h_L, (cos, phi, z) = acts[L], acts[L + 1:L + 4]  # [s, h_1 .. h_L, c, phi, z, head layers]
     _check_formula(cos, *mirror_layers(net)["phi"], phi, "phi")
     want = (h_L.repeat_interleave(N, 0) * phi).to(torch.bfloat16)
     assert torch.equal(z.to(torch.bfloat16).view(torch.int16), want.view(torch.int16))
+    names = _kernel_names(lambda: net.forward_full(states, tau))
+    if any("dqn_ops" in n for n in names):  # where the profiler records kernels
+        assert any("dense_layer_kernel" in n for n in names) and not any("iqn_phi_z" in n for n in names), names
 
 
 @requires_cuda
@@ -176,6 +181,10 @@ def test_cuda_both_networks_in_one_launch_give_each_pass_its_bits(B, kernel_mode
         pairs += [(f"activations[{i}]", x, y) for i, (x, y) in enumerate(zip(got.activations, want.activations))]
         for name, x, y in pairs:
             same_bits(x, y, name)
+    # The batched pass ran its layers through the kernel, none through the bias + ReLU pass.
+    names = _kernel_names(lambda: InternalOpsStep(a, b, batch_networks=True).forward(state_pairs))
+    if any("dqn_ops" in n for n in names):  # where the profiler records kernels
+        assert any("dense_layer_kernel" in n for n in names) and not any("bias_relu_bf16" in n for n in names), names
 
 
 @requires_cuda
