@@ -245,8 +245,8 @@ void launch_tile(const DenseLayerArgs& a, cudaStream_t stream) {
 // Mode auto's rule (bench/NOTES.md, "The dense layer kernel"): the kernel for outputs of at least
 // 128 columns. It was measured faster than the cuBLAS GEMM and the bias + ReLU pass in every
 // network step timed whose layers are that wide (the reference network, the 3 x 512 trunk, IQN;
-// at B = 256 and 4096), and a wash on the one with a narrower layer (CleanRL's 88 units: +4% at
-// B = 256, -2.6% at 4096). The rule reads the layer's shape only, not its rows: the trainer's
+// at B = 256 and 4096), and a wash on the one with a narrower layer (CleanRL's 88 units: slower
+// at B = 256, faster at 4096). The rule reads the layer's shape only, not its rows: the trainer's
 // batched pass over both networks and a pass of one network then take the same kernel, so their
 // outputs stay the same bits.
 bool measured_faster(const DenseLayerArgs& a) { return a.N >= 128; }
