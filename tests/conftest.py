@@ -1,7 +1,9 @@
 import contextlib
 import json
 import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -125,3 +127,29 @@ def loads_strict_json(text: str):
     def refuse(name):
         raise ValueError(f"not JSON: {name}")
     return json.loads(text, parse_constant=refuse)
+
+
+def switch_at_first_use(env_var: str, value, module: str, calls: str) -> list:
+    """What a process-wide switch of dqn_ops makes of its environment variable: `calls` (a tuple of
+    callables on dqn_ops.<module>, as Python source) run in a fresh interpreter with `env_var`
+    set to `value` (None: unset), one line each, repr(result) or "RuntimeError: <message>". The
+    variable is read at the switch's first use, not at the import, so the interpreter must be a
+    new one."""
+    env = {k: v for k, v in os.environ.items() if k != env_var}
+    if value is not None:
+        env[env_var] = value
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dqn_ops.__file__)))  # where this process found dqn_ops
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    code = textwrap.dedent(f"""
+        from dqn_ops import {module}
+        def attempt(f):
+            try:
+                return repr(f())
+            except RuntimeError as e:
+                return "RuntimeError: " + str(e)
+        for f in ({calls}):
+            print(attempt(f))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()

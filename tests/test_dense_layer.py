@@ -3,17 +3,12 @@ bias, ReLU and the rounding to BF16 in its epilogue, run by the forward where it
 (dqn_ops.dense_kernel) gives it the layer. The CUDA tests here force it on for every layer it can
 run (K a multiple of 8, N even). Its tile shape depends on the number of rows; every element must
 be the same bits whichever shape runs it."""
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
-import dqn_ops
-from conftest import requires_cuda
+from conftest import requires_cuda, switch_at_first_use
 from dqn_ops import DQNConfig, _C, dense_kernel
 from dqn_ops.step import InternalOpsStep
 from poison import poison_cuda_cache
@@ -85,30 +80,14 @@ def _check_formula(x, w, b, y, what):
 @pytest.mark.parametrize("value,want", [(None, "auto"), ("auto", "auto"), ("1", "on"), ("0", "off"), ("on", "on"),
                                         ("fast", None)])
 def test_the_environment_variable_sets_the_mode_at_its_first_use(value, want):
-    env = {k: v for k, v in os.environ.items() if k != "DQN_OPS_DENSE_KERNEL"}
-    if value is not None:
-        env["DQN_OPS_DENSE_KERNEL"] = value
-    root = os.path.dirname(os.path.dirname(os.path.abspath(dqn_ops.__file__)))  # where this process found dqn_ops
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    code = textwrap.dedent("""
-        from dqn_ops import dense_kernel  # the variable is read at the first use, not at the import
-        def attempt(f):
-            try:
-                return f()
-            except RuntimeError as e:
-                return "RuntimeError: " + str(e)
-        for f in (dense_kernel.mode, dense_kernel.mode, lambda: dense_kernel.set_mode("off"), dense_kernel.mode):
-            print(attempt(f))
-    """)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+    lines = switch_at_first_use("DQN_OPS_DENSE_KERNEL", value, "dense_kernel", "dense_kernel.mode, dense_kernel.mode, "
+                                "lambda: dense_kernel.set_mode('off'), dense_kernel.mode")
     if want is None:  # every use raises again: the setting never initialises from a bad value
         assert len(lines) == 4, lines
         for line in lines:
             assert line.startswith("RuntimeError: ") and "DQN_OPS_DENSE_KERNEL" in line and "'fast'" in line, line
     else:
-        assert lines == [want, want, want, "off"]
+        assert lines == [repr(want), repr(want), repr(want), repr("off")]
 
 
 def test_the_hook_refuses_an_unknown_mode_name():

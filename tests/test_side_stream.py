@@ -4,17 +4,13 @@ work runs, not what it computes: the ops, the steps and the graphed trainer give
 with the switch on and off, and a captured graph is one chain with it off and forks and joins
 with it on."""
 import contextlib
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 import dqn_ops
-from conftest import behind_a_sleep, requires_cuda
+from conftest import behind_a_sleep, requires_cuda, switch_at_first_use
 from dqn_ops import DQNConfig, Trainer, TrainerConfig, _C, ops, side_stream
 from dqn_ops.side_stream import LANE_GROUPS, LANE_STEP, Branch, group_lane
 from dqn_ops.step import GroupsStep, PublicOpsStep
@@ -56,24 +52,8 @@ def test_set_enabled_returns_the_previous_setting_and_the_hooks_agree():
 @pytest.mark.parametrize("value,want", [(None, True), ("0", False), ("1", True), ("yes", None)],
                          ids=["unset", "0", "1", "yes"])
 def test_the_environment_variable_sets_the_switch_at_its_first_use(value, want):
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    if value is not None:
-        env[ENV] = value
-    root = os.path.dirname(os.path.dirname(os.path.abspath(dqn_ops.__file__)))  # where this process found dqn_ops
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    code = textwrap.dedent("""
-        from dqn_ops import side_stream  # the variable is read at the first use, not at the import
-        def attempt(f):
-            try:
-                return repr(f())
-            except RuntimeError as e:
-                return "RuntimeError: " + str(e)
-        for f in (side_stream.enabled, side_stream.enabled, lambda: side_stream.set_enabled(True), side_stream.enabled):
-            print(attempt(f))
-    """)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+    lines = switch_at_first_use(ENV, value, "side_stream", "side_stream.enabled, side_stream.enabled, "
+                                "lambda: side_stream.set_enabled(True), side_stream.enabled")
     if want is None:  # every use raises again: the setting never initialises from a bad value
         assert len(lines) == 4, lines
         for line in lines:
