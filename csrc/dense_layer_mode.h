@@ -1,9 +1,9 @@
-// The dense layer kernel's switch: which dense hidden layers the CUDA forward runs with
-// dqn_ops's own GEMM with the bias + ReLU in its epilogue (csrc/cuda/dense_layer.h), and which as
-// a cuBLAS GEMM and a bias + ReLU pass. The two compute one formula; the F32 sums' order, so at
-// times a last bit of an activation, differs.
-//   - kAuto (the default): the layers dense_layer.cu's measured rule gives the kernel;
-//   - kOn: every layer the kernel can run (the tests of the kernel itself);
+// The dense layer kernel's switch: which layers the CUDA ops run with dqn_ops's own GEMM with the
+// work after it in its epilogue (csrc/cuda/dense_layer.h: dense hidden layers, the output layer,
+// the backward's input gradients), and which with cuBLAS GEMMs and a pass after them. The two
+// compute one formula; the F32 sums' order, so at times a last bit, differs.
+//   - kAuto (the default): the launches dense_layer.cu's measured rule gives the kernel;
+//   - kOn: every launch the kernel can run (the tests of the kernel itself);
 //   - kOff: none.
 // Set by
 //   - the environment variable DQN_OPS_DENSE_KERNEL=auto|1|0 (or on|off; unset: auto), read once,

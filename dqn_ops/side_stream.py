@@ -2,8 +2,8 @@
 
 At small batches each kernel of the training step fills a few of the GPU's SMs, and one
 stream runs them one after the other even where one pass does not read another's output. The
-CUDA ops fork such work themselves (the backward's dW GEMMs, the target's output layer:
-``csrc/cuda/side_stream.h``); the steps fork whole passes with a ``Branch``: the public-ops
+CUDA ops fork such work themselves (the backward's dW GEMMs, the target's output layer where
+the dense kernel does not run both networks' in one launch: ``csrc/cuda/side_stream.h``); the steps fork whole passes with a ``Branch``: the public-ops
 step's target pass beside the online one (IQN's step), a head-group network's groups beside
 each other (``dqn_ops.step.GroupsStep``), the trainer's TD-error copy and readback row beside
 spectral norm and the EMA. Inside a CUDA-graph capture the fork and the join become edges of

@@ -1,19 +1,23 @@
-"""The dense hidden layer kernel (csrc/cuda/dense_layer.cu): a dense layer's GEMM with the F32
-bias, ReLU and the rounding to BF16 in its epilogue, run by the forward where its switch
-(dqn_ops.dense_kernel) gives it the layer. The CUDA tests here force it on for every layer it can
-run (K a multiple of 8, N even). Its tile shape depends on the number of rows; every element must
-be the same bits whichever shape runs it."""
+"""The dense layer kernel (csrc/cuda/dense_layer.cu): dqn_ops's own GEMM with the work after it in
+its epilogue, run where its switch (dqn_ops.dense_kernel) gives it the layer: a dense hidden
+layer's F32 bias, ReLU and rounding to BF16; the output layer's every head (of one network or
+both) in one launch; and in the backward a layer's input gradient masked by the ReLU before it,
+with its BF16 copy. The CUDA tests here force it on for every layer it can run (K a multiple of
+8, N even). Its tile shape depends on the number of rows; every element must be the same bits
+whichever shape runs it."""
 import re
 
 import pytest
 import torch
 
 from conftest import requires_cuda, switch_at_first_use
+import dqn_ops
 from dqn_ops import DQNConfig, _C, dense_kernel
 from dqn_ops.step import InternalOpsStep
 from poison import poison_cuda_cache
-from reference import head_widths, logical_activations, mirror_layers
+from reference import dueling_head_grad, head_widths, logical_activations, mirror_layers, reference_backward, rel_err
 from step_check import same_bits, snapshot
+from test_network import BACKWARD_BARS
 from test_network_shapes import check_bf16_mirror_emulated, make_net
 
 # Widths that leave tails in every dimension of the kernel's tiles: K = 40 (the states) and 136
@@ -54,6 +58,11 @@ def _kernel_names(fn):
         fn()
         torch.cuda.synchronize()
     return [e.key for e in prof.key_averages()]
+
+
+def _cublas_gemms(names):
+    """The names among profiled kernels that are cuBLAS's GEMMs (Hopper's nvjet, CUTLASS, xmma)."""
+    return [n for n in names if any(k in n.lower() for k in ("gemm", "nvjet", "cutlass", "xmma"))]
 
 
 def _tiles(names):
@@ -174,6 +183,30 @@ def test_cuda_dense_layers_keep_the_emulated_rounding_through_the_network(kernel
 
 
 @requires_cuda
+@pytest.mark.parametrize("B", BATCHES)
+def test_cuda_output_layer_is_the_formula_on_its_input(B, kernel_mode):
+    """The head logits (the output layer's one launch, then the F32 bias) against float64 on the
+    GPU's own last hidden activation, each head on its slice of it: within the F32 sum's error
+    (2^-16 of the sum of the products' magnitudes, generous for a tensor core's accumulation; a
+    wrong element is off by the size of a product)."""
+    net = make_net(SHAPE, "cuda", seed=B + 3)
+    poison_cuda_cache()
+    out = net.forward_full(_randn(B, SHAPE.state_dim, seed=B + 3))
+    h = logical_activations(SHAPE, out.activations)[-1].double().cpu()
+    layers = mirror_layers(net)
+    refs, magnitudes, col = [], [], 0
+    for stem, hidden, _ in head_widths(SHAPE):
+        w, b = layers[stem.format(len(hidden) + 1)]
+        x = h[:, col:col + hidden[-1]]
+        col += hidden[-1]
+        refs.append(x @ w.T + b)
+        magnitudes.append(x.abs() @ w.abs().T + b.abs())
+    assert col == h.shape[1]
+    ref, magnitude = torch.cat(refs, 1), torch.cat(magnitudes, 1)
+    assert ((out.head_logits.double().cpu() - ref).abs() <= 2 ** -16 * magnitude).all()
+
+
+@requires_cuda
 def test_cuda_dense_layer_bits_do_not_depend_on_the_rows_or_the_tile(kernel_mode):
     """Rows run inside a 9000-row forward (128 x 128 tiles) and alone (300: 32 x 64; 3000:
     64 x 64) are the same bits, at offsets that are not multiples of any tile."""
@@ -213,14 +246,105 @@ def test_cuda_dense_layer_keeps_a_nan_sample_nan_and_its_neighbours_finite(kerne
 @pytest.mark.parametrize("kernel_mode", ["on", "off"], indirect=True)
 @pytest.mark.parametrize("B", [300, 9000])
 def test_cuda_dense_layers_run_the_dense_kernel_as_the_mode_says(B, kernel_mode):
-    """Every hidden layer of SHAPE is dense with K a multiple of 8: with the mode "on" none takes
-    the GEMM + bias_relu pass, with "off" every one does."""
+    """Every layer of SHAPE fits the kernel (K a multiple of 8, the output heads' input columns
+    disjoint): with the mode "on" the forward is dqn_ops's kernels alone (no cuBLAS GEMM, no
+    bias_relu pass) and the backward has no relu_backward pass; with "off" the kernel never runs."""
     net = make_net(SHAPE, "cuda")
     s = _randn(B, SHAPE.state_dim, seed=B)
-    net.forward_full(s)  # the first call's one-time work outside the profiled region
-    names = _kernel_names(lambda: net.forward_full(s))
+    gq = _randn(B, SHAPE.q_rows, SHAPE.atoms, seed=B + 1)
+    forward = lambda: net.forward_full(s)  # noqa: E731
+    backward = lambda: _backward(net, out, gq)  # noqa: E731
+    out = forward()
+    backward()  # the first calls' one-time work outside the profiled regions
+    names = _kernel_names(forward)
     if not any("dqn_ops" in n for n in names):
         pytest.skip("the profiler recorded no kernels on this machine")
-    dense = sum("dense_layer_kernel" in n for n in names)
-    bias_relu = sum("bias_relu_bf16" in n for n in names)
-    assert (dense > 0 and bias_relu == 0) if kernel_mode == "on" else (dense == 0 and bias_relu > 0), names
+    back = _kernel_names(backward)
+    dense = sum("dense_layer_kernel" in n for n in names + back)
+    if kernel_mode == "on":
+        assert not _cublas_gemms(names) and not any("bias_relu_bf16" in n for n in names), names
+        assert not any("relu_backward" in n for n in back), back
+    else:
+        assert dense == 0 and any("bias_relu_bf16" in n for n in names) and any("relu_backward" in n for n in back)
+
+
+def _backward(net, out, gq, need_grad_states=True):
+    """mixed_backward in bf16 on the gradient gq of q: the flat gradient and d(states)."""
+    return dqn_ops.mixed_backward(gq, None, out, net.flat_params.detach(), net.params_bf16, net._layout_ints, "bf16",
+                                  need_grad_states)
+
+
+@requires_cuda
+@pytest.mark.parametrize("B", BATCHES)
+def test_cuda_input_gradients_through_the_kernel_are_the_backward_within_its_bar(B, kernel_mode):
+    """The backward with each layer's input gradient from the kernel (its ReLU mask and BF16 copy
+    in the epilogue) against the float64 backward of the GPU's own forward (every layer within the
+    bf16 bar), and against the cuBLAS GEMM + relu_backward path (mode "off") on the same forward:
+    the two differ by their F32 sums' order and the BF16 copies that order rounds the other way,
+    far less than a wrong mask, transposition or tile would (a whole product's size)."""
+    net = make_net(SHAPE, "cuda", seed=B + 7)
+    out = net.forward_full(_randn(B, SHAPE.state_dim, seed=B))
+    gq = _randn(B, SHAPE.q_rows, SHAPE.atoms, seed=B + 1)
+    poison_cuda_cache()
+    grad, gs = _backward(net, out, gq)
+    ref_grad, ref_gs = reference_backward(net, out.activations, dueling_head_grad(SHAPE, gq.double().cpu()), "mirror")
+    g, r = net.layer_views(grad), net.layer_views(ref_grad)
+    for name in r:
+        assert rel_err(g[name], r[name]) <= BACKWARD_BARS["bf16"], (name, rel_err(g[name], r[name]))
+    assert rel_err(gs, ref_gs) <= BACKWARD_BARS["bf16"]
+    dense_kernel.set_mode("off")
+    poison_cuda_cache()
+    cublas_grad, cublas_gs = _backward(net, out, gq)
+    c = net.layer_views(cublas_grad)
+    for name in c:
+        assert rel_err(g[name], c[name]) <= 2 ** -6, (name, rel_err(g[name], c[name]))
+    assert rel_err(gs, cublas_gs) <= 2 ** -6
+
+
+@requires_cuda
+def test_cuda_input_gradient_bits_do_not_depend_on_the_rows_or_the_tile(kernel_mode):
+    """d(states) of rows in a 9000-row backward and of the same rows alone are the same bits: every
+    input gradient on the way (the heads', the head layer's, the trunk's) is the kernel's, whose
+    elements depend on their own row only, whatever its tile."""
+    net = make_net(SHAPE, "cuda", seed=3)
+    s = _randn(9000, SHAPE.state_dim, seed=3)
+    gq = _randn(9000, SHAPE.q_rows, SHAPE.atoms, seed=4)
+    poison_cuda_cache()
+    _, whole = _backward(net, net.forward_full(s), gq)
+    for first, count in [(0, 300), (4001, 300), (5555, 3000), (8999, 1)]:
+        rows = slice(first, first + count)
+        poison_cuda_cache()
+        _, part = _backward(net, net.forward_full(s[rows]), gq[rows])
+        assert torch.equal(whole[rows].view(torch.int32), part.view(torch.int32)), (first, count)
+    # The whole ran the largest tile, 300 rows the smallest (on a GPU of 132 SMs, as BATCHES assumes).
+    names = {count: _kernel_names(lambda: _backward(net, net.forward_full(s[:count]), gq[:count]))
+             for count in (300, 9000)}
+    if all(any("dqn_ops" in n for n in v) for v in names.values()) and \
+            torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        tiles = {count: _tiles(v) for count, v in names.items()}
+        assert "128, 128" in tiles[9000] and "32, 64" in tiles[300], tiles
+
+
+@requires_cuda
+def test_cuda_output_layer_heads_that_share_their_input_take_the_kernel_forward_only(kernel_mode):
+    """With no head layers every output head reads the whole last trunk layer: the forward runs
+    them in one launch (x's batch stride 0), the backward's input gradient, a sum over the heads,
+    stays cuBLAS's (with its relu_backward pass). Both within their bars as above."""
+    c = DQNConfig(state_dim=40, trunk_hidden=(130, 64), value_hidden=(), adv_hidden=(), atoms=5, branches=(2, 3))
+    net = make_net(c, "cuda", seed=5)
+    s = _randn(300, c.state_dim, seed=5)
+    gq = _randn(300, c.q_rows, c.atoms, seed=6)
+    poison_cuda_cache()
+    check_bf16_mirror_emulated(net, s)
+    out = net.forward_full(s)
+    grad, gs = _backward(net, out, gq)
+    ref_grad, ref_gs = reference_backward(net, out.activations, dueling_head_grad(c, gq.double().cpu()), "mirror")
+    g, r = net.layer_views(grad), net.layer_views(ref_grad)
+    for name in r:
+        assert rel_err(g[name], r[name]) <= BACKWARD_BARS["bf16"], (name, rel_err(g[name], r[name]))
+    assert rel_err(gs, ref_gs) <= BACKWARD_BARS["bf16"]
+    names = _kernel_names(lambda: net.forward_full(s))
+    back = _kernel_names(lambda: _backward(net, out, gq))
+    if any("dqn_ops" in n for n in names):
+        assert not _cublas_gemms(names), names
+        assert _cublas_gemms(back) and sum("relu_backward" in n for n in back) == 1, back  # the last trunk layer's, after the heads' sum

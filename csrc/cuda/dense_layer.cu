@@ -1,15 +1,17 @@
-// The dense hidden layer kernel (dense_layer.h): a BF16 tensor-core GEMM (mma.sync m16n8k16,
-// F32 accumulators) whose epilogue adds the F32 bias, applies ReLU and rounds to BF16.
+// dqn_ops's GEMM kernel (dense_layer.h): BF16 tensor cores (mma.sync m16n8k16, F32
+// accumulators), a list of problems a launch, the epilogue a template parameter.
 //
-// A block computes a BM x BN tile of one network's output; its warps a WM x WN part each. The
-// K dimension runs in tiles of kBK = 64, kStages of them in flight: each tile of x and of W is
-// copied global -> shared by cp.async, 16 bytes a copy (zero-filled past the rows, N or K), and
-// read into fragments by ldmatrix. A tile's shared rows are 128 bytes, eight 16-byte chunks;
-// chunk c of row r is stored at chunk c ^ (r % 8), so the 8 rows an ldmatrix reads (8
-// consecutive rows, one chunk) fall on 8 different chunks of the banks (no conflicts), as do a
-// warp's copies (4 rows, 8 chunks each).
+// A block computes a BM x BN tile of one problem's output (the blocks are the problems' tiles in
+// order); its warps a WM x WN part each. The K dimension runs in tiles of kBK = 64, kStages of
+// them in flight: each tile of x and of W is copied global -> shared by cp.async, 16 bytes a copy
+// (zero-filled past the rows, N or K), and read into fragments by ldmatrix. An x tile's shared
+// rows are 128 bytes, eight 16-byte chunks; chunk c of row r is stored at chunk c ^ (r % 8), so
+// the 8 rows an ldmatrix reads (8 consecutive rows, one chunk) fall on 8 different chunks of the
+// banks (no conflicts), as do a warp's copies (4 rows, 8 chunks each). W's tiles are the same,
+// or for kInputGrad (W read as stored, [K, N]) kBK rows of k, BN columns (BN / 8 chunks) each,
+// with the same swizzle on the low three chunk bits and ldmatrix.trans.
 //
-// Tile shapes (pick_tile): 128 x 128 with 8 warps for large layers, 64 x 64 and 32 x 64 with 4
+// Tile shapes (pick_tile): 128 x 128 with 8 warps for large launches, 64 x 64 and 32 x 64 with 4
 // warps where the larger tile would leave SMs idle. Every shape accumulates an element's
 // products in the same order (k16 steps from 0), so the choice does not change any bit.
 #include "dense_layer.h"
@@ -52,6 +54,14 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
                : "r"(addr));
 }
 
+// The same four 8 x 8 matrices, each transposed: a lane gets the elements of its matrix's column
+// pair, so rows of k stored n-contiguous load as the B fragments that rows of n would.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 // d += a b: a 16 x 16 (row-major fragment), b 16 x 8 (column-major fragment), F32 accumulators.
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
   asm volatile(
@@ -74,46 +84,74 @@ struct Tile {
   static_assert(BM % WM == 0 && BN % WN == 0 && WM % 16 == 0 && WN % 16 == 0, "tile shape");
 };
 
-template <int BM, int BN, int WM, int WN>
+// The problem block `tile` belongs to (a uniform scan of at most kMaxProblems entries).
+__device__ __forceinline__ int problem_of(const DenseLaunch& l, int tile) {
+  int p = 0;
+  while (p + 1 < l.count && tile >= l.first_tile[p + 1]) ++p;
+  return p;
+}
+
+// The launch is a __grid_constant__ parameter: a problem picked by a run-time index is read from
+// the parameter space where it lies, not from a per-thread copy of the whole list.
+template <int BM, int BN, int WM, int WN, DenseEpilogue kEpilogue>
 __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads)
-    dense_layer_kernel(DenseLayerArgs a) {
+    dense_layer_kernel(const __grid_constant__ DenseLaunch l) {
   using T = Tile<BM, BN, WM, WN>;
+  // kInputGrad reads W as stored, [K, N]: its tiles are kBK rows of k, BN columns of n each.
+  constexpr bool kTransW = kEpilogue == DenseEpilogue::kInputGrad;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   pdl_enter();
 
-  const int net = blockIdx.z;
-  const int64_t rows = a.rows, m0 = int64_t(blockIdx.y) * BM;
-  const int N = static_cast<int>(a.N), K = static_cast<int>(a.K), n0 = blockIdx.x * BN;
-  const __nv_bfloat16* const x = a.x + net * a.x_net_stride;
-  const __nv_bfloat16* const w = a.w + net * a.w_net_stride;
-  const float* const bias = net == 0 ? a.bias_lo : a.bias_hi;
-  __nv_bfloat16* const out = a.out + net * a.out_net_stride;
+  const int p = problem_of(l, blockIdx.x);
+  const DenseProblem& P = l.problem[p];
+  const int N = static_cast<int>(P.N), K = static_cast<int>(P.K), rows = static_cast<int>(P.rows);
+  // The block's batch member, then its tile: N tiles first, so the blocks that read one tile of
+  // x's rows run one after the other.
+  const int n_tiles = (N + BN - 1) / BN, member_tiles = (rows + BM - 1) / BM * n_tiles;
+  const int member = (blockIdx.x - l.first_tile[p]) / member_tiles;
+  const int tile = blockIdx.x - l.first_tile[p] - member * member_tiles;
+  const int m0 = tile / n_tiles * BM, n0 = tile % n_tiles * BN;
+  const __nv_bfloat16* const x = P.x + member * P.x_stride;
+  const __nv_bfloat16* const w = P.w + member * P.w_stride;
+  const int64_t x_ld = P.x_ld, w_ld = P.w_ld, out_at = member * P.out_stride;
 
-  // Shared memory: kStages tiles of x's rows ([BM, kBK] each), then kStages of W's ([BN, kBK]).
+  // Shared memory: kStages tiles of x's rows ([BM, kBK] each), then kStages of W's ([BN, kBK], or
+  // [kBK, BN] transposed).
   constexpr unsigned kATileBytes = BM * kBK * 2, kBTileBytes = BN * kBK * 2;
   const unsigned a_smem = smem_addr(smem_raw), b_smem = a_smem + kStages * kATileBytes;
 
   // The copies: a thread takes chunk threadIdx.x % kChunks of rows threadIdx.x / kChunks + j *
   // kRowStep, the same rows and chunk every K tile, so their sources and destinations are found once.
-  constexpr int kRowStep = T::kThreads / kChunks, kACopies = BM / kRowStep, kBCopies = BN / kRowStep;
-  static_assert(BM % kRowStep == 0 && BN % kRowStep == 0, "a tile's rows split evenly over the threads");
+  constexpr int kRowStep = T::kThreads / kChunks, kACopies = BM / kRowStep;
+  static_assert(BM % kRowStep == 0, "a tile's rows split evenly over the threads");
   const int chunk = threadIdx.x % kChunks, row0 = threadIdx.x / kChunks;
   const __nv_bfloat16* a_src[kACopies];
-  const __nv_bfloat16* b_src[kBCopies];
-  unsigned a_dst[kACopies], b_dst[kBCopies];
+  unsigned a_dst[kACopies];
 #pragma unroll
   for (int j = 0; j < kACopies; ++j) {
     const int r = row0 + j * kRowStep;
-    a_src[j] = m0 + r < rows ? x + (m0 + r) * K + chunk * 8 : nullptr;
+    a_src[j] = m0 + r < rows ? x + int64_t(m0 + r) * x_ld + chunk * 8 : nullptr;
     a_dst[j] = a_smem + tile_offset(r, chunk);
   }
+  // W's copies: rows of n with chunks of k as x's, or (kTransW) kBK rows of k, each BN / 8 chunks
+  // of n: a thread takes chunk threadIdx.x % kBChunks of rows threadIdx.x / kBChunks + j * kBRowStep.
+  constexpr int kBChunks = kTransW ? BN / 8 : kChunks;
+  constexpr int kBRowStep = T::kThreads / kBChunks, kBCopies = (kTransW ? kBK : BN) / kBRowStep;
+  constexpr unsigned kBRowBytes = kTransW ? BN * 2 : kBK * 2;
+  static_assert((kTransW ? kBK : BN) % kBRowStep == 0, "a tile's rows split evenly over the threads");
+  const int b_chunk = threadIdx.x % kBChunks, b_row0 = threadIdx.x / kBChunks;
+  const __nv_bfloat16* b_src[kBCopies];
+  unsigned b_dst[kBCopies];
 #pragma unroll
   for (int j = 0; j < kBCopies; ++j) {
-    const int r = row0 + j * kRowStep;
-    b_src[j] = n0 + r < N ? w + int64_t(n0 + r) * K + chunk * 8 : nullptr;
-    b_dst[j] = b_smem + tile_offset(r, chunk);
+    const int r = b_row0 + j * kBRowStep;
+    if (kTransW)  // row r of the tile is k0 + r of W; its columns n0 + 8 b_chunk..
+      b_src[j] = n0 + b_chunk * 8 < N ? w + int64_t(r) * w_ld + n0 + b_chunk * 8 : nullptr;
+    else
+      b_src[j] = n0 + r < N ? w + int64_t(n0 + r) * w_ld + b_chunk * 8 : nullptr;
+    b_dst[j] = b_smem + r * kBRowBytes + ((b_chunk ^ (r & 7)) << 4);
   }
-  // K tile kt into stage `stage`; rows past the end and columns past K are zeros.
+  // K tile kt into stage `stage`; rows past the end and columns past K (or N) are zeros.
   auto load_tile = [&](int kt, int stage) {
     const int k0 = kt * kBK;
     const bool k_ok = k0 + chunk * 8 < K;
@@ -124,24 +162,27 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads)
     }
 #pragma unroll
     for (int j = 0; j < kBCopies; ++j) {
-      const bool ok = k_ok && b_src[j] != nullptr;
-      cp_async16(b_dst[j] + stage * kBTileBytes, ok ? b_src[j] + k0 : w, ok);
+      const bool ok = b_src[j] != nullptr && (kTransW ? k0 + b_row0 + j * kBRowStep < K : k0 + b_chunk * 8 < K);
+      cp_async16(b_dst[j] + stage * kBTileBytes, ok ? b_src[j] + (kTransW ? int64_t(k0) * w_ld : k0) : w, ok);
     }
   };
 
   // The fragments' ldmatrix addresses. Every row a lane addresses is lane % 8 past a multiple of
   // 8, so its swizzle key is lane % 8 and an address is a row's start plus a chunk offset per
   // k16 step. A: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), lanes 0-15 the first k half. W:
-  // two n8 fragments an ldmatrix, lanes 0-15 the first (k 0-7, then 8-15), 16-31 the second.
+  // two n8 fragments an ldmatrix, lanes 0-15 the first (k 0-7, then 8-15), 16-31 the second; W
+  // transposed, the same four matrices read by rows of k with .trans: lanes 0-7 k 0-7, 8-15 k
+  // 8-15, of the first n8 fragment's 8 columns (one chunk), 16-31 of the second's.
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wm0 = (warp / (BN / WN)) * WM, wn0 = (warp % (BN / WN)) * WN;
-  unsigned a_row[T::MI], b_row[T::NI / 2];
+  const int key = lane & 7, a_half = lane >> 4, b_half = (lane >> 3) & 1;
+  unsigned a_row[T::MI], b_addr[T::NI / 2];
 #pragma unroll
   for (int mi = 0; mi < T::MI; ++mi) a_row[mi] = a_smem + (wm0 + mi * 16 + (lane & 15)) * (kBK * 2);
 #pragma unroll
   for (int nj = 0; nj < T::NI / 2; ++nj)
-    b_row[nj] = b_smem + (wn0 + nj * 16 + (lane & 7) + ((lane >> 4) << 3)) * (kBK * 2);
-  const int key = lane & 7, a_half = lane >> 4, b_half = (lane >> 3) & 1;
+    b_addr[nj] = kTransW ? b_smem + (key + b_half * 8) * kBRowBytes + ((((wn0 >> 3) + nj * 2 + a_half) ^ key) << 4)
+                         : b_smem + (wn0 + nj * 16 + key + (a_half << 3)) * kBRowBytes;
 
   float acc[T::MI][T::NI][4] = {};
   const int tiles = (K + kBK - 1) / kBK;
@@ -159,14 +200,17 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads)
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) {
       const unsigned a_off = stage * kATileBytes + (((kk * 2 + a_half) ^ key) << 4);
-      const unsigned b_off = stage * kBTileBytes + (((kk * 2 + b_half) ^ key) << 4);
+      const unsigned b_off = stage * kBTileBytes + (kTransW ? kk * 16 * kBRowBytes : ((kk * 2 + b_half) ^ key) << 4);
       unsigned af[T::MI][4], bf[T::NI][2];
 #pragma unroll
       for (int mi = 0; mi < T::MI; ++mi) ldmatrix_x4(af[mi], a_row[mi] + a_off);
 #pragma unroll
       for (int nj = 0; nj < T::NI / 2; ++nj) {
         unsigned r[4];
-        ldmatrix_x4(r, b_row[nj] + b_off);
+        if (kTransW)
+          ldmatrix_x4_trans(r, b_addr[nj] + b_off);
+        else
+          ldmatrix_x4(r, b_addr[nj] + b_off);
         bf[2 * nj][0] = r[0];
         bf[2 * nj][1] = r[1];
         bf[2 * nj + 1][0] = r[2];
@@ -181,35 +225,56 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads)
   cp_async_wait<0>();  // nothing is left in flight (the last groups are empty)
 
   // Epilogue: a thread holds rows g and g + 8 of each m16 fragment, columns 2t and 2t + 1 of
-  // each n8 fragment (g = lane / 4, t = lane % 4).
+  // each n8 fragment (g = lane / 4, t = lane % 4). N is even: col < N means col + 1 < N.
   const int g = lane >> 2, t2 = (lane & 3) * 2;
+  const int64_t out_ld = P.out_ld;
   float2 b[T::NI];
+  if (kEpilogue == DenseEpilogue::kHidden) {
+    const float* const bias = P.bias + out_at;
 #pragma unroll
-  for (int ni = 0; ni < T::NI; ++ni) {
-    const int col = n0 + wn0 + ni * 8 + t2;
-    b[ni] = col < N ? make_float2(bias[col], bias[col + 1]) : make_float2(0.f, 0.f);  // N even: col + 1 < N
+    for (int ni = 0; ni < T::NI; ++ni) {
+      const int col = n0 + wn0 + ni * 8 + t2;
+      b[ni] = col < N ? make_float2(bias[col], bias[col + 1]) : make_float2(0.f, 0.f);
+    }
   }
+  const __nv_bfloat16* const aux = P.aux ? P.aux + out_at : nullptr;
+  __nv_bfloat16* const out_bf16 = P.out_bf16 ? P.out_bf16 + out_at : nullptr;
+  void* const out = static_cast<char*>(P.out) + out_at * (kEpilogue == DenseEpilogue::kHidden ? 2 : 4);
 #pragma unroll
   for (int mi = 0; mi < T::MI; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // int: the grid has at most 65535 row tiles (dense_layer_applies), so rows < 2^31.
-      const int row = static_cast<int>(m0) + wm0 + mi * 16 + g + h * 8;
+      // rows <= INT_MAX (dense_applies), so IQN's row / scale_group is a 32-bit division a row.
+      const int row = m0 + wm0 + mi * 16 + g + h * 8;
       if (row >= rows) continue;
-      __nv_bfloat16* const out_row = out + int64_t(row) * N;
+      const int64_t at = int64_t(row) * out_ld;
       const __nv_bfloat16* const scale_row =
-          a.scaled_out ? a.scale + int64_t(row / static_cast<int>(a.scale_group)) * N : nullptr;
+          kEpilogue == DenseEpilogue::kHidden && out_bf16
+              ? aux + int64_t(row / static_cast<int>(l.scale_group)) * out_ld
+              : nullptr;
 #pragma unroll
       for (int ni = 0; ni < T::NI; ++ni) {
         const int col = n0 + wn0 + ni * 8 + t2;
         if (col >= N) continue;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(relu_keep_nan(acc[mi][ni][2 * h] + b[ni].x),
-                                                       relu_keep_nan(acc[mi][ni][2 * h + 1] + b[ni].y));
-        const unsigned bits = *reinterpret_cast<const unsigned*>(&v);
-        *reinterpret_cast<unsigned*>(out_row + col) = bits;
-        if (scale_row) {
-          const unsigned s = *reinterpret_cast<const unsigned*>(scale_row + col);
-          *reinterpret_cast<unsigned*>(a.scaled_out + int64_t(row) * N + col) = bf16_product2(s, bits);
+        const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+        if (kEpilogue == DenseEpilogue::kHidden) {
+          const __nv_bfloat162 v = __floats2bfloat162_rn(relu_keep_nan(v0 + b[ni].x), relu_keep_nan(v1 + b[ni].y));
+          const unsigned bits = *reinterpret_cast<const unsigned*>(&v);
+          *reinterpret_cast<unsigned*>(static_cast<__nv_bfloat16*>(out) + at + col) = bits;
+          if (scale_row) {
+            const unsigned s = *reinterpret_cast<const unsigned*>(scale_row + col);
+            *reinterpret_cast<unsigned*>(out_bf16 + at + col) = bf16_product2(s, bits);
+          }
+        } else if (kEpilogue == DenseEpilogue::kLogits) {
+          *reinterpret_cast<float2*>(static_cast<float*>(out) + at + col) = make_float2(v0, v1);
+        } else {  // kInputGrad: the ReLU's gradient mask, as relu_backward applies it
+          float2 d = make_float2(v0, v1);
+          if (aux) {
+            const float2 m = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(aux + at + col));
+            d = make_float2(relu_grad(m.x, d.x), relu_grad(m.y, d.y));
+          }
+          *reinterpret_cast<float2*>(static_cast<float*>(out) + at + col) = d;
+          if (out_bf16) *reinterpret_cast<__nv_bfloat162*>(out_bf16 + at + col) = __floats2bfloat162_rn(d.x, d.y);
         }
       }
     }
@@ -219,68 +284,110 @@ enum class TileShape { k128x128, k64x64, k32x64 };
 constexpr int tile_rows(TileShape t) { return t == TileShape::k128x128 ? 128 : t == TileShape::k64x64 ? 64 : 32; }
 constexpr int tile_cols(TileShape t) { return t == TileShape::k128x128 ? 128 : 64; }
 
-int64_t blocks_of(const DenseLayerArgs& a, TileShape t) {
-  return (a.rows + tile_rows(t) - 1) / tile_rows(t) * ((a.N + tile_cols(t) - 1) / tile_cols(t)) * a.nets;
+int64_t tiles_of(const DenseProblem& p, TileShape t) {
+  return p.batch * ((p.rows + tile_rows(t) - 1) / tile_rows(t)) * ((p.N + tile_cols(t) - 1) / tile_cols(t));
+}
+int64_t tiles_of(const DenseLaunch& l, TileShape t) {
+  int64_t n = 0;
+  for (int i = 0; i < l.count; ++i) n += tiles_of(l.problem[i], t);
+  return n;
 }
 
 // The largest tile whose grid still covers every SM; the smallest where none does.
-TileShape pick_tile(const DenseLayerArgs& a) {
+TileShape pick_tile(const DenseLaunch& l) {
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   for (TileShape t : {TileShape::k128x128, TileShape::k64x64})
-    if (blocks_of(a, t) >= sms) return t;
+    if (tiles_of(l, t) >= sms) return t;
   return TileShape::k32x64;
 }
 
-template <int BM, int BN, int WM, int WN>
-void launch_tile(const DenseLayerArgs& a, cudaStream_t stream) {
+template <int BM, int BN, int WM, int WN, DenseEpilogue kEpilogue>
+void launch_tile(DenseLaunch& l, cudaStream_t stream) {
   using T = Tile<BM, BN, WM, WN>;
-  auto* kernel = dense_layer_kernel<BM, BN, WM, WN>;
+  auto* kernel = dense_layer_kernel<BM, BN, WM, WN, kEpilogue>;
   if (T::kSmemBytes > 48 * 1024) opt_in_dynamic_smem(kernel);
-  // N tiles along x: the blocks that read one tile of x's rows run one after the other.
-  const dim3 grid(static_cast<unsigned>((a.N + BN - 1) / BN), static_cast<unsigned>((a.rows + BM - 1) / BM),
-                  static_cast<unsigned>(a.nets));
-  launch(kernel, grid, dim3(T::kThreads), T::kSmemBytes, stream, a);
+  constexpr TileShape shape = BM == 128 ? TileShape::k128x128 : BM == 64 ? TileShape::k64x64 : TileShape::k32x64;
+  l.first_tile[0] = 0;
+  for (int i = 0; i < l.count; ++i)
+    l.first_tile[i + 1] = l.first_tile[i] + static_cast<int>(tiles_of(l.problem[i], shape));
+  launch(kernel, dim3(static_cast<unsigned>(l.first_tile[l.count])), dim3(T::kThreads), T::kSmemBytes, stream, l);
 }
 
-// Mode auto's rule (bench/NOTES.md, "The dense layer kernel"): the kernel for outputs of at least
-// 128 columns. It was measured faster than the cuBLAS GEMM and the bias + ReLU pass in every
-// network step timed whose layers are that wide (the reference network, the 3 x 512 trunk, IQN;
-// at B = 256 and 4096), and a wash on the one with a narrower layer (CleanRL's 88 units: slower
-// at B = 256, faster at 4096). The rule reads the layer's shape only, not its rows: the trainer's
-// batched pass over both networks and a pass of one network then take the same kernel, so their
-// outputs stay the same bits.
-bool measured_faster(const DenseLayerArgs& a) { return a.N >= 128; }
+template <DenseEpilogue kEpilogue>
+void launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
+  switch (pick_tile(l)) {
+    case TileShape::k128x128: return launch_tile<128, 128, 64, 32, kEpilogue>(l, stream);
+    case TileShape::k64x64: return launch_tile<64, 64, 32, 32, kEpilogue>(l, stream);
+    case TileShape::k32x64: return launch_tile<32, 64, 16, 32, kEpilogue>(l, stream);
+  }
+}
+
+// Mode auto's rule (bench/NOTES.md, "The dense layer kernel"). It reads each problem's shape and
+// rows, not the launch's: the trainer's batched pass over both networks and a pass of one network
+// then take the same kernel (output_logits_into launches a network alone where the pair's launch
+// does not apply), so their outputs stay the same bits.
+//   - kHidden: outputs of at least 128 columns, any rows. It was measured faster than the cuBLAS
+//     GEMM and the bias + ReLU pass in every network step timed whose layers are that wide (the
+//     reference network, the 3 x 512 trunk, IQN; at B = 256 and 4096), and a wash on the one with
+//     a narrower layer (CleanRL's 88 units: slower at B = 256, faster at 4096).
+//   - kLogits and kInputGrad: at most kLogitsMaxRows or kInputGradMaxRows rows a problem. They save launches (a GEMM per
+//     head group and network, a GEMM and the relu_backward pass), which counts at small batches;
+//     at large ones cuBLAS's GEMMs are faster than this kernel.
+constexpr int64_t kLogitsMaxRows = 2048, kInputGradMaxRows = 2048;
+bool measured_faster(const DenseLaunch& l) {
+  for (int i = 0; i < l.count; ++i) {
+    const DenseProblem& p = l.problem[i];
+    const bool faster = l.epilogue == DenseEpilogue::kHidden   ? p.N >= 128
+                        : l.epilogue == DenseEpilogue::kLogits ? p.rows <= kLogitsMaxRows
+                                                               : p.rows <= kInputGradMaxRows;
+    if (!faster) return false;
+  }
+  return true;
+}
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-}  // namespace
-
-bool dense_layer_applies(const DenseLayerArgs& a) {
-  const DenseLayerMode mode = dense_layer_mode();
-  if (mode == DenseLayerMode::kOff || (mode == DenseLayerMode::kAuto && !measured_faster(a))) return false;
-  if (at::cuda::getCurrentDeviceProperties()->major < 8) return false;  // mma.sync on BF16, cp.async
-  const bool two = a.nets == 2;
-  // N and K within int with a tile to spare: the kernel's column and k indices are ints.
-  const bool shapes = (a.nets == 1 || two) && a.rows > 0 && a.N > 0 && a.K > 0 && a.N % 2 == 0 && a.K % 8 == 0 &&
-                      a.N <= INT_MAX - 128 && a.K <= INT_MAX - 128;
-  const bool strides = !two || (a.x_net_stride % 8 == 0 && a.w_net_stride % 8 == 0 && a.out_net_stride % 2 == 0);
-  const bool scaled = a.scaled_out == nullptr || (a.nets == 1 && a.scale != nullptr && a.scale_group > 0 &&
-                                                   a.scale_group <= INT_MAX && aligned(a.scale, 4) &&
-                                                   aligned(a.scaled_out, 4));
-  if (!(shapes && strides && scaled && aligned(a.x, 16) && aligned(a.w, 16) && aligned(a.out, 4))) return false;
-  // The grid's y dimension holds the row tiles. It bounds rows by 65535 tiles (8.4M rows at the
-  // 128-row tile, which any layer of more than ~17k rows takes), which the trainer's batched pass
-  // (at most 2 x 4096 rows a network) never meets, so the batched pass and a pass of one network
-  // take the same path.
-  const int64_t rows_per_tile = tile_rows(pick_tile(a));
-  return (a.rows + rows_per_tile - 1) / rows_per_tile <= 65535;
+bool problem_fits(const DenseProblem& p, DenseEpilogue e) {
+  const bool trans = e == DenseEpilogue::kInputGrad;
+  const uintptr_t out_bytes = e == DenseEpilogue::kHidden ? 4 : 8;  // a BF16 or an F32 pair
+  // rows, N and K within int with a tile to spare: the kernel's row, column and k indices are ints.
+  const bool sizes = p.rows > 0 && p.N > 0 && p.K > 0 && p.batch > 0 && p.rows <= INT_MAX - 128 &&
+                     p.N <= INT_MAX - 128 && p.K <= INT_MAX - 128 && p.N % 2 == 0 && p.K % 8 == 0 &&
+                     (!trans || p.N % 8 == 0) && p.out_ld % 2 == 0 && p.out_ld >= p.N && p.x_ld >= p.K &&
+                     p.w_ld >= (trans ? p.N : p.K);
+  const bool strides = p.batch == 1 || (p.x_stride % 8 == 0 && p.w_stride % 8 == 0 && p.out_stride % 2 == 0 &&
+                                        p.x_stride >= 0 && p.w_stride >= 0 && p.out_stride > 0);
+  const bool operands = p.x && p.w && p.out && aligned(p.x, 16) && aligned(p.w, 16) && p.x_ld % 8 == 0 &&
+                        p.w_ld % 8 == 0 && aligned(p.out, out_bytes);
+  const bool extras = (e != DenseEpilogue::kHidden || p.bias != nullptr) && (p.aux == nullptr || aligned(p.aux, 4)) &&
+                      (p.out_bf16 == nullptr || aligned(p.out_bf16, 4)) &&
+                      (e != DenseEpilogue::kHidden || (p.out_bf16 == nullptr) == (p.aux == nullptr));
+  return sizes && strides && operands && extras;
 }
 
-void dense_layer(const DenseLayerArgs& a, cudaStream_t stream) {
-  switch (pick_tile(a)) {
-    case TileShape::k128x128: return launch_tile<128, 128, 64, 32>(a, stream);
-    case TileShape::k64x64: return launch_tile<64, 64, 32, 32>(a, stream);
-    case TileShape::k32x64: return launch_tile<32, 64, 16, 32>(a, stream);
+}  // namespace
+
+bool dense_applies(const DenseLaunch& l) {
+  const DenseLayerMode mode = dense_layer_mode();
+  if (mode == DenseLayerMode::kOff || (mode == DenseLayerMode::kAuto && !measured_faster(l))) return false;
+  if (at::cuda::getCurrentDeviceProperties()->major < 8) return false;  // mma.sync on BF16, cp.async
+  if (l.count < 1 || l.count > DenseLaunch::kMaxProblems) return false;
+  bool scaled = false;
+  for (int i = 0; i < l.count; ++i) {
+    if (!problem_fits(l.problem[i], l.epilogue)) return false;
+    scaled = scaled || (l.epilogue == DenseEpilogue::kHidden && l.problem[i].out_bf16 != nullptr);
+  }
+  if (scaled && (l.count != 1 || l.problem[0].batch != 1 || l.scale_group < 1 || l.scale_group > INT_MAX))
+    return false;
+  // The grid's x dimension holds every problem's tiles; the smallest tile makes the most.
+  return tiles_of(l, TileShape::k32x64) <= INT_MAX;
+}
+
+void dense_launch(DenseLaunch l, cudaStream_t stream) {
+  switch (l.epilogue) {
+    case DenseEpilogue::kHidden: return launch_epilogue<DenseEpilogue::kHidden>(l, stream);
+    case DenseEpilogue::kLogits: return launch_epilogue<DenseEpilogue::kLogits>(l, stream);
+    case DenseEpilogue::kInputGrad: return launch_epilogue<DenseEpilogue::kInputGrad>(l, stream);
   }
 }
 

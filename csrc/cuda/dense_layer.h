@@ -1,12 +1,21 @@
-// A dense hidden layer in one kernel: out = bf16(relu(x W^T + b)), BF16 tensor cores with F32
-// accumulation, the F32 bias, ReLU and the rounding to BF16 in the GEMM's epilogue. Defined in
-// dense_layer.cu; hidden_layers (dueling_forward.cu) runs a dense layer through it where
-// dense_layer_applies, and otherwise through a cuBLAS GEMM with an F32 output and the bias + ReLU
-// pass.
+// dqn_ops's own BF16 tensor-core GEMM (mma.sync, F32 accumulation) with the work after a layer's
+// GEMM in its epilogue, for a list of GEMMs in one launch. Defined in dense_layer.cu. Three uses,
+// each where dense_applies holds and otherwise the cuBLAS GEMM plus a pass of its own:
+//   - kHidden, a dense hidden layer (hidden_layers, dueling_forward.cu): out = bf16(relu(x W^T +
+//     b)), the F32 bias, ReLU and the rounding in the epilogue, for one network or both of the
+//     trainer's batched pass (a problem each); IQN's phi layer with z = bf16(scale * out) too.
+//   - kLogits, the output layer (output_logits_into): out = x W^T in F32, every head of one
+//     network, or of both, one problem each: one launch where cuBLAS took a GEMM per head group
+//     and network.
+//   - kInputGrad, a layer's input gradient in the backward (mixed_backward.cu): out = x W (W read
+//     as stored, [K, N], transposed in the tile loads) masked by the next ReLU, out = h > 0 ? acc :
+//     0, in F32 with its BF16 copy: the relu_backward pass after the GEMM is gone. One problem a
+//     block of the layer (their input columns disjoint).
 //
-// Why: cuBLAS's epilogues take the bias in the output's type (docs/design.md), so with cuBLAS a
-// hidden layer writes its F32 pre-activations and a second pass reads them back: at [16384, 512]
-// that is ~67 MB of traffic a layer that this kernel does not make, and one launch fewer.
+// Why: cuBLAS's epilogues take the bias in the output's type and have no ReLU mask from another
+// tensor (docs/design.md), so each hidden layer wrote F32 and a second pass read it back (at
+// [16384, 512] ~67 MB a layer); and at small batches each GEMM is a launch of ~2-3 µs on the
+// step's critical path, a cost that one launch for a layer's heads (or for both networks) cuts.
 #pragma once
 
 #include <cstdint>
@@ -17,40 +26,66 @@
 namespace dqn_ops {
 namespace cuda {
 
-// One layer of one or two networks on row-major operands. Network n < nets reads
-// x + n * x_net_stride [rows, K] (row stride K), w + n * w_net_stride [N, K] (row stride K), its
-// bias (bias_lo for n = 0, bias_hi for n = 1) [N], and writes out + n * out_net_stride
-// [rows, N] (row stride N).
-struct DenseLayerArgs {
-  const __nv_bfloat16* x;
-  int64_t x_net_stride;
-  const __nv_bfloat16* w;
-  int64_t w_net_stride;
-  const float* bias_lo;
-  const float* bias_hi;
-  __nv_bfloat16* out;
-  int64_t out_net_stride;
-  int64_t rows, N, K;
-  int nets;
-  // Optional, one network only (IQN's phi layer, whose output z = h_L[r / N] * phi the heads
-  // read): with scaled_out set, also scaled_out[r, c] = bf16(scale[r / scale_group, c] *
-  // out[r, c]), scale BF16 [ceil(rows / scale_group), N] and scaled_out [rows, N] (row stride N).
-  const __nv_bfloat16* scale = nullptr;
-  int64_t scale_group = 1;
-  __nv_bfloat16* scaled_out = nullptr;
+enum class DenseEpilogue { kHidden, kLogits, kInputGrad };
+
+// One GEMM of a launch: rows x N outputs over K, every matrix row-major with its own row stride.
+//   x [rows, K] (x_ld);
+//   w [N, K] (w_ld) for kHidden and kLogits; [K, N] (w_ld) for kInputGrad (a layer's weight as
+//     stored, [out, in], read for x W);
+//   out [rows, N] (out_ld): BF16 for kHidden, F32 for kLogits and kInputGrad;
+//   bias [N] F32 (kHidden);
+//   aux [rows, N] (out_ld) BF16: kInputGrad's ReLU mask h (null: no mask, out = acc); kHidden's
+//     scale, at row r / scale_group (IQN's h_L), with out_bf16 set;
+//   out_bf16 [rows, N] (out_ld): kInputGrad's BF16 copy of out (null: none); kHidden's scaled
+//     output bf16(scale * out) (null: none).
+// A problem may be a batch of `batch` same-shape GEMMs (a group of heads, NetLayout's
+// block_groups): member i reads x + i * x_stride and w + i * w_stride and writes out + i *
+// out_stride (aux, out_bf16 and bias move by out_stride too); their outputs must not overlap.
+struct DenseProblem {
+  const __nv_bfloat16* x = nullptr;
+  const __nv_bfloat16* w = nullptr;
+  int64_t x_ld = 0, w_ld = 0;
+  void* out = nullptr;
+  int64_t out_ld = 0;
+  const float* bias = nullptr;
+  const __nv_bfloat16* aux = nullptr;
+  __nv_bfloat16* out_bf16 = nullptr;
+  int64_t rows = 0, N = 0, K = 0;
+  int64_t batch = 1;
+  int64_t x_stride = 0, w_stride = 0, out_stride = 0;
 };
 
-// Whether dense_layer runs `a` on the current device: the switch (csrc/dense_layer_mode.h: off,
-// on, or auto's rule: N >= 128), sm_80 or newer, K a multiple of 8 and 16-byte aligned rows and
-// network strides (the operand tiles are copied 16 bytes at a time), N even and `out` 4-byte
-// aligned (the outputs are stored in pairs), the scaled output (one network, `scale` and
-// `scaled_out` 4-byte aligned), N and K within int, and at most 65535 row tiles (the grid's y).
-bool dense_layer_applies(const DenseLayerArgs& a);
+// The GEMMs of one launch, all of one epilogue. add() returns false once full (kMaxProblems).
+struct DenseLaunch {
+  static constexpr int kMaxProblems = 16;
+  DenseEpilogue epilogue = DenseEpilogue::kHidden;
+  int count = 0;
+  int64_t scale_group = 1;  // kHidden's scaled output: rows per row of `aux`
+  DenseProblem problem[kMaxProblems];
+  // Filled by dense_launch: problem p's tiles are the blocks [first_tile[p], first_tile[p + 1]).
+  int first_tile[kMaxProblems + 1] = {};
 
-// Launches the layer on `stream` (dense_layer_applies(a) must hold). Every output element is the
-// same bits for any rows, nets and tile shape: its K products are summed in one fixed order
-// (tensor-core steps of 16 along K from k = 0), then the bias is added and the sum rounded.
-void dense_layer(const DenseLayerArgs& a, cudaStream_t stream);
+  explicit DenseLaunch(DenseEpilogue e) : epilogue(e) {}
+  bool add(const DenseProblem& p) {
+    if (count == kMaxProblems) return false;
+    problem[count++] = p;
+    return true;
+  }
+};
+
+// Whether dense_launch runs `l` on the current device: the switch (csrc/dense_layer_mode.h: off,
+// on, or auto's rule, by the problems' shapes alone), sm_80 or newer, and for every problem: rows,
+// N and K positive and within int; K a multiple of 8 (and N too for kInputGrad) and x, w and their
+// row and batch strides 16-byte aligned (the tiles are copied 16 bytes at a time); N, out_ld and
+// out_stride even and the outputs, aux and out_bf16 aligned for the pairs the epilogue stores;
+// bias set for kHidden; a scaled output only with one problem of batch 1 and scale_group > 0; at
+// most 2^31 - 1 tiles in all.
+bool dense_applies(const DenseLaunch& l);
+
+// Launches `l` on `stream` (dense_applies(l) must hold). Every output element is the same bits
+// for any rows, any other problems and any tile shape: its K products are summed in one fixed
+// order (tensor-core steps of 16 along K from k = 0), then the epilogue's formula.
+void dense_launch(DenseLaunch l, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace dqn_ops

@@ -1,8 +1,9 @@
 // bf16_dueling_forward on CUDA: BF16 x BF16 -> F32 GEMMs (COMPUTE_32F) on torch's cuBLAS
 // handle, with bias + ReLU + BF16 cast fused into one pass after each hidden layer's GEMMs; a
 // dense hidden layer (a trunk layer, the heads' merged first layer) is instead one launch of
-// dqn_ops's own GEMM with the bias + ReLU + cast in its epilogue (dense_layer.h) where its
-// switch gives it the layer (csrc/dense_layer_mode.h; by default layers of >= 128 outputs).
+// dqn_ops's own GEMM with the bias + ReLU + cast in its epilogue (dense_layer.h), and the output
+// layer one launch of it for every head, where its switch gives it the layer
+// (csrc/dense_layer_mode.h; by default hidden layers of >= 128 outputs, and every output layer).
 //
 // Launches, for L trunk layers and H head layers, with the dense layer kernel:
 //   1 (states -> BF16)
@@ -12,18 +13,18 @@
 //   + for each head layer 2..H, a GEMM per group of its blocks (NetLayout's block_groups: the
 //     value head's, then the branch heads' as one strided batch when they share a shape) + 1
 //     bias/ReLU
-//   + the output layer's GEMMs, one per head group likewise (head_groups)
+//   + 1 for the output layer (without the kernel, a GEMM per head group: head_groups)
 //   + 1 (output bias + dueling aggregation)
-// = L + 3H + 2 for H >= 1 with dueling and D >= 2 branches of one size (two groups a layer):
-// 7 for the reference config (L = 2, H = 1). A dense layer the kernel does not take is a GEMM
-// and a bias + ReLU pass (two launches); on fewer than 8 states the first trunk layer is one
-// launch of narrow_input_layer_kernel.
+// = L + 3H + 2 for H >= 1: 6 for the reference config (L = 2, H = 1). A dense layer the kernel
+// does not take is a GEMM and a bias + ReLU pass (two launches); on fewer than 8 states the
+// first trunk layer is one launch of narrow_input_layer_kernel.
 // _online_and_target_logits, the trainer's fused path, stops before the last kernel, and runs
 // the online network on [s; s'] and the target network on s' together: with batch_networks,
 // each hidden layer of both networks is one launch of the dense layer kernel or of the
 // bias + ReLU pass, and each single-block group (a dense layer's, the value head's) one
 // strided-batched GEMM (for the reference config 3 launches fewer than two passes, one per
-// dense layer; the target then also runs on s, rows it does not need).
+// dense layer; the target then also runs on s, rows it does not need); both output layers are
+// one launch of the kernel (or their GEMMs, the target's on a side stream).
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -347,21 +348,23 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
     if (layer.blocks.size() == 1) {  // a dense layer: one kernel where it can (dense_layer.h)
       const HeadSlice& s = layer.blocks[0];
       TORCH_INTERNAL_ASSERT(s.in_col == 0 && s.in_width == layer.in_width && s.out_col == 0 && s.out_width == out);
-      DenseLayerArgs dense{};
-      dense.x = in;
-      dense.x_net_stride = in_net_stride;
-      dense.w = lo.w + s.w_off;
-      dense.w_net_stride = w_stride;
-      dense.bias_lo = bias_lo;
-      dense.bias_hi = bias_hi;
-      dense.out = hp;
-      dense.out_net_stride = rows * out;
-      dense.rows = rows;
-      dense.N = out;
-      dense.K = layer.in_width;
-      dense.nets = static_cast<int>(count);
-      if (dense_layer_applies(dense)) {
-        dense_layer(dense, stream);
+      DenseLaunch dense(DenseEpilogue::kHidden);
+      for (int64_t n = 0; n < count; ++n) {
+        DenseProblem p;
+        p.x = in + n * in_net_stride;
+        p.x_ld = layer.in_width;
+        p.w = slot_net[n]->w + s.w_off;
+        p.w_ld = layer.in_width;
+        p.bias = slot_net[n]->p + layer.b_off;
+        p.out = hp + n * rows * out;
+        p.out_ld = out;
+        p.rows = rows;
+        p.N = out;
+        p.K = layer.in_width;
+        dense.add(p);
+      }
+      if (dense_applies(dense)) {
+        dense_launch(dense, stream);
         outs.push_back(h);
         continue;
       }
@@ -403,29 +406,84 @@ std::vector<std::vector<Tensor>> hidden_layers(const char* op, const Tensor& x, 
 // The output layer of one network on its last hidden activation `in` [rows, head_in_width]
 // (contiguous): its GEMM results, no bias, in the padded layout [rows, head_ld].
 // Block-diagonal: each head reads its column slice of `in` (with H = 0 all of it: the heads'
-// in_col_stride is 0) and writes its column slice of the padded logits; each group of
-// same-shape heads (the branch heads, when they can) as one batched GEMM. `logits`: [rows,
-// head_ld] F32, written (output_logits allocates it).
-void output_logits_into(const char* op, const Tensor& in, const __nv_bfloat16* w, const NetLayout& L,
-                        const Tensor& logits) {
-  const int64_t rows = in.size(0);
-  const auto* in_ptr = static_cast<const __nv_bfloat16*>(in.data_ptr());
-  for (const HeadGroup& g : head_groups(L)) {
-    const HeadSlice& s = g.first;
-    // pad_width rows of W: the padding rows (zero, reserved by the layout) give logits
-    // columns no one reads, and keep every GEMM size a multiple of 8.
-    gemm_strided_batched(op, "output heads", rows, s.pad_width, s.in_width,
-                         Operand{in_ptr + s.in_col, CUDA_R_16BF, L.head_in_width, false}, g.in_col_stride,
-                         Operand{w + s.w_off, CUDA_R_16BF, s.in_width, true}, g.w_stride,
-                         logits.data_ptr<float>() + s.pad_col, CUDA_R_32F, L.head_ld, g.pad_col_stride, g.count,
-                         CUBLAS_COMPUTE_32F);
+// in_col_stride is 0) and writes its column slice of the padded logits, a group of same-shape
+// heads (NetLayout's head_groups) as one batch. `logits`: [rows, head_ld] F32, written.
+// pad_width rows of W: the padding rows (zero, reserved by the layout) give logits columns no one
+// reads, and keep every GEMM size a multiple of 8.
+struct OutputLayer {
+  const Tensor& in;
+  const __nv_bfloat16* w;
+  const Tensor& logits;
+};
+
+// The output layers of one or two networks: one launch of the dense kernel (kLogits, a problem
+// per head group and network) where it applies to both; else a launch for each network it
+// applies to, so that a network's logits take the same path here as in a pass of its own (the
+// kernel's rule reads each network's rows); else a cuBLAS GEMM per head group, the second
+// network's on the side stream (csrc/cuda/side_stream.h).
+void output_logits_into(const char* op, const std::vector<OutputLayer>& nets, const NetLayout& L,
+                        cudaStream_t stream) {
+  TORCH_INTERNAL_ASSERT(!nets.empty() && nets.size() <= 2);
+  const std::vector<HeadGroup> groups = head_groups(L);
+  // Adds a network's head groups to `dense`; false where they do not fit.
+  auto add_heads = [&](DenseLaunch& dense, const OutputLayer& net) {
+    for (const HeadGroup& g : groups) {
+      const HeadSlice& s = g.first;
+      DenseProblem p;
+      p.x = static_cast<const __nv_bfloat16*>(net.in.data_ptr()) + s.in_col;
+      p.x_ld = L.head_in_width;
+      p.x_stride = g.in_col_stride;
+      p.w = net.w + s.w_off;
+      p.w_ld = s.in_width;
+      p.w_stride = g.w_stride;
+      p.out = net.logits.data_ptr<float>() + s.pad_col;
+      p.out_ld = L.head_ld;
+      p.out_stride = g.pad_col_stride;
+      p.rows = net.in.size(0);
+      p.N = s.pad_width;
+      p.K = s.in_width;
+      p.batch = g.count;
+      if (!dense.add(p)) return false;
+    }
+    return true;
+  };
+  if (nets.size() == 2) {
+    DenseLaunch both(DenseEpilogue::kLogits);
+    if (add_heads(both, nets[0]) && add_heads(both, nets[1]) && dense_applies(both))
+      return dense_launch(both, stream);
   }
+  std::vector<const OutputLayer*> gemm_nets;  // the networks the kernel does not take
+  for (const OutputLayer& net : nets) {
+    DenseLaunch one(DenseEpilogue::kLogits);
+    if (add_heads(one, net) && dense_applies(one))
+      dense_launch(one, stream);
+    else
+      gemm_nets.push_back(&net);
+  }
+  auto gemms = [&](const OutputLayer& net) {
+    const auto* in = static_cast<const __nv_bfloat16*>(net.in.data_ptr());
+    for (const HeadGroup& g : groups) {
+      const HeadSlice& s = g.first;
+      gemm_strided_batched(op, "output heads", net.in.size(0), s.pad_width, s.in_width,
+                           Operand{in + s.in_col, CUDA_R_16BF, L.head_in_width, false}, g.in_col_stride,
+                           Operand{net.w + s.w_off, CUDA_R_16BF, s.in_width, true}, g.w_stride,
+                           net.logits.data_ptr<float>() + s.pad_col, CUDA_R_32F, L.head_ld, g.pad_col_stride,
+                           g.count, CUBLAS_COMPUTE_32F);
+    }
+  };
+  if (gemm_nets.size() == 1) return gemms(*gemm_nets[0]);
+  if (gemm_nets.empty()) return;
+  SideStream side(gemm_nets[1]->logits.device());
+  side.fork();
+  side.run([&] { gemms(*gemm_nets[1]); });
+  gemms(*gemm_nets[0]);
+  side.join();
 }
 
 Tensor output_logits(const char* op, const Tensor& in, const __nv_bfloat16* w, const NetLayout& L,
-                     const at::TensorOptions& f32) {
+                     const at::TensorOptions& f32, cudaStream_t stream) {
   Tensor logits = at::empty({in.size(0), L.head_ld}, f32);
-  output_logits_into(op, in, w, L, logits);
+  output_logits_into(op, {OutputLayer{in, w, logits}}, L, stream);
   return logits;
 }
 
@@ -451,20 +509,24 @@ std::vector<Tensor> iqn_embedding(const char* op, const Tensor& h, const Tensor&
   auto *phi_ptr = static_cast<__nv_bfloat16*>(phi.data_ptr()), *z_ptr = static_cast<__nv_bfloat16*>(z.data_ptr());
   const int64_t N = fractions.size(fractions.dim() - 1);
   // phi and z in the GEMM's epilogue where the dense layer kernel applies (dense_layer.h).
-  DenseLayerArgs dense{};
-  dense.x = c_ptr;
-  dense.w = net.w + w.w_off;
-  dense.bias_lo = dense.bias_hi = b_ptr;
-  dense.out = phi_ptr;
-  dense.rows = rows;
-  dense.N = T;
-  dense.K = n;
-  dense.nets = 1;
-  dense.scale = h_ptr;
+  DenseLaunch dense(DenseEpilogue::kHidden);
+  DenseProblem p;
+  p.x = c_ptr;
+  p.x_ld = n;
+  p.w = net.w + w.w_off;
+  p.w_ld = n;
+  p.bias = b_ptr;
+  p.out = phi_ptr;
+  p.out_ld = T;
+  p.aux = h_ptr;
+  p.out_bf16 = z_ptr;
+  p.rows = rows;
+  p.N = T;
+  p.K = n;
+  dense.add(p);
   dense.scale_group = N;
-  dense.scaled_out = z_ptr;
-  if (dense_layer_applies(dense)) {
-    dense_layer(dense, stream);
+  if (dense_applies(dense)) {
+    dense_launch(dense, stream);
     return {c, phi, z};
   }
   Tensor pre = at::empty({rows, T}, f32);
@@ -505,7 +567,7 @@ Logits forward_to_logits(const char* op, const Tensor& states, const Tensor& par
     for (Tensor& t : iqn_embedding(op, activations.back(), *fractions, net, L, f32, stream))
       activations.push_back(std::move(t));
   append_hidden(trunk, L.hidden.size());
-  Tensor logits = output_logits(op, activations.back(), net.w, L, f32);
+  Tensor logits = output_logits(op, activations.back(), net.w, L, f32, stream);
   return {logits, std::move(activations)};
 }
 
@@ -557,16 +619,11 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> online_and_target_logits_cuda(
     on = std::move(hidden_layers(op, x, {online}, L, f32, stream, 0, L.hidden.size())[0]);
     tgt = std::move(hidden_layers(op, x.narrow(0, B, B), {target}, L, f32, stream, 0, L.hidden.size())[0]);
   }
-  // The target's output layer beside the online one's (csrc/cuda/side_stream.h); its logits are
-  // allocated here, on the current stream.
-  Tensor logits_next_target = at::empty({B, L.head_ld}, f32);
-  SideStream side(state_pairs.device());
-  side.fork();
-  side.run([&] {
-    output_logits_into(op, tgt.back().narrow(0, tgt.back().size(0) - B, B), target.w, L, logits_next_target);
-  });
-  Tensor logits = output_logits(op, on.back(), online.w, L, f32);
-  side.join();
+  // Both output layers in one launch, or the target's beside the online one's (output_logits_into).
+  Tensor logits = at::empty({on.back().size(0), L.head_ld}, f32), logits_next_target = at::empty({B, L.head_ld}, f32);
+  const Tensor next_target = tgt.back().narrow(0, tgt.back().size(0) - B, B);
+  output_logits_into(op, {OutputLayer{on.back(), online.w, logits}, OutputLayer{next_target, target.w, logits_next_target}},
+                     L, stream);
   std::vector<Tensor> activations = {x};
   for (Tensor& h : on) activations.push_back(std::move(h));
   return {logits, logits_next_target, std::move(activations)};

@@ -47,6 +47,11 @@ inline unsigned row_group_blocks(int64_t rows, int64_t cols, int threads) {
 // non-finite input stays visible downstream.
 __device__ __forceinline__ float relu_keep_nan(float v) { return v < 0.f ? 0.f : v; }
 
+// ReLU's backward: the gradient d of its output where the output h was positive, else 0. The mask
+// reads the saved BF16 activation (BF16 keeps F32's exponent range, so h > 0 exactly where the F32
+// pre-activation was); a NaN d passes where h > 0, a NaN h masks.
+__device__ __forceinline__ float relu_grad(float h, float d) { return h > 0.f ? d : 0.f; }
+
 // Four floats rounded to BF16 and packed for one 8-byte store.
 __device__ __forceinline__ uint2 pack_bf16x4(float a, float b, float c, float d) {
   const __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);

@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "branch_table.cuh"
+#include "dense_layer.h"
 #include "dueling.cuh"
 #include "elementwise.cuh"
 #include "gemm.cuh"
@@ -153,14 +154,13 @@ __global__ void __launch_bounds__(kThreads) dueling_backward_kernel(const float*
   }
 }
 
-// In place: d = (h > 0) ? d : 0, the ReLU mask read off the saved BF16 activation (BF16 keeps
-// F32's exponent range, so h > 0 exactly where the F32 pre-activation was). Writes the BF16
-// copy for the `bf16` GEMMs when d_bf16 is not null.
+// In place: d = relu_grad(h, d), the ReLU mask read off the saved BF16 activation
+// (elementwise.cuh). Writes the BF16 copy for the `bf16` GEMMs when d_bf16 is not null.
 __global__ void relu_backward_kernel(float* __restrict__ d, const __nv_bfloat16* __restrict__ h,
                                      __nv_bfloat16* __restrict__ d_bf16, int64_t n) {
   pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float g = __bfloat162float(h[i]) > 0.f ? d[i] : 0.f;
+    const float g = relu_grad(__bfloat162float(h[i]), d[i]);
     d[i] = g;
     if (d_bf16) d_bf16[i] = __float2bfloat16_rn(g);
   }
@@ -171,8 +171,7 @@ __global__ void relu_backward_x4_kernel(float4* __restrict__ d, const uint2* __r
   pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
     const float4 m = unpack_bf16x4(h[i]), v = d[i];
-    const float4 g = make_float4(m.x > 0.f ? v.x : 0.f, m.y > 0.f ? v.y : 0.f, m.z > 0.f ? v.z : 0.f,
-                                 m.w > 0.f ? v.w : 0.f);
+    const float4 g = make_float4(relu_grad(m.x, v.x), relu_grad(m.y, v.y), relu_grad(m.z, v.z), relu_grad(m.w, v.w));
     d[i] = g;
     if (d_bf16) d_bf16[i] = pack_bf16x4(g.x, g.y, g.z, g.w);
   }
@@ -403,8 +402,49 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   std::vector<std::pair<Grad, int64_t>> d_z;   // each layer's dZ (and IQN's dP) with its bias offset
   Tensor partial;                              // the column sums' chunks
   SideStream side(params.device());
+  // dX in one launch of the dense kernel (dense_layer.h, kInputGrad: W read as stored, the next
+  // ReLU's mask and the BF16 copy in its epilogue) where it applies: bf16 mode, blocks whose input
+  // columns are disjoint. `mask`: the input activation where it is a ReLU's output, else null (no
+  // mask, no BF16 copy: nothing reads it). Returns whether it ran.
+  auto input_grad_kernel = [&](const std::vector<HeadGroup>& groups, const void* dy, int64_t dy_ld, int64_t rows,
+                               int64_t x_ld, float* dx, const __nv_bfloat16* mask, __nv_bfloat16* dx_bf16) {
+    if (!bf16) return false;
+    DenseLaunch dense(DenseEpilogue::kInputGrad);
+    for (const HeadGroup& grp : groups) {
+      const HeadSlice& s = grp.first;
+      if (grp.count > 1 && grp.in_col_stride < s.in_width) return false;  // their products add up
+      DenseProblem p;
+      p.x = static_cast<const __nv_bfloat16*>(dy) + s.pad_col;
+      p.x_ld = dy_ld;
+      p.x_stride = grp.pad_col_stride;
+      p.w = static_cast<const __nv_bfloat16*>(weights) + s.w_off;
+      p.w_ld = s.in_width;
+      p.w_stride = grp.w_stride;
+      p.out = dx + s.in_col;
+      p.out_ld = x_ld;
+      p.out_stride = grp.in_col_stride;
+      p.aux = mask ? mask + s.in_col : nullptr;
+      p.out_bf16 = mask ? dx_bf16 + s.in_col : nullptr;
+      p.rows = rows;
+      p.N = s.in_width;
+      p.K = s.pad_width;
+      p.batch = grp.count;
+      if (!dense.add(p)) return false;
+    }
+    // The groups in order, each right after the one before: their columns cover dx once.
+    int64_t next = 0;
+    for (const HeadGroup& grp : groups) {
+      if (grp.first.in_col != next) return false;
+      next += grp.count * grp.first.in_width;
+    }
+    if (next != x_ld || !dense_applies(dense)) return false;
+    dense_launch(dense, stream);
+    return true;
+  };
+  // Returns whether dx holds the masked gradient and its BF16 copy (the dense kernel ran with a
+  // mask), so that the next relu_backward pass is not needed.
   auto layer_backward = [&](const std::vector<HeadSlice>& blocks, const void* dy, int64_t dy_ld, int64_t in,
-                            float* dx, const std::string& what) {
+                            float* dx, __nv_bfloat16* dx_bf16, const std::string& what) {
     const int64_t x_ld = L.activation_width(in), rows = activations[in].size(0);
     const std::vector<HeadGroup> groups = block_groups(blocks);
     side.fork();
@@ -420,7 +460,10 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
                              g + s.w_off, CUDA_R_32F, s.in_width, grp.w_stride, grp.count, compute);
       }
     });
-    if (dx == nullptr) return;
+    if (dx == nullptr) return false;
+    const __nv_bfloat16* mask =
+        L.relu_output(static_cast<size_t>(in)) ? static_cast<const __nv_bfloat16*>(activations[in].data_ptr()) : nullptr;
+    if (input_grad_kernel(groups, dy, dy_ld, rows, x_ld, dx, mask, dx_bf16)) return mask != nullptr;
     const std::string what_dx = what + " dX";
     int64_t written = 0;  // dx's columns [0, written) hold a product
     for (const HeadGroup& grp : groups) {
@@ -447,17 +490,20 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     }
     DQN_CHECK(written == x_ld, op, ": ", what, ": the blocks read ", written, " of the ", x_ld,
               " input columns (the layout should have been rejected)");
+    return false;
   };
 
   // Output heads: dY = d_head, into d(last hidden activation).
   const int64_t last = static_cast<int64_t>(L.num_activations()) - 1;
   d_out = make_grad(activations[last].size(0), L.head_in_width);
-  layer_backward(L.heads, bf16 ? d_head.low.data_ptr() : d_head.f32.data_ptr(), bf16 ? L.head_ld : L.head_out, last,
-                 d_out.f32.data_ptr<float>(), "output heads");
+  bool d_out_masked = layer_backward(L.heads, bf16 ? d_head.low.data_ptr() : d_head.f32.data_ptr(),
+                                     bf16 ? L.head_ld : L.head_out, last, d_out.f32.data_ptr<float>(), d_out.low_ptr(),
+                                     "output heads");
 
-  // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W. The BF16
-  // copy of a dX is written by the next relu_backward, not by the GEMM. d_z keeps each layer's
-  // dZ for its bias gradient (and IQN's dP for b_phi's), with its bias offset, last layer first.
+  // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W. The mask
+  // and the BF16 copy of a dX are the dense kernel's epilogue's (d_out_masked) or else the next
+  // relu_backward's. d_z keeps each layer's dZ for its bias gradient (and IQN's dP for b_phi's),
+  // with its bias offset, last layer first.
   for (int64_t i = M - 1; i >= 0; --i) {
     if (L.iqn() && i == L.trunk_layers - 1) {
       // d_out is d(z) on the B * N fraction rows: into d(h_L) [B, T] and phi's dP, dW_phi = dP^T c.
@@ -467,25 +513,30 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       const auto* phi = static_cast<const __nv_bfloat16*>(activations[L.phi_activation()].data_ptr());
       launch(iqn_backward_kernel, blocks_for(B * T, kThreads), kThreads, 0, stream, d_out.f32.data_ptr<float>(), h_L,
              phi, dh.f32.data_ptr<float>(), dP.f32.data_ptr<float>(), dP.low_ptr(), B, T, rows / B);
-      layer_backward(L.phi.blocks, dP.operand(bf16), T, static_cast<int64_t>(L.cos_activation()), nullptr, "phi");
+      layer_backward(L.phi.blocks, dP.operand(bf16), T, static_cast<int64_t>(L.cos_activation()), nullptr, nullptr,
+                     "phi");
       d_z.emplace_back(std::move(dP), L.phi.b_off);
       d_out = std::move(dh);
+      d_out_masked = false;
     }
     const HiddenLayer& layer = L.hidden[i];
     const int64_t out = static_cast<int64_t>(L.hidden_activation(static_cast<size_t>(i)));
     const int64_t rows = activations[out].size(0), n = rows * layer.out_width;
-    float* d = d_out.f32.data_ptr<float>();
-    const auto* h = static_cast<const __nv_bfloat16*>(activations[out].data_ptr());
-    __nv_bfloat16* d_low = d_out.low_ptr();
-    if (n % 4 == 0 && aligned16(d, h, d_low))
-      launch(relu_backward_x4_kernel, blocks_for(n / 4, kThreads), kThreads, 0, stream, reinterpret_cast<float4*>(d),
-             reinterpret_cast<const uint2*>(h), reinterpret_cast<uint2*>(d_low), n / 4);
-    else
-      launch(relu_backward_kernel, blocks_for(n, kThreads), kThreads, 0, stream, d, h, d_low, n);
+    if (!d_out_masked) {
+      float* d = d_out.f32.data_ptr<float>();
+      const auto* h = static_cast<const __nv_bfloat16*>(activations[out].data_ptr());
+      __nv_bfloat16* d_low = d_out.low_ptr();
+      if (n % 4 == 0 && aligned16(d, h, d_low))
+        launch(relu_backward_x4_kernel, blocks_for(n / 4, kThreads), kThreads, 0, stream, reinterpret_cast<float4*>(d),
+               reinterpret_cast<const uint2*>(h), reinterpret_cast<uint2*>(d_low), n / 4);
+      else
+        launch(relu_backward_kernel, blocks_for(n, kThreads), kThreads, 0, stream, d, h, d_low, n);
+    }
     const bool need_dx = i > 0 || need_grad_states;
     Grad d_in = need_dx ? make_grad(rows, layer.in_width) : Grad{};
-    layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, out - 1,
-                   need_dx ? d_in.f32.data_ptr<float>() : nullptr, hidden_layer_name(L, static_cast<size_t>(i)));
+    d_out_masked = layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, out - 1,
+                                  need_dx ? d_in.f32.data_ptr<float>() : nullptr, d_in.low_ptr(),
+                                  hidden_layer_name(L, static_cast<size_t>(i)));
     d_z.emplace_back(std::move(d_out), layer.b_off);
     d_out = std::move(d_in);
   }
