@@ -32,7 +32,6 @@ namespace {
 
 constexpr int kBK = 64;           // K elements of a tile: 128 bytes a row
 constexpr int kChunks = kBK / 8;  // 16-byte chunks a row
-constexpr int kStages = 3;        // K tiles in flight
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -76,11 +75,16 @@ __device__ __forceinline__ unsigned tile_offset(int r, int c) { return r * (kBK 
 
 template <int BM, int BN, int WM, int WN>
 struct Tile {
+  // K tiles in flight. The small tiles run launches of few rows, where a block's time is its K
+  // loop's load latencies, one for every kStages - 1 tiles: they keep more in flight (the shared
+  // memory still holds three blocks an SM).
+  static constexpr int kStages = BM == 128 ? 3 : BM == 64 ? 4 : 6;
   static constexpr int kWarps = (BM / WM) * (BN / WN);
   static constexpr int kThreads = kWarps * 32;
   static constexpr int MI = WM / 16;  // m16 fragments a warp
   static constexpr int NI = WN / 8;   // n8 fragments a warp
   static constexpr size_t kSmemBytes = size_t(kStages) * (BM + BN) * kBK * sizeof(__nv_bfloat16);
+  static_assert(BM == 128 || kSmemBytes <= 227 * 1024 / 3, "a small tile's blocks three an SM");
   static_assert(BM % WM == 0 && BN % WN == 0 && WM % 16 == 0 && WN % 16 == 0, "tile shape");
 };
 
@@ -97,6 +101,7 @@ template <int BM, int BN, int WM, int WN, DenseEpilogue kEpilogue>
 __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads)
     dense_layer_kernel(const __grid_constant__ DenseLaunch l) {
   using T = Tile<BM, BN, WM, WN>;
+  constexpr int kStages = T::kStages;
   // kInputGrad reads W as stored, [K, N]: its tiles are kBK rows of k, BN columns of n each.
   constexpr bool kTransW = kEpilogue == DenseEpilogue::kInputGrad;
   extern __shared__ __align__(128) unsigned char smem_raw[];
