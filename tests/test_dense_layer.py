@@ -28,6 +28,10 @@ SHAPE = DQNConfig(state_dim=40, trunk_hidden=(130, 256), value_hidden=24, adv_hi
 # the largest tile whose grid covers the SMs): 32 x 64 at 300, 64 x 64 at 3000, 128 x 128 at
 # 9000; and one row.
 BATCHES = [1, 300, 3000, 9000]
+# Two head layers, equal branches: the second head layer and the output layer are block-diagonal
+# with a group of two same-shape blocks (a problem of batch 2: its x, W and outputs strided).
+DEEP_HEADS = DQNConfig(state_dim=40, trunk_hidden=(130, 64), value_hidden=(24, 16), adv_hidden=(16, 24), atoms=5,
+                       branches=(3, 3))
 
 
 @pytest.fixture
@@ -52,12 +56,17 @@ def test_the_mode_switch_round_trips_and_refuses_an_unknown_mode():
         dense_kernel.set_mode(before)
 
 
-def _kernel_names(fn):
+def _kernel_counts(fn):
+    """The profiled events of fn (kernels among them), by name, with their number of launches."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.key for e in prof.key_averages()]
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+def _kernel_names(fn):
+    return list(_kernel_counts(fn))
 
 
 def _cublas_gemms(names):
@@ -153,9 +162,12 @@ def test_cuda_iqn_phi_and_z_in_the_epilogue(B, T, kernel_mode):
 @requires_cuda
 @pytest.mark.parametrize("B", [1, 300, 3000])
 def test_cuda_both_networks_in_one_launch_give_each_pass_its_bits(B, kernel_mode):
-    """The trainer's batched forward (both networks' layers in one launch: blockIdx.z, the second
-    network's weights and bias, its own input past the first layer) against two passes, on
-    SHAPE's tails, with either network's weights at the lower address and one network as both."""
+    """The trainer's batched forward (both networks' hidden layers in one launch: a problem each,
+    the second network's weights and bias, its own input past the first layer) against a pass per
+    network, on SHAPE's tails, with either network's weights at the lower address and one network
+    as both. Both run the output layers of the two networks in one launch; each network's logits
+    are checked against the same network's logits from the other position in that launch (online
+    on [s; s'] there, target on s' here), whose problems and tiles differ."""
     a, b = make_net(SHAPE, "cuda", seed=1), make_net(SHAPE, "cuda", seed=2)
     state_pairs = _randn(2 * B, SHAPE.state_dim, seed=B)
     for online, target in [(a, b), (b, a), (a, a)]:
@@ -169,6 +181,10 @@ def test_cuda_both_networks_in_one_launch_give_each_pass_its_bits(B, kernel_mode
         pairs += [(f"activations[{i}]", x, y) for i, (x, y) in enumerate(zip(got.activations, want.activations))]
         for name, x, y in pairs:
             same_bits(x, y, name)
+    ab = InternalOpsStep(a, b, batch_networks=True).forward(state_pairs)
+    ba = InternalOpsStep(b, a, batch_networks=True).forward(state_pairs)
+    same_bits(ab.logits_next_target, ba.logits[B:], "b on s' as the target and as the online network")
+    same_bits(ba.logits_next_target, ab.logits[B:], "a on s' as the target and as the online network")
     # The batched pass ran its layers through the kernel, none through the bias + ReLU pass.
     names = _kernel_names(lambda: InternalOpsStep(a, b, batch_networks=True).forward(state_pairs))
     if any("dqn_ops" in n for n in names):  # where the profiler records kernels
@@ -183,19 +199,20 @@ def test_cuda_dense_layers_keep_the_emulated_rounding_through_the_network(kernel
 
 
 @requires_cuda
+@pytest.mark.parametrize("c", [SHAPE, DEEP_HEADS], ids=["shape", "deep_heads"])
 @pytest.mark.parametrize("B", BATCHES)
-def test_cuda_output_layer_is_the_formula_on_its_input(B, kernel_mode):
+def test_cuda_output_layer_is_the_formula_on_its_input(B, c, kernel_mode):
     """The head logits (the output layer's one launch, then the F32 bias) against float64 on the
     GPU's own last hidden activation, each head on its slice of it: within the F32 sum's error
     (2^-16 of the sum of the products' magnitudes, generous for a tensor core's accumulation; a
     wrong element is off by the size of a product)."""
-    net = make_net(SHAPE, "cuda", seed=B + 3)
+    net = make_net(c, "cuda", seed=B + 3)
     poison_cuda_cache()
-    out = net.forward_full(_randn(B, SHAPE.state_dim, seed=B + 3))
-    h = logical_activations(SHAPE, out.activations)[-1].double().cpu()
+    out = net.forward_full(_randn(B, c.state_dim, seed=B + 3))
+    h = logical_activations(c, out.activations)[-1].double().cpu()
     layers = mirror_layers(net)
     refs, magnitudes, col = [], [], 0
-    for stem, hidden, _ in head_widths(SHAPE):
+    for stem, hidden, _ in head_widths(c):
         w, b = layers[stem.format(len(hidden) + 1)]
         x = h[:, col:col + hidden[-1]]
         col += hidden[-1]
@@ -275,19 +292,20 @@ def _backward(net, out, gq, need_grad_states=True):
 
 
 @requires_cuda
+@pytest.mark.parametrize("c", [SHAPE, DEEP_HEADS], ids=["shape", "deep_heads"])
 @pytest.mark.parametrize("B", BATCHES)
-def test_cuda_input_gradients_through_the_kernel_are_the_backward_within_its_bar(B, kernel_mode):
+def test_cuda_input_gradients_through_the_kernel_are_the_backward_within_its_bar(B, c, kernel_mode):
     """The backward with each layer's input gradient from the kernel (its ReLU mask and BF16 copy
     in the epilogue) against the float64 backward of the GPU's own forward (every layer within the
     bf16 bar), and against the cuBLAS GEMM + relu_backward path (mode "off") on the same forward:
     the two differ by their F32 sums' order and the BF16 copies that order rounds the other way,
     far less than a wrong mask, transposition or tile would (a whole product's size)."""
-    net = make_net(SHAPE, "cuda", seed=B + 7)
-    out = net.forward_full(_randn(B, SHAPE.state_dim, seed=B))
-    gq = _randn(B, SHAPE.q_rows, SHAPE.atoms, seed=B + 1)
+    net = make_net(c, "cuda", seed=B + 7)
+    out = net.forward_full(_randn(B, c.state_dim, seed=B))
+    gq = _randn(B, c.q_rows, c.atoms, seed=B + 1)
     poison_cuda_cache()
     grad, gs = _backward(net, out, gq)
-    ref_grad, ref_gs = reference_backward(net, out.activations, dueling_head_grad(SHAPE, gq.double().cpu()), "mirror")
+    ref_grad, ref_gs = reference_backward(net, out.activations, dueling_head_grad(c, gq.double().cpu()), "mirror")
     g, r = net.layer_views(grad), net.layer_views(ref_grad)
     for name in r:
         assert rel_err(g[name], r[name]) <= BACKWARD_BARS["bf16"], (name, rel_err(g[name], r[name]))
@@ -328,9 +346,10 @@ def test_cuda_input_gradient_bits_do_not_depend_on_the_rows_or_the_tile(kernel_m
 @requires_cuda
 def test_cuda_output_layer_heads_that_share_their_input_take_the_kernel_forward_only(kernel_mode):
     """With no head layers every output head reads the whole last trunk layer: the forward runs
-    them in one launch (x's batch stride 0), the backward's input gradient, a sum over the heads,
-    stays cuBLAS's (with its relu_backward pass). Both within their bars as above."""
-    c = DQNConfig(state_dim=40, trunk_hidden=(130, 64), value_hidden=(), adv_hidden=(), atoms=5, branches=(2, 3))
+    them in one launch (the branch heads' group a batch of stride 0 in x), the backward's input
+    gradient, a sum over the heads, stays cuBLAS's with its relu_backward pass. Both within their
+    bars as above."""
+    c = DQNConfig(state_dim=40, trunk_hidden=(130, 64), value_hidden=(), adv_hidden=(), atoms=5, branches=(3, 3))
     net = make_net(c, "cuda", seed=5)
     s = _randn(300, c.state_dim, seed=5)
     gq = _randn(300, c.q_rows, c.atoms, seed=6)
@@ -344,7 +363,10 @@ def test_cuda_output_layer_heads_that_share_their_input_take_the_kernel_forward_
         assert rel_err(g[name], r[name]) <= BACKWARD_BARS["bf16"], (name, rel_err(g[name], r[name]))
     assert rel_err(gs, ref_gs) <= BACKWARD_BARS["bf16"]
     names = _kernel_names(lambda: net.forward_full(s))
-    back = _kernel_names(lambda: _backward(net, out, gq))
+    back = _kernel_counts(lambda: _backward(net, out, gq))
     if any("dqn_ops" in n for n in names):
         assert not _cublas_gemms(names), names
-        assert _cublas_gemms(back) and sum("relu_backward" in n for n in back) == 1, back  # the last trunk layer's, after the heads' sum
+        # The last trunk layer's relu_backward after the heads' summed dX; the two trunk layers'
+        # input gradients (the first's, d(states), unmasked) from the kernel.
+        assert sum(k for n, k in back.items() if "relu_backward" in n) == 1, back
+        assert sum(k for n, k in back.items() if "dense_layer_kernel" in n and "DenseEpilogue)2" in n) == 2, back

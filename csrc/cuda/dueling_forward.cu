@@ -3,7 +3,8 @@
 // dense hidden layer (a trunk layer, the heads' merged first layer) is instead one launch of
 // dqn_ops's own GEMM with the bias + ReLU + cast in its epilogue (dense_layer.h), and the output
 // layer one launch of it for every head, where its switch gives it the layer
-// (csrc/dense_layer_mode.h; by default hidden layers of >= 128 outputs, and every output layer).
+// (csrc/dense_layer_mode.h; by default hidden layers of >= 128 outputs, and output layers of at
+// most a measured number of rows).
 //
 // Launches, for L trunk layers and H head layers, with the dense layer kernel:
 //   1 (states -> BF16)

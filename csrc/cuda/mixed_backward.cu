@@ -412,7 +412,9 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     DenseLaunch dense(DenseEpilogue::kInputGrad);
     for (const HeadGroup& grp : groups) {
       const HeadSlice& s = grp.first;
-      if (grp.count > 1 && grp.in_col_stride < s.in_width) return false;  // their products add up
+      // A batch must tile its input columns: stride 0 (the output heads with H = 0) means their
+      // products add up, which one launch cannot do.
+      if (grp.count > 1 && grp.in_col_stride != s.in_width) return false;
       DenseProblem p;
       p.x = static_cast<const __nv_bfloat16*>(dy) + s.pad_col;
       p.x_ld = dy_ld;
