@@ -223,26 +223,31 @@ def test_cuda_output_layer_is_the_formula_on_its_input(B, c, kernel_mode):
     assert ((out.head_logits.double().cpu() - ref).abs() <= 2 ** -16 * magnitude).all()
 
 
-@requires_cuda
-def test_cuda_dense_layer_bits_do_not_depend_on_the_rows_or_the_tile(kernel_mode):
-    """Rows run inside a 9000-row forward (128 x 128 tiles) and alone (300: 32 x 64; 3000:
-    64 x 64) are the same bits, at offsets that are not multiples of any tile."""
-    net = make_net(SHAPE, "cuda", seed=1)
-    s = _randn(9000, SHAPE.state_dim, seed=1)
+def _check_bits_do_not_depend_on_the_rows(run, rows=9000):
+    """run(rows_slice) -> tensors on those rows (any dtypes). Rows run inside the whole (128 x 128
+    tiles) and alone (300: 32 x 64; 3000: 64 x 64) are the same bits, at offsets that are not
+    multiples of any tile; and the comparison crossed tile shapes (where the profiler records
+    kernels, on a GPU of 132 SMs as BATCHES assumes)."""
     poison_cuda_cache()
-    whole = net.forward_full(s).activations
-    for first, count in [(0, 300), (4001, 300), (5555, 3000), (8999, 1)]:
+    whole = run(slice(0, rows))
+    for first, count in [(0, 300), (4001, 300), (5555, 3000), (rows - 1, 1)]:
+        part_rows = slice(first, first + count)
         poison_cuda_cache()
-        part = net.forward_full(s[first:first + count]).activations
-        for i, (a, b) in enumerate(zip(whole, part)):
-            assert torch.equal(a[first:first + count].view(torch.int16), b.view(torch.int16)), (first, count, i)
-    # The comparison crossed tile shapes: the whole ran the largest tile, 300 rows the smallest
-    # (where the profiler records kernels, on a GPU of 132 SMs as BATCHES assumes).
-    names = {count: _kernel_names(lambda: net.forward_full(s[:count])) for count in (300, 9000)}
+        for i, (a, b) in enumerate(zip(whole, run(part_rows))):
+            bits = torch.int16 if a.element_size() == 2 else torch.int32
+            assert torch.equal(a[part_rows].view(bits), b.view(bits)), (first, count, i)
+    names = {count: _kernel_names(lambda: run(slice(0, count))) for count in (300, rows)}
     if all(any("dqn_ops" in n for n in v) for v in names.values()) and \
             torch.cuda.get_device_properties(0).multi_processor_count == 132:
         tiles = {count: _tiles(v) for count, v in names.items()}
-        assert "128, 128" in tiles[9000] and "32, 64" in tiles[300], tiles
+        assert "128, 128" in tiles[rows] and "32, 64" in tiles[300], tiles
+
+
+@requires_cuda
+def test_cuda_dense_layer_bits_do_not_depend_on_the_rows_or_the_tile(kernel_mode):
+    net = make_net(SHAPE, "cuda", seed=1)
+    s = _randn(9000, SHAPE.state_dim, seed=1)
+    _check_bits_do_not_depend_on_the_rows(lambda rows: net.forward_full(s[rows]).activations)
 
 
 @requires_cuda
@@ -291,6 +296,20 @@ def _backward(net, out, gq, need_grad_states=True):
                                   need_grad_states)
 
 
+def _backward_within_the_bar(net, out, gq):
+    """The bf16 backward (grad, d(states)), every layer's gradient and d(states) checked within the
+    bf16 bar of the float64 backward of the GPU's own forward."""
+    poison_cuda_cache()
+    grad, gs = _backward(net, out, gq)
+    d_head = dueling_head_grad(net.config, gq.double().cpu())
+    ref_grad, ref_gs = reference_backward(net, out.activations, d_head, "mirror")
+    g, r = net.layer_views(grad), net.layer_views(ref_grad)
+    for name in r:
+        assert rel_err(g[name], r[name]) <= BACKWARD_BARS["bf16"], (name, rel_err(g[name], r[name]))
+    assert rel_err(gs, ref_gs) <= BACKWARD_BARS["bf16"]
+    return grad, gs
+
+
 @requires_cuda
 @pytest.mark.parametrize("c", [SHAPE, DEEP_HEADS], ids=["shape", "deep_heads"])
 @pytest.mark.parametrize("B", BATCHES)
@@ -303,19 +322,14 @@ def test_cuda_input_gradients_through_the_kernel_are_the_backward_within_its_bar
     net = make_net(c, "cuda", seed=B + 7)
     out = net.forward_full(_randn(B, c.state_dim, seed=B))
     gq = _randn(B, c.q_rows, c.atoms, seed=B + 1)
-    poison_cuda_cache()
-    grad, gs = _backward(net, out, gq)
-    ref_grad, ref_gs = reference_backward(net, out.activations, dueling_head_grad(c, gq.double().cpu()), "mirror")
-    g, r = net.layer_views(grad), net.layer_views(ref_grad)
-    for name in r:
-        assert rel_err(g[name], r[name]) <= BACKWARD_BARS["bf16"], (name, rel_err(g[name], r[name]))
-    assert rel_err(gs, ref_gs) <= BACKWARD_BARS["bf16"]
+    grad, gs = _backward_within_the_bar(net, out, gq)
+    g = net.layer_views(grad)
     dense_kernel.set_mode("off")
     poison_cuda_cache()
     cublas_grad, cublas_gs = _backward(net, out, gq)
-    c = net.layer_views(cublas_grad)
-    for name in c:
-        assert rel_err(g[name], c[name]) <= 2 ** -6, (name, rel_err(g[name], c[name]))
+    cublas = net.layer_views(cublas_grad)
+    for name in cublas:
+        assert rel_err(g[name], cublas[name]) <= 2 ** -6, (name, rel_err(g[name], cublas[name]))
     assert rel_err(gs, cublas_gs) <= 2 ** -6
 
 
@@ -327,20 +341,7 @@ def test_cuda_input_gradient_bits_do_not_depend_on_the_rows_or_the_tile(kernel_m
     net = make_net(SHAPE, "cuda", seed=3)
     s = _randn(9000, SHAPE.state_dim, seed=3)
     gq = _randn(9000, SHAPE.q_rows, SHAPE.atoms, seed=4)
-    poison_cuda_cache()
-    _, whole = _backward(net, net.forward_full(s), gq)
-    for first, count in [(0, 300), (4001, 300), (5555, 3000), (8999, 1)]:
-        rows = slice(first, first + count)
-        poison_cuda_cache()
-        _, part = _backward(net, net.forward_full(s[rows]), gq[rows])
-        assert torch.equal(whole[rows].view(torch.int32), part.view(torch.int32)), (first, count)
-    # The whole ran the largest tile, 300 rows the smallest (on a GPU of 132 SMs, as BATCHES assumes).
-    names = {count: _kernel_names(lambda: _backward(net, net.forward_full(s[:count]), gq[:count]))
-             for count in (300, 9000)}
-    if all(any("dqn_ops" in n for n in v) for v in names.values()) and \
-            torch.cuda.get_device_properties(0).multi_processor_count == 132:
-        tiles = {count: _tiles(v) for count, v in names.items()}
-        assert "128, 128" in tiles[9000] and "32, 64" in tiles[300], tiles
+    _check_bits_do_not_depend_on_the_rows(lambda rows: _backward(net, net.forward_full(s[rows]), gq[rows])[1:])
 
 
 @requires_cuda
@@ -356,12 +357,7 @@ def test_cuda_output_layer_heads_that_share_their_input_take_the_kernel_forward_
     poison_cuda_cache()
     check_bf16_mirror_emulated(net, s)
     out = net.forward_full(s)
-    grad, gs = _backward(net, out, gq)
-    ref_grad, ref_gs = reference_backward(net, out.activations, dueling_head_grad(c, gq.double().cpu()), "mirror")
-    g, r = net.layer_views(grad), net.layer_views(ref_grad)
-    for name in r:
-        assert rel_err(g[name], r[name]) <= BACKWARD_BARS["bf16"], (name, rel_err(g[name], r[name]))
-    assert rel_err(gs, ref_gs) <= BACKWARD_BARS["bf16"]
+    _backward_within_the_bar(net, out, gq)
     names = _kernel_names(lambda: net.forward_full(s))
     back = _kernel_counts(lambda: _backward(net, out, gq))
     if any("dqn_ops" in n for n in names):

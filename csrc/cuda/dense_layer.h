@@ -14,8 +14,8 @@
 //
 // Why: cuBLAS's epilogues take the bias in the output's type and have no ReLU mask from another
 // tensor (docs/design.md), so each hidden layer wrote F32 and a second pass read it back (at
-// [16384, 512] ~67 MB a layer); and at small batches each GEMM is a launch of ~2-3 µs on the
-// step's critical path, a cost that one launch for a layer's heads (or for both networks) cuts.
+// [16384, 512] ~67 MB a layer); and at small batches each launch on the step's critical path
+// costs more than its arithmetic, which one launch for a layer's heads (or both networks') saves.
 #pragma once
 
 #include <cstdint>
@@ -74,7 +74,7 @@ struct DenseLaunch {
 };
 
 // Whether dense_launch runs `l` on the current device: the switch (csrc/dense_layer_mode.h: off,
-// on, or auto's rule, by the problems' shapes alone), sm_80 or newer, and for every problem: rows,
+// on, or auto's rule, by each problem's shape and rows), sm_80 or newer, and for every problem: rows,
 // N and K positive and within int; K a multiple of 8 (and N too for kInputGrad) and x, w and their
 // row and batch strides 16-byte aligned (the tiles are copied 16 bytes at a time); N, out_ld and
 // out_stride even and the outputs, aux and out_bf16 aligned for the pairs the epilogue stores;

@@ -3,8 +3,8 @@
 // dense hidden layer (a trunk layer, the heads' merged first layer) is instead one launch of
 // dqn_ops's own GEMM with the bias + ReLU + cast in its epilogue (dense_layer.h), and the output
 // layer one launch of it for every head, where its switch gives it the layer
-// (csrc/dense_layer_mode.h; by default hidden layers of >= 128 outputs, and output layers of at
-// most a measured number of rows).
+// (csrc/dense_layer_mode.h; by default hidden layers of >= 128 outputs, and output layers of up
+// to a bound of rows a network: dense_layer.cu).
 //
 // Launches, for L trunk layers and H head layers, with the dense layer kernel:
 //   1 (states -> BF16)
@@ -623,8 +623,9 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> online_and_target_logits_cuda(
   // Both output layers in one launch, or the target's beside the online one's (output_logits_into).
   Tensor logits = at::empty({on.back().size(0), L.head_ld}, f32), logits_next_target = at::empty({B, L.head_ld}, f32);
   const Tensor next_target = tgt.back().narrow(0, tgt.back().size(0) - B, B);
-  output_logits_into(op, {OutputLayer{on.back(), online.w, logits}, OutputLayer{next_target, target.w, logits_next_target}},
-                     L, stream);
+  output_logits_into(
+      op, {OutputLayer{on.back(), online.w, logits}, OutputLayer{next_target, target.w, logits_next_target}}, L,
+      stream);
   std::vector<Tensor> activations = {x};
   for (Tensor& h : on) activations.push_back(std::move(h));
   return {logits, logits_next_target, std::move(activations)};

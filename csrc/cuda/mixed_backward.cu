@@ -463,8 +463,9 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       }
     });
     if (dx == nullptr) return false;
-    const __nv_bfloat16* mask =
-        L.relu_output(static_cast<size_t>(in)) ? static_cast<const __nv_bfloat16*>(activations[in].data_ptr()) : nullptr;
+    const auto* mask = L.relu_output(static_cast<size_t>(in))
+                           ? static_cast<const __nv_bfloat16*>(activations[in].data_ptr())
+                           : nullptr;
     if (input_grad_kernel(groups, dy, dy_ld, rows, x_ld, dx, mask, dx_bf16)) return mask != nullptr;
     const std::string what_dx = what + " dX";
     int64_t written = 0;  // dx's columns [0, written) hold a product
