@@ -99,8 +99,8 @@ struct NetLayout {
   size_t cos_activation() const { return static_cast<size_t>(trunk_layers) + 1; }
   size_t phi_activation() const { return cos_activation() + 1; }
   size_t z_activation() const { return cos_activation() + 2; }
-  // Whether saved activation k is a ReLU's output (a hidden layer's or phi), whose gradient the
-  // backward masks by k > 0: not the states, IQN's cosines, nor z = h_L * phi.
+  // Whether saved activation k is a ReLU's output (a hidden layer's or phi), by which the backward
+  // masks its gradient (where it is > 0): not the states, IQN's cosines, nor z = h_L * phi.
   bool relu_output(size_t k) const { return k > 0 && !(iqn() && (k == cos_activation() || k == z_activation())); }
   // Whether saved activation k lies on one row per (sample, fraction).
   bool per_fraction(size_t k) const { return iqn() && k > static_cast<size_t>(trunk_layers); }
