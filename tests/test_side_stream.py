@@ -11,7 +11,7 @@ import torch
 
 import dqn_ops
 from conftest import behind_a_sleep, requires_cuda, switch_at_first_use
-from dqn_ops import DQNConfig, Trainer, TrainerConfig, _C, ops, side_stream
+from dqn_ops import DQNConfig, Trainer, TrainerConfig, _C, dense_kernel, ops, side_stream
 from dqn_ops.side_stream import LANE_GROUPS, LANE_STEP, Branch, group_lane
 from dqn_ops.step import GroupsStep, PublicOpsStep
 from poison import poison_cuda_cache
@@ -342,7 +342,7 @@ def _graph_cases(name):
     B = 64
     if name == "mixed_backward":
         return _backward_run(DQNConfig(), B, "bf16")
-    if name == "online_and_target_logits":
+    if name == "online_and_target_logits":  # the cuBLAS path: the dense kernel's one launch has no fork
         return _logits_run(DQNConfig(), B, False)
     step = PublicOpsStep(_net(TINY_IQN, 1, "cuda"), _net(TINY_IQN, 2, "cuda"), loss_type="iqn")
     state_pairs = torch.randn(2 * B, TINY_IQN.state_dim, device="cuda")
@@ -356,6 +356,16 @@ def _graph_cases(name):
 def test_the_captured_graph_is_a_chain_off_and_forks_and_joins_on(name, switch, tmp_path):
     pytest.importorskip("cuda.bindings", reason="CUDAGraph.debug_dump needs the cuda-bindings package")
     side_stream.set_enabled(switch)  # before the capture: a graph keeps the streams in force at its capture
+    # The dense kernel runs both networks' output layers in one launch, with nothing to fork; the
+    # cuBLAS path forks the target's GEMMs.
+    dense_mode = dense_kernel.set_mode("off" if name == "online_and_target_logits" else dense_kernel.mode())
+    try:
+        _check_the_captured_graph(name, switch, tmp_path)
+    finally:
+        dense_kernel.set_mode(dense_mode)
+
+
+def _check_the_captured_graph(name, switch, tmp_path):
     run = _graph_cases(name)
     want = _tensors(run())
     stream, marker = torch.cuda.Stream(), torch.zeros(1, device="cuda")

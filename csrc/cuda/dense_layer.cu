@@ -335,17 +335,27 @@ void launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
 //     GEMM and the bias + ReLU pass in every network step timed whose layers are that wide (the
 //     reference network, the 3 x 512 trunk, IQN; at B = 256 and 4096), and a wash on the one with
 //     a narrower layer (CleanRL's 88 units: slower at B = 256, faster at 4096).
-//   - kLogits and kInputGrad: at most kLogitsMaxRows or kInputGradMaxRows rows a problem. They
-//     save launches (a GEMM per head group and network; a GEMM and the relu_backward pass), which
-//     counts at small batches; at large ones cuBLAS's GEMMs are faster than this kernel (measured
-//     at B = 256 and 4096; the bound between is not yet measured).
-constexpr int64_t kLogitsMaxRows = 2048, kInputGradMaxRows = 2048;
+//   - kLogits: at most kLogitsMaxRows rows a problem. It saves launches (a GEMM per head group and
+//     network, the target's fork and join), which counts at small batches; at large ones cuBLAS's
+//     GEMMs are faster than this kernel. Measured with every kind on: faster at B = 256 and 1024
+//     (the online network's 2048 rows), slower at 2048 and 4096.
+//   - kInputGrad: at most kInputGradMaxMacs products a problem (rows x N x K, x batch). It saves
+//     the relu_backward pass after each GEMM; on larger GEMMs cuBLAS's faster one wins more than
+//     the pass costs. Measured with every kind on: faster where no layer's problem passes 2^26
+//     (the reference at B = 256 and 1024, the 3 x 512 trunk at 256), slower where some reach
+//     2^27 or 2^28 (the reference at 2048, the trunk at 1024).
+constexpr int64_t kLogitsMaxRows = 2048;
+constexpr int64_t kInputGradMaxMacs = int64_t(1) << 26;
+// rows x N x K x batch <= bound, without the product's overflow (floor divisions compose).
+bool macs_at_most(const DenseProblem& p, int64_t bound) {
+  return p.N > 0 && p.K > 0 && p.batch > 0 && p.rows <= bound / p.N / p.K / p.batch;
+}
 bool measured_faster(const DenseLaunch& l) {
   for (int i = 0; i < l.count; ++i) {
     const DenseProblem& p = l.problem[i];
     const bool faster = l.epilogue == DenseEpilogue::kHidden   ? p.N >= 128
                         : l.epilogue == DenseEpilogue::kLogits ? p.rows <= kLogitsMaxRows
-                                                               : p.rows <= kInputGradMaxRows;
+                                                               : macs_at_most(p, kInputGradMaxMacs);
     if (!faster) return false;
   }
   return true;
