@@ -3,14 +3,14 @@
 // (output bias, dueling aggregation, expected Q, per-branch argmax, epsilon-greedy), then a
 // one-thread kernel that advances the call counter.
 //
-// Launches: the forward's up to its output GEMMs (dueling_forward.cu: the cast, each hidden
-// layer's GEMMs and one bias/ReLU, a GEMM per output head group; 9 for the reference config)
-// + 2. Why the counter gets a launch of its own: every block of the epilogue reads
+// Launches: the forward's up to its output layer (dueling_forward.cu: 5 for the reference config
+// where the dense layer kernel takes its layers, 9 where cuBLAS's GEMMs and the bias / ReLU
+// passes do) + 2. Why the counter gets a launch of its own: every block of the epilogue reads
 // rng[1] (the call its draws use), so no block may advance it before all have read it. The
 // alternative, the last block to finish (an atomic ticket) advancing it, needs a ticket counter
 // that is zero at launch: a memset, one launch too. Stream order makes the one-thread kernel
-// race-free with nothing else to reason about. (Fewer launches, e.g. the issue's aim of 4 for
-// N <= 1024, would need a fused forward in place of cuBLAS's GEMMs, and with it other logits.)
+// race-free with nothing else to reason about. (Fewer launches, e.g. 4 for N <= 1024, would
+// need several layers in one launch.)
 //
 // The epilogue: a warp per row (grid-striding). Lane l owns atoms l, l + 32, ...: the value
 // logit v (+ bias) and, branch by branch, the branch's mean advantage at its atoms, both kept

@@ -7,6 +7,9 @@
 //   tf32: F32 dY x F32 operands on TF32 tensor cores (COMPUTE_32F_FAST_TF32); dX reads the
 //         F32 master weights, dW the saved BF16 activations upcast to F32 (exact).
 //   fp32: as tf32 with COMPUTE_32F_PEDANTIC (full-precision FMA, for checks).
+// In bf16 a layer's dX is instead one launch of dqn_ops's own GEMM (dense_layer.h, kInputGrad)
+// where the dense layer kernel's mode gives it the layer: the layer before's ReLU mask and the
+// BF16 copy in its epilogue, where the GEMM and a relu_backward pass were (input_grad_kernel).
 // Bias gradients are column sums of the unrounded F32 dZ, every layer's in one launch (up to
 // kMaxColumnSumJobs layers) in a fixed summation order (graph replays and eager calls agree
 // bitwise).
