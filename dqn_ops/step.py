@@ -34,9 +34,10 @@ from torch import Tensor
 from . import ops, side_stream
 from .layout import DQNConfig
 
-# Up to this batch size the online and target networks' hidden layers run as one launch each
-# (the dense layer kernel's or a batched GEMM's): fewer launches, at the price of the target's pass on s (about 16% more FLOPs for the
-# reference config); at larger batches the FLOPs cost more than the launches save
+# Up to this batch size the online and target networks' hidden layers run together, a dense
+# layer as one launch of the dense layer kernel (or one batched GEMM and one pass): fewer
+# launches, at the price of the target's pass on s (about 16% more FLOPs for the reference
+# config); at larger batches the FLOPs cost more than the launches save
 # (scripts/bench_batch_networks.py measures both).
 BATCH_NETWORKS_MAX_BATCH = 4096
 
@@ -155,8 +156,9 @@ class _Step:
 class InternalOpsStep(_Step):
     """The trainer's step: ``_online_and_target_logits`` -> ``_dqn_loss_on_logits`` ->
     ``_mixed_backward_from_head``. ``batch_networks``: the forward runs both networks' hidden
-    layers as one launch each (the same results; ``default_batch_networks(B)`` is the trainer's
-    choice). Stage outputs: ``ops.Logits``, ``ops.LossOnLogits``, the flat gradient."""
+    layers together, a dense layer in one launch (the same results; ``default_batch_networks(B)``
+    is the trainer's choice). Stage outputs: ``ops.Logits``, ``ops.LossOnLogits``, the flat
+    gradient."""
 
     def __init__(self, online, target, *, batch_networks: bool = False, **kwargs):
         super().__init__(online, target, **kwargs)

@@ -357,8 +357,9 @@ def test_the_captured_graph_is_a_chain_off_and_forks_and_joins_on(name, switch, 
     pytest.importorskip("cuda.bindings", reason="CUDAGraph.debug_dump needs the cuda-bindings package")
     side_stream.set_enabled(switch)  # before the capture: a graph keeps the streams in force at its capture
     # The dense kernel runs both networks' output layers in one launch, with nothing to fork; the
-    # cuBLAS path forks the target's GEMMs.
-    dense_mode = dense_kernel.set_mode("off" if name == "online_and_target_logits" else dense_kernel.mode())
+    # cuBLAS path forks the target's GEMMs (with the switch off, either path is a chain).
+    cublas = name == "online_and_target_logits" and switch
+    dense_mode = dense_kernel.set_mode("off" if cublas else dense_kernel.mode())
     try:
         _check_the_captured_graph(name, switch, tmp_path)
     finally:

@@ -341,11 +341,12 @@ void launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
 //     (the online network's 2048 rows), slower at 2048 and 4096.
 //   - kInputGrad: at most kInputGradMaxMacs products a problem (rows x N x K, x batch). It saves
 //     the relu_backward pass after each GEMM; on larger GEMMs cuBLAS's faster one wins more than
-//     the pass costs. Measured with every kind on: faster where no layer's problem passes 2^26
-//     (the reference at B = 256 and 1024, the 3 x 512 trunk at 256), slower where some reach
-//     2^27 or 2^28 (the reference at 2048, the trunk at 1024).
+//     the pass costs. Measured with every kind on, by each step's largest such problem (the heads'
+//     merged first layer, the trunk's layers): faster at 2^25 to 2^27 (the reference at B = 256
+//     and 1024, the 3 x 512 trunk at 256), slower at 2^28 and more (the reference at 2048, the
+//     trunk at 1024 and 2048).
 constexpr int64_t kLogitsMaxRows = 2048;
-constexpr int64_t kInputGradMaxMacs = int64_t(1) << 26;
+constexpr int64_t kInputGradMaxMacs = int64_t(1) << 27;
 // rows x N x K x batch <= bound, without the product's overflow (floor divisions compose).
 bool macs_at_most(const DenseProblem& p, int64_t bound) {
   return p.N > 0 && p.K > 0 && p.batch > 0 && p.rows <= bound / p.N / p.K / p.batch;

@@ -16,9 +16,10 @@
 //     bias/ReLU
 //   + 1 for the output layer (without the kernel, a GEMM per head group: head_groups)
 //   + 1 (output bias + dueling aggregation)
-// = L + 3H + 1 for H >= 1 with two block groups a head layer: 6 for the reference config (L = 2, H = 1). A dense layer the kernel
-// does not take is a GEMM and a bias + ReLU pass (two launches); on fewer than 8 states the
-// first trunk layer is one launch of narrow_input_layer_kernel.
+// = L + 3H + 1 for H >= 1 with two block groups a head layer: 6 for the reference config (L = 2,
+// H = 1). A dense layer the kernel does not take is a GEMM and a bias + ReLU pass (two
+// launches); on fewer than 8 states the first trunk layer is one launch of
+// narrow_input_layer_kernel.
 // _online_and_target_logits, the trainer's fused path, stops before the last kernel, and runs
 // the online network on [s; s'] and the target network on s' together: with batch_networks,
 // each hidden layer of both networks is one launch of the dense layer kernel or of the
