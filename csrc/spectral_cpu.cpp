@@ -10,6 +10,7 @@
 
 #include "mirror_cpu.h"
 #include "spectral_args.h"
+#include "spectral_ema.h"
 
 namespace dqn_ops {
 
@@ -102,8 +103,20 @@ void batched_spectral_norm_cpu(Tensor& params, Tensor& params_bf16, Tensor& u, T
   }
 }
 
+void spectral_norm_ema_cpu(Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
+                           c10::IntArrayRef matrices, c10::ArrayRef<double> sigma_max, int64_t n_power_iterations,
+                           double eps, Tensor& target, Tensor& target_bf16, double tau) {
+  check_spectral_ema_args(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps, target,
+                          target_bf16, tau);
+  spectral_norm_then_ema(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps, target,
+                         target_bf16, tau);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dqn_ops, CPU, m) { m.impl("batched_spectral_norm", &batched_spectral_norm_cpu); }
+TORCH_LIBRARY_IMPL(dqn_ops, CPU, m) {
+  m.impl("batched_spectral_norm", &batched_spectral_norm_cpu);
+  m.impl("_spectral_norm_ema", &spectral_norm_ema_cpu);
+}
 
 }  // namespace dqn_ops

@@ -396,6 +396,11 @@ def batched_spectral_norm(params: Tensor, params_bf16: Tensor, u: Tensor, v: Ten
 @torch.library.register_fake("dqn_ops::batched_spectral_norm")
 def _(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations=1, eps=1e-12,
       one_launch_per_matrix=False):
+    _fake_spectral_norm(params, params_bf16, u, v, sigma, matrices, sigma_max)
+    return None
+
+
+def _fake_spectral_norm(params, params_bf16, u, v, sigma, matrices, sigma_max):
     op = "dqn_ops.batched_spectral_norm"
     _check(len(matrices) % 3 == 0 and len(matrices) > 0,
            f"{op}: matrices: expected (offset, rows, cols) per matrix, got {len(matrices)} entries")
@@ -408,6 +413,24 @@ def _(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations=
     _check(sigma.shape == (m,), f"{op}: sigma: expected shape [{m}], got {list(sigma.shape)}")
     _check(params_bf16.shape == params.shape,
            f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
+
+
+def _spectral_norm_ema(params: Tensor, params_bf16: Tensor, u: Tensor, v: Tensor, sigma: Tensor,
+                       matrices: Sequence[int], sigma_max: Sequence[float], n_power_iterations: int, eps: float,
+                       target: Tensor, target_bf16: Tensor, tau: float) -> None:
+    """Internal (the trainer's tail): ``batched_spectral_norm`` on ``params``, then
+    ``ema_update(target, target_bf16, params, tau)``; on CUDA one launch where every matrix takes
+    the cluster strategy. The same results as the two calls."""
+    _call("_spectral_norm_ema", params, params_bf16, u, v, sigma, list(matrices), [float(s) for s in sigma_max],
+          n_power_iterations, eps, target, target_bf16, tau)
+
+
+@torch.library.register_fake("dqn_ops::_spectral_norm_ema")
+def _(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps, target, target_bf16, tau):
+    _fake_spectral_norm(params, params_bf16, u, v, sigma, matrices, sigma_max)
+    for name, t in (("target", target), ("target_bf16", target_bf16)):
+        _check(t.shape == params.shape,
+               f"dqn_ops._spectral_norm_ema: {name}: expected shape {list(params.shape)}, got {list(t.shape)}")
     return None
 
 

@@ -32,7 +32,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import ops, side_stream
+from . import ops, side_stream, spectral
 from .graphed import CapturedStep, on_device
 from .layout import DQNConfig, check_betas, check_bool, check_choice, check_float, check_int, check_seed
 from .network import DuelingBranchQNet
@@ -407,9 +407,12 @@ class Trainer(NonFiniteSteps):
                 self.td_error.copy_(out.td_error)
                 found_inf = self.optimizer.found_inf
                 self.stats.record([out.loss, self.optimizer.grad_norm, out.mean_q, found_inf], found_inf)
-            if self.spectral is not None:
-                self.spectral()
-            ops.ema_update(self.target.flat_params, self.target.params_bf16, p, cfg.tau)
+            if self.spectral is not None and spectral.fused_ema():
+                self.spectral.clamp_then_ema(self.target, cfg.tau)
+            else:
+                if self.spectral is not None:
+                    self.spectral()
+                ops.ema_update(self.target.flat_params, self.target.params_bf16, p, cfg.tau)
         finally:
             tail.join()
 

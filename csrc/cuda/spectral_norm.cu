@@ -27,6 +27,9 @@
 //
 // Descriptors travel by value as the kernel's parameter (a CUDA graph records them), up to
 // kMaxMatricesPerLaunch per launch; more matrices take more launches.
+#include <algorithm>
+#include <vector>
+
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -38,9 +41,11 @@
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
+#include "optim_math.h"
 #include "pdl.cuh"
 #include "reductions.cuh"
 #include "spectral_args.h"
+#include "spectral_ema.h"
 
 namespace dqn_ops {
 namespace cuda {
@@ -60,8 +65,8 @@ constexpr int kColsPerLane = 4;
 constexpr int kChunkCols = 32 * kColsPerLane;
 // Phase B: rows a warp reduces together.
 constexpr int kRowsPerPass = 4;
-// Kernel parameters are limited to 4 KiB; 48 descriptors of 64 bytes leave room for the rest.
-constexpr int kMaxMatricesPerLaunch = 48;
+// Kernel parameters are limited to 4 KiB; 40 descriptors of 80 bytes leave room for the rest.
+constexpr int kMaxMatricesPerLaunch = 40;
 
 struct MatrixDesc {
   int64_t w_off, u_off, v_off;
@@ -72,12 +77,16 @@ struct MatrixDesc {
   int first_vblock;  // index of its first virtual block in this launch
   int index;         // position in sigma
   float sigma_max;
+  // _spectral_norm_ema's fused launch: the elements of params between the matrix before this one
+  // (in params' order) and this one, whose EMA this matrix's cluster runs.
+  int64_t gap_off, gap_len;
 };
 
 struct Batch {
   MatrixDesc m[kMaxMatricesPerLaunch];
   int count;
   int total_vblocks;
+  int64_t tail_off, tail_len;  // the fused launch: the elements after the last matrix (cluster 0's)
 };
 static_assert(sizeof(Batch) <= 3584, "kernel parameters must stay under 4 KiB");
 
@@ -283,10 +292,26 @@ int64_t cluster_smem_floats(int64_t rows, int64_t cols) {
   return slice_rows * cols + 2 * slice_rows + 2 * cols + kThreads + 1;
 }
 
+// ema_update's element: target = lerp(target, online, tau), and its mirror.
+__device__ __forceinline__ void ema_element(float* target, __nv_bfloat16* target_mirror, int64_t i, float online,
+                                            float tau) {
+  const float t = lerp_like_torch(target[i], online, tau);
+  target[i] = t;
+  target_mirror[i] = __float2bfloat16_rn(t);
+}
+
+// Block `part` of a cluster's share of the EMA of params' elements [off, off + len).
+__device__ __forceinline__ void ema_share(float* target, __nv_bfloat16* target_mirror, const float* params,
+                                          int64_t off, int64_t len, int part, float tau) {
+  const int64_t e0 = off + len * part / kCluster, e1 = off + len * (part + 1) / kCluster;
+  for (int64_t i = e0 + threadIdx.x; i < e1; i += kThreads) ema_element(target, target_mirror, i, params[i], tau);
+}
+
 __global__ void __launch_bounds__(kThreads)
     spectral_norm_cluster_kernel(const __grid_constant__ Batch b, float* __restrict__ params,
                                  __nv_bfloat16* __restrict__ mirror, float* __restrict__ u_all,
-                                 float* __restrict__ v_all, float* __restrict__ sigma, int iterations, float eps) {
+                                 float* __restrict__ v_all, float* __restrict__ sigma, int iterations, float eps,
+                                 float* __restrict__ target, __nv_bfloat16* __restrict__ target_mirror, float tau) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   pdl_enter();
   extern __shared__ float dyn[];
@@ -371,15 +396,25 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
   if (rank == 0 && tid == 0) sigma[d.index] = s;
-  if (s > d.sigma_max) {  // false for NaN: W is left alone and sigma reports the NaN
-    const float scale = d.sigma_max / s;
-    float* Wo = params + d.w_off + int64_t(r0) * cols;
-    __nv_bfloat16* Mo = mirror + d.w_off + int64_t(r0) * cols;
+  const bool clamped = s > d.sigma_max;  // false for NaN: W is left alone and sigma reports the NaN
+  const float scale = clamped ? d.sigma_max / s : 1.f;
+  const int64_t w0 = d.w_off + int64_t(r0) * cols;
+  if (clamped) {
     for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) {
       const float w = W[e] * scale;
-      Wo[e] = w;
-      Mo[e] = __float2bfloat16_rn(w);
+      params[w0 + e] = w;
+      mirror[w0 + e] = __float2bfloat16_rn(w);
     }
+  }
+  if (target != nullptr) {
+    // _spectral_norm_ema: the EMA of this block's rows from the values just written (or kept),
+    // the ones ema_update would read back from params; then the block's share of the elements
+    // before the matrix, and cluster 0's of those after the last one (no matrix: final since
+    // the optimizer's step).
+    for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads)
+      ema_element(target, target_mirror, w0 + e, clamped ? W[e] * scale : W[e], tau);
+    ema_share(target, target_mirror, params, d.gap_off, d.gap_len, rank, tau);
+    if (blockIdx.x < kCluster) ema_share(target, target_mirror, params, b.tail_off, b.tail_len, rank, tau);
   }
   cluster.sync();  // no block leaves while another may still read its shared memory
 #else
@@ -472,8 +507,11 @@ const ClusterSupport& cluster_support(int device) {
   return it->second;
 }
 
+// target / target_bf16: _spectral_norm_ema's EMA in the same launch (b's gap and tail fields
+// set), or undefined tensors for none.
 void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
-                     int iterations, float eps, cudaStream_t stream) {
+                     int iterations, float eps, cudaStream_t stream, const Tensor& target = Tensor(),
+                     const Tensor& target_bf16 = Tensor(), float tau = 0.f) {
   int64_t floats = 0;
   for (int i = 0; i < b.count; ++i) floats = std::max(floats, cluster_smem_floats(b.m[i].rows, b.m[i].cols));
   // Within what cluster_support opted in to: the caller sends only matrices that fit.
@@ -481,8 +519,10 @@ void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, T
   cudaLaunchConfig_t config = cluster_config(b.count, static_cast<size_t>(floats) * sizeof(float), stream, attr);
   float* p = params.data_ptr<float>();
   auto* mirror = static_cast<__nv_bfloat16*>(params_bf16.data_ptr());
+  float* t = target.defined() ? target.data_ptr<float>() : nullptr;
+  auto* t_mirror = target.defined() ? static_cast<__nv_bfloat16*>(target_bf16.data_ptr()) : nullptr;
   launch_ex(config, spectral_norm_cluster_kernel, b, p, mirror, u.data_ptr<float>(), v.data_ptr<float>(),
-            sigma.data_ptr<float>(), iterations, eps);
+            sigma.data_ptr<float>(), iterations, eps, t, t_mirror, tau);
 }
 
 // The cooperative strategy: one cooperative launch, its grid capped at the blocks of
@@ -503,22 +543,17 @@ void launch_cooperative(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
-                                c10::IntArrayRef matrices, c10::ArrayRef<double> sigma_max,
-                                int64_t n_power_iterations, double eps, bool one_launch_per_matrix) {
-  const auto mats = check_spectral_args(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps);
+// The kernels' descriptors of the checked matrices, in their order; partial_len / norm_len: the
+// scratch the cooperative strategy needs for them.
+std::vector<MatrixDesc> describe(const std::vector<SpectralMatrix>& mats, int64_t n_power_iterations,
+                                 int64_t* partial_len, int64_t* norm_len) {
   for (size_t m = 0; m < mats.size(); ++m)
     DQN_CHECK(mats[m].rows <= INT_MAX && mats[m].cols <= INT_MAX, kSpectralOp, ": matrices: matrix ", m,
               " has more than 2^31 - 1 rows or columns");
   DQN_CHECK(n_power_iterations <= INT_MAX, kSpectralOp, ": n_power_iterations too large");
-  // Kernels must run on the tensors' device, whichever device is current.
-  const c10::cuda::CUDAGuard guard(params.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-
-  // Scratch from torch's caching allocator: the [K, cols] partials of every matrix, then the
-  // K partial squared norms of v~ and of u~.
   std::vector<MatrixDesc> descs;
-  int64_t partial_len = 0, norm_len = 0;
+  *partial_len = 0;
+  *norm_len = 0;
   for (size_t m = 0; m < mats.size(); ++m) {
     const SpectralMatrix& s = mats[m];
     MatrixDesc d{};
@@ -528,14 +563,35 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
     d.rows = static_cast<int>(s.rows);
     d.cols = static_cast<int>(s.cols);
     d.vblocks = virtual_blocks(s.rows, s.cols);
-    d.partial_off = partial_len;
-    d.norm_off = norm_len;
+    d.partial_off = *partial_len;
+    d.norm_off = *norm_len;
     d.index = static_cast<int>(m);
     d.sigma_max = s.sigma_max;
-    partial_len += int64_t(d.vblocks) * s.cols;
-    norm_len += d.vblocks;
+    *partial_len += int64_t(d.vblocks) * s.cols;
+    *norm_len += d.vblocks;
     descs.push_back(d);
   }
+  return descs;
+}
+
+// Whether a matrix takes the cluster strategy: a cached lookup of the device and the setting.
+bool takes_clusters(const MatrixDesc& d, const ClusterSupport& cs) {
+  return cs.usable && spectral_strategy() == SpectralStrategy::kAuto &&
+         cluster_smem_floats(d.rows, d.cols) <= cs.smem_floats;
+}
+
+void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
+                                c10::IntArrayRef matrices, c10::ArrayRef<double> sigma_max,
+                                int64_t n_power_iterations, double eps, bool one_launch_per_matrix) {
+  const auto mats = check_spectral_args(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps);
+  int64_t partial_len = 0, norm_len = 0;
+  const std::vector<MatrixDesc> descs = describe(mats, n_power_iterations, &partial_len, &norm_len);
+  // Kernels must run on the tensors' device, whichever device is current.
+  const c10::cuda::CUDAGuard guard(params.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  // Scratch from torch's caching allocator: the [K, cols] partials of every matrix, then the
+  // K partial squared norms of v~ and of u~.
   Tensor scratch = at::empty({partial_len + 2 * norm_len}, params.options());
   float* partial = scratch.data_ptr<float>();
   float* sq_v = partial + partial_len;
@@ -544,10 +600,8 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
   // The choice depends on the strategy setting, the device (and the binary on it) and the
   // matrix's shape alone: a cached lookup per call.
   const ClusterSupport& cs = cluster_support(params.device().index());
-  const bool clusters = cs.usable && spectral_strategy() == SpectralStrategy::kAuto;
   std::vector<MatrixDesc> small, large;
-  for (const MatrixDesc& d : descs)
-    (clusters && cluster_smem_floats(d.rows, d.cols) <= cs.smem_floats ? small : large).push_back(d);
+  for (const MatrixDesc& d : descs) (takes_clusters(d, cs) ? small : large).push_back(d);
   const size_t per_launch = one_launch_per_matrix ? 1 : kMaxMatricesPerLaunch;
   for (const bool cluster : {true, false}) {
     const std::vector<MatrixDesc>& group = cluster ? small : large;
@@ -570,9 +624,58 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
   }
 }
 
+// _spectral_norm_ema in one launch of the cluster kernel where every matrix takes the cluster
+// strategy and they fit one launch. Each element's EMA runs once: a matrix's cluster takes its
+// rows and the elements between the matrix before it in params and it, cluster 0 those after the
+// last (check_spectral_args refuses overlapping matrices). Anything else runs the two ops; both
+// ways give the same bits, as the EMA reads the same clamped floats and applies ema_update's
+// formula to them.
+void spectral_norm_ema_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
+                            c10::IntArrayRef matrices, c10::ArrayRef<double> sigma_max, int64_t n_power_iterations,
+                            double eps, Tensor& target, Tensor& target_bf16, double tau) {
+  const auto mats = check_spectral_ema_args(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations,
+                                            eps, target, target_bf16, tau);
+  int64_t partial_len = 0, norm_len = 0;
+  std::vector<MatrixDesc> descs = describe(mats, n_power_iterations, &partial_len, &norm_len);
+  const c10::cuda::CUDAGuard guard(params.device());
+  const ClusterSupport& cs = cluster_support(params.device().index());
+  bool fused = descs.size() <= size_t(kMaxMatricesPerLaunch);
+  for (const MatrixDesc& d : descs) fused = fused && takes_clusters(d, cs);
+  std::vector<size_t> order(descs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return descs[a].w_off < descs[b].w_off; });
+  int64_t end = 0;  // of the matrices so far, in params' order
+  for (size_t i : order) {
+    MatrixDesc& d = descs[i];
+    TORCH_INTERNAL_ASSERT(d.w_off >= end, kSpectralEmaOp, ": overlapping matrices passed the checks");
+    d.gap_off = end;
+    d.gap_len = d.w_off - end;
+    end = d.w_off + int64_t(d.rows) * d.cols;
+  }
+  if (!fused) {
+    spectral_norm_then_ema(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps, target,
+                           target_bf16, tau);
+    return;
+  }
+  Batch b{};
+  b.count = static_cast<int>(descs.size());
+  for (int i = 0; i < b.count; ++i) {
+    b.m[i] = descs[i];
+    b.m[i].first_vblock = b.total_vblocks;
+    b.total_vblocks += b.m[i].vblocks;
+  }
+  b.tail_off = end;
+  b.tail_len = params.numel() - end;
+  launch_clusters(b, params, params_bf16, u, v, sigma, static_cast<int>(n_power_iterations), static_cast<float>(eps),
+                  at::cuda::getCurrentCUDAStream(), target, target_bf16, static_cast<float>(tau));
+}
+
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) { m.impl("batched_spectral_norm", &cuda::batched_spectral_norm_cuda); }
+TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {
+  m.impl("batched_spectral_norm", &cuda::batched_spectral_norm_cuda);
+  m.impl("_spectral_norm_ema", &cuda::spectral_norm_ema_cuda);
+}
 
 }  // namespace dqn_ops
