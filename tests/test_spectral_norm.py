@@ -54,7 +54,7 @@ def test_matches_float64_power_iteration(device, iterations):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_batched_equals_one_launch_per_matrix_bitwise(device):
-    # 50 matrices: more than one launch's worth of descriptors on CUDA (40), large and tiny ones
+    # 50 matrices: more than one launch's worth of descriptors on CUDA (48), large and tiny ones
     shapes = SHAPES + [(17 + i, 9 + 3 * i) for i in range(44)]
     a = _buffers(shapes, device, scale=0.5)
     b = [t.clone() for t in a[:5]] + [a[5]]

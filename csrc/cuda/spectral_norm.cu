@@ -65,8 +65,8 @@ constexpr int kColsPerLane = 4;
 constexpr int kChunkCols = 32 * kColsPerLane;
 // Phase B: rows a warp reduces together.
 constexpr int kRowsPerPass = 4;
-// Kernel parameters are limited to 4 KiB; 40 descriptors of 80 bytes leave room for the rest.
-constexpr int kMaxMatricesPerLaunch = 40;
+// Kernel parameters are limited to 4 KiB; 48 descriptors of 72 bytes leave room for the rest.
+constexpr int kMaxMatricesPerLaunch = 48;
 
 struct MatrixDesc {
   int64_t w_off, u_off, v_off;
@@ -77,9 +77,9 @@ struct MatrixDesc {
   int first_vblock;  // index of its first virtual block in this launch
   int index;         // position in sigma
   float sigma_max;
-  // _spectral_norm_ema's fused launch: the elements of params between the matrix before this one
-  // (in params' order) and this one, whose EMA this matrix's cluster runs.
-  int64_t gap_off, gap_len;
+  // _spectral_norm_ema's fused launch: the gap_len elements of params before this matrix (after
+  // the matrix before it in params' order), whose EMA this matrix's cluster runs.
+  int64_t gap_len;
 };
 
 struct Batch {
@@ -277,6 +277,8 @@ __global__ void __launch_bounds__(kThreads)
 //   A  partial_k = W_k^T u_k;  barrier;  every block: v~ = sum_k partial_k (k order), |v~|^2
 //   B  u~_k = W_k v~ / |v~|, partial |u~_k|^2;  barrier;  every block: |u~| (k order)
 //   C  u = u~ / |u~|; rank 0 writes v = v~ / |v~| and sigma; W_k rescaled where sigma > sigma_max.
+//   (_spectral_norm_ema) the EMA of the target toward W_k as it now is, and of the block's share
+//   of the elements before the matrix (cluster 0: also after the last matrix).
 // A matrix's result depends on its shape and values alone (its own cluster): batched and
 // one-launch-per-matrix still agree bit for bit. Larger matrices, and devices and binaries
 // cluster_support turns down, take the cooperative kernel above.
@@ -399,21 +401,22 @@ __global__ void __launch_bounds__(kThreads)
   const bool clamped = s > d.sigma_max;  // false for NaN: W is left alone and sigma reports the NaN
   const float scale = clamped ? d.sigma_max / s : 1.f;
   const int64_t w0 = d.w_off + int64_t(r0) * cols;
-  if (clamped) {
+  if (clamped || target != nullptr) {
     for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) {
-      const float w = W[e] * scale;
-      params[w0 + e] = w;
-      mirror[w0 + e] = __float2bfloat16_rn(w);
+      // The product rounded (never fused into the EMA's arithmetic): the float params holds,
+      // which ema_update would read back.
+      const float w = clamped ? __fmul_rn(W[e], scale) : W[e];
+      if (clamped) {
+        params[w0 + e] = w;
+        mirror[w0 + e] = __float2bfloat16_rn(w);
+      }
+      if (target != nullptr) ema_element(target, target_mirror, w0 + e, w, tau);
     }
   }
   if (target != nullptr) {
-    // _spectral_norm_ema: the EMA of this block's rows from the values just written (or kept),
-    // the ones ema_update would read back from params; then the block's share of the elements
-    // before the matrix, and cluster 0's of those after the last one (no matrix: final since
-    // the optimizer's step).
-    for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads)
-      ema_element(target, target_mirror, w0 + e, clamped ? W[e] * scale : W[e], tau);
-    ema_share(target, target_mirror, params, d.gap_off, d.gap_len, rank, tau);
+    // _spectral_norm_ema: the block's share of the elements before the matrix, and cluster 0's
+    // of those after the last one (no matrix's: final since the optimizer's step).
+    ema_share(target, target_mirror, params, d.w_off - d.gap_len, d.gap_len, rank, tau);
     if (blockIdx.x < kCluster) ema_share(target, target_mirror, params, b.tail_off, b.tail_len, rank, tau);
   }
   cluster.sync();  // no block leaves while another may still read its shared memory
@@ -648,7 +651,6 @@ void spectral_norm_ema_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tens
   for (size_t i : order) {
     MatrixDesc& d = descs[i];
     TORCH_INTERNAL_ASSERT(d.w_off >= end, kSpectralEmaOp, ": overlapping matrices passed the checks");
-    d.gap_off = end;
     d.gap_len = d.w_off - end;
     end = d.w_off + int64_t(d.rows) * d.cols;
   }
