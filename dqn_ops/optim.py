@@ -11,10 +11,15 @@ from .layout import check_betas, check_float
 from .ops import ema_update, fused_adam_bf16
 
 
+def check_same_network(owner: str, target, online) -> None:
+    """A target network's EMA needs the online network's config: the same flat layout."""
+    if target.config != online.config:
+        raise ValueError(f"{owner}: target and online networks differ: {target.config} vs {online.config}")
+
+
 def ema_update_(target, online, tau: float) -> None:
     """Polyak update of a target DuelingBranchQNet from an online one (flat buffers + mirror)."""
-    if target.config != online.config:
-        raise ValueError(f"ema_update_: target and online networks differ: {target.config} vs {online.config}")
+    check_same_network("ema_update_", target, online)
     ema_update(target.flat_params.data, target.params_bf16, online.flat_params.data, tau)
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .ops import _spectral_norm_ema, batched_spectral_norm
+from .optim import check_same_network
 
 _fused_ema: Optional[bool] = None  # the process's setting, from the environment at its first use
 
@@ -119,9 +120,7 @@ class SpectralNorm(nn.Module):
         as one op (on CUDA one launch where every matrix takes the cluster strategy); the same
         results as the two calls. Returns ``self.sigma`` (no host sync)."""
         net = self._checked_net()
-        if target.config != net.config:
-            raise ValueError(f"SpectralNorm.clamp_then_ema: target and online networks differ: {target.config} vs "
-                             f"{net.config}")
+        check_same_network("SpectralNorm.clamp_then_ema", target, net)
         _spectral_norm_ema(net.flat_params.data, net.params_bf16, self.u, self.v, self.sigma, self.matrices,
                            self.sigma_max, self.n_power_iterations, self.eps, target.flat_params.data,
                            target.params_bf16, tau)

@@ -577,6 +577,21 @@ std::vector<MatrixDesc> describe(const std::vector<SpectralMatrix>& mats, int64_
   return descs;
 }
 
+// One launch's descriptors: `count` (at most kMaxMatricesPerLaunch) from `first`, their virtual
+// blocks numbered in order.
+Batch batch_of(const MatrixDesc* first, size_t count) {
+  TORCH_INTERNAL_ASSERT(count <= size_t(kMaxMatricesPerLaunch), kSpectralOp, ": ", count, " matrices for one launch");
+  Batch b{};
+  b.count = static_cast<int>(count);
+  for (int i = 0; i < b.count; ++i) {
+    b.m[i] = first[i];
+    b.m[i].first_vblock = b.total_vblocks;
+    DQN_CHECK(int64_t(b.total_vblocks) + b.m[i].vblocks <= INT_MAX, kSpectralOp, ": too many blocks");
+    b.total_vblocks += b.m[i].vblocks;
+  }
+  return b;
+}
+
 // Whether a matrix takes the cluster strategy: a cached lookup of the device and the setting.
 bool takes_clusters(const MatrixDesc& d, const ClusterSupport& cs) {
   return cs.usable && spectral_strategy() == SpectralStrategy::kAuto &&
@@ -609,14 +624,7 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
   for (const bool cluster : {true, false}) {
     const std::vector<MatrixDesc>& group = cluster ? small : large;
     for (size_t first = 0; first < group.size(); first += per_launch) {
-      Batch b{};  // the next per_launch matrices, their virtual blocks numbered in order
-      b.count = static_cast<int>(std::min(per_launch, group.size() - first));
-      for (int i = 0; i < b.count; ++i) {
-        b.m[i] = group[first + i];
-        b.m[i].first_vblock = b.total_vblocks;
-        DQN_CHECK(int64_t(b.total_vblocks) + b.m[i].vblocks <= INT_MAX, kSpectralOp, ": too many blocks");
-        b.total_vblocks += b.m[i].vblocks;
-      }
+      Batch b = batch_of(&group[first], std::min(per_launch, group.size() - first));
       if (cluster)
         launch_clusters(b, params, params_bf16, u, v, sigma, static_cast<int>(n_power_iterations),
                         static_cast<float>(eps), stream);
@@ -644,6 +652,11 @@ void spectral_norm_ema_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tens
   const ClusterSupport& cs = cluster_support(params.device().index());
   bool fused = descs.size() <= size_t(kMaxMatricesPerLaunch);
   for (const MatrixDesc& d : descs) fused = fused && takes_clusters(d, cs);
+  if (!fused) {
+    spectral_norm_then_ema(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps, target,
+                           target_bf16, tau);
+    return;
+  }
   std::vector<size_t> order(descs.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return descs[a].w_off < descs[b].w_off; });
@@ -654,18 +667,7 @@ void spectral_norm_ema_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tens
     d.gap_len = d.w_off - end;
     end = d.w_off + int64_t(d.rows) * d.cols;
   }
-  if (!fused) {
-    spectral_norm_then_ema(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps, target,
-                           target_bf16, tau);
-    return;
-  }
-  Batch b{};
-  b.count = static_cast<int>(descs.size());
-  for (int i = 0; i < b.count; ++i) {
-    b.m[i] = descs[i];
-    b.m[i].first_vblock = b.total_vblocks;
-    b.total_vblocks += b.m[i].vblocks;
-  }
+  Batch b = batch_of(descs.data(), descs.size());
   b.tail_off = end;
   b.tail_len = params.numel() - end;
   launch_clusters(b, params, params_bf16, u, v, sigma, static_cast<int>(n_power_iterations), static_cast<float>(eps),
