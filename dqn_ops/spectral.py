@@ -9,45 +9,17 @@ sync only when you ask), and W <- W * min(1, sigma_max / sigma) in place, BF16 m
 ``spectral_norm_(net, ...)`` is the one-line form: it keeps a ``SpectralNorm`` on the network
 (created on first use) and calls it.
 
-``SpectralNorm.clamp_then_ema(target, tau)`` is the call followed by the target network's EMA
-toward the clamped weights, in one op; ``Trainer`` uses it where ``fused_ema()`` is on (the
-environment variable ``DQN_OPS_SPECTRAL_EMA=fused``, read at the first use, or
-``set_fused_ema(True)``; off by default until it is timed on a GPU, ``bench/NOTES.md``). Both
-ways give the same results.
+``FusedAdamBF16.step_clamp_ema(spectral, target, tau)`` (``dqn_ops.optim``) runs the optimizer's
+step, this clamp and the target's EMA as one op.
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
-from .ops import _spectral_norm_ema, batched_spectral_norm
-from .optim import check_same_network
-
-_fused_ema: Optional[bool] = None  # the process's setting, from the environment at its first use
-
-
-def fused_ema() -> bool:
-    """Whether ``Trainer`` runs spectral norm and the target's EMA as one op
-    (``SpectralNorm.clamp_then_ema``) instead of two."""
-    global _fused_ema
-    if _fused_ema is None:
-        value = os.environ.get("DQN_OPS_SPECTRAL_EMA", "separate")
-        if value not in ("fused", "separate"):
-            raise ValueError(f"DQN_OPS_SPECTRAL_EMA: expected 'fused' or 'separate', got {value!r}")
-        _fused_ema = value == "fused"
-    return _fused_ema
-
-
-def set_fused_ema(on: bool) -> bool:
-    """Sets ``fused_ema()`` for the process (before a trainer's capture: a graph keeps the ops it
-    was captured with); returns the previous setting."""
-    global _fused_ema
-    previous = fused_ema()
-    _fused_ema = bool(on)
-    return previous
+from .ops import batched_spectral_norm
 
 
 class SpectralNorm(nn.Module):
@@ -112,18 +84,6 @@ class SpectralNorm(nn.Module):
         net = self._checked_net()
         batched_spectral_norm(net.flat_params.data, net.params_bf16, self.u, self.v, self.sigma, self.matrices,
                               self.sigma_max, self.n_power_iterations, self.eps, one_launch_per_matrix)
-        return self.sigma
-
-    @torch.no_grad()
-    def clamp_then_ema(self, target, tau: float) -> Tensor:
-        """This module's call, then ``ema_update_(target, net, tau)`` toward the clamped weights,
-        as one op (on CUDA one launch where every matrix takes the cluster strategy); the same
-        results as the two calls. Returns ``self.sigma`` (no host sync)."""
-        net = self._checked_net()
-        check_same_network("SpectralNorm.clamp_then_ema", target, net)
-        _spectral_norm_ema(net.flat_params.data, net.params_bf16, self.u, self.v, self.sigma, self.matrices,
-                           self.sigma_max, self.n_power_iterations, self.eps, target.flat_params.data,
-                           target.params_bf16, tau)
         return self.sigma
 
     def _checked_net(self):

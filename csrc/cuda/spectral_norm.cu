@@ -41,11 +41,12 @@
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
+#include "adam.cuh"
 #include "optim_math.h"
+#include "optimizer_tail.h"
 #include "pdl.cuh"
 #include "reductions.cuh"
 #include "spectral_args.h"
-#include "spectral_ema.h"
 
 namespace dqn_ops {
 namespace cuda {
@@ -77,8 +78,8 @@ struct MatrixDesc {
   int first_vblock;  // index of its first virtual block in this launch
   int index;         // position in sigma
   float sigma_max;
-  // _spectral_norm_ema's fused launch: the gap_len elements of params before this matrix (after
-  // the matrix before it in params' order), whose EMA this matrix's cluster runs.
+  // _adam_spectral_norm_ema's fused launch: the gap_len elements of params before this matrix
+  // (after the matrix before it in params' order), whose Adam and EMA this matrix's cluster runs.
   int64_t gap_len;
 };
 
@@ -277,8 +278,11 @@ __global__ void __launch_bounds__(kThreads)
 //   A  partial_k = W_k^T u_k;  barrier;  every block: v~ = sum_k partial_k (k order), |v~|^2
 //   B  u~_k = W_k v~ / |v~|, partial |u~_k|^2;  barrier;  every block: |u~| (k order)
 //   C  u = u~ / |u~|; rank 0 writes v = v~ / |v~| and sigma; W_k rescaled where sigma > sigma_max.
-//   (_spectral_norm_ema) the EMA of the target toward W_k as it now is, and of the block's share
-//   of the elements before the matrix (cluster 0: also after the last matrix).
+// _adam_spectral_norm_ema (the trainer's optimizer tail) runs in the same launch: each block
+// first folds the gradient norm's partials and runs Adam on its rows, W_k taking the updated
+// values on their way to shared memory, and on its share of the elements before the matrix in
+// params (cluster 0: also after the last matrix); after C, the EMA of the target toward W_k as it
+// now is and toward that share.
 // A matrix's result depends on its shape and values alone (its own cluster): batched and
 // one-launch-per-matrix still agree bit for bit. Larger matrices, and devices and binaries
 // cluster_support turns down, take the cooperative kernel above.
@@ -302,21 +306,41 @@ __device__ __forceinline__ void ema_element(float* target, __nv_bfloat16* target
   target_mirror[i] = __float2bfloat16_rn(t);
 }
 
-// Block `part` of a cluster's share of the EMA of params' elements [off, off + len).
+// Block `part` of a cluster's share of params' elements [off, off + len): [*e0, *e1).
+__device__ __forceinline__ void share_of(int64_t off, int64_t len, int part, int64_t* e0, int64_t* e1) {
+  *e0 = off + len * part / kCluster;
+  *e1 = off + len * (part + 1) / kCluster;
+}
+
+// The EMA of the block's share of params' elements [off, off + len).
 __device__ __forceinline__ void ema_share(float* target, __nv_bfloat16* target_mirror, const float* params,
                                           int64_t off, int64_t len, int part, float tau) {
-  const int64_t e0 = off + len * part / kCluster, e1 = off + len * (part + 1) / kCluster;
+  int64_t e0, e1;
+  share_of(off, len, part, &e0, &e1);
   for (int64_t i = e0 + threadIdx.x; i < e1; i += kThreads) ema_element(target, target_mirror, i, params[i], tau);
+}
+
+// Groups of 4 elements in flight per thread in the fused Adam (adam_range): a block of the
+// cluster kernel updates a slice of thousands of elements.
+constexpr int kAdamUnroll = 4;
+
+// Adam on the block's share of params' elements [off, off + len).
+__device__ __forceinline__ void adam_share(const AdamArgs& a, const AdamStep& st, int64_t off, int64_t len, int part) {
+  int64_t e0, e1;
+  share_of(off, len, part, &e0, &e1);
+  adam_range<kAdamUnroll>(a, st, e0, e1, threadIdx.x, kThreads, nullptr);
 }
 
 __global__ void __launch_bounds__(kThreads)
     spectral_norm_cluster_kernel(const __grid_constant__ Batch b, float* __restrict__ params,
                                  __nv_bfloat16* __restrict__ mirror, float* __restrict__ u_all,
                                  float* __restrict__ v_all, float* __restrict__ sigma, int iterations, float eps,
-                                 float* __restrict__ target, __nv_bfloat16* __restrict__ target_mirror, float tau) {
+                                 const AdamArgs adam, float* __restrict__ target,
+                                 __nv_bfloat16* __restrict__ target_mirror, float tau) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   pdl_enter();
   extern __shared__ float dyn[];
+  __shared__ double fold[kThreads];  // the gradient norm's fold (adam.p set)
   namespace cgx = cooperative_groups;
   cgx::cluster_group cluster = cgx::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
@@ -334,8 +358,21 @@ __global__ void __launch_bounds__(kThreads)
   float* scratch = vv + cols;                  // [kThreads]
   float* sq_part = scratch + kThreads;         // [1]: this block's |u~|^2 (read by the cluster)
 
-  const float* Wg = params + d.w_off + int64_t(r0) * cols;
-  for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) W[e] = Wg[e];
+  const int64_t w0 = d.w_off + int64_t(r0) * cols;
+  // Adam writes params and its mirror through the pointers this kernel holds (the same buffers:
+  // accesses based on the __restrict__ parameters).
+  AdamArgs a = adam;
+  a.p = params;
+  a.mirror = mirror;
+  AdamStep st;
+  const bool adam_runs = adam.p != nullptr && adam_begin<kThreads>(a, fold, &st, blockIdx.x == 0);
+  if (adam_runs) {
+    adam_range<kAdamUnroll>(a, st, w0, w0 + int64_t(nr) * cols, tid, kThreads, W);
+    adam_share(a, st, d.w_off - d.gap_len, d.gap_len, rank);
+    if (blockIdx.x < kCluster) adam_share(a, st, b.tail_off, b.tail_len, rank);
+  } else {
+    for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) W[e] = params[w0 + e];
+  }
   for (int r = tid; r < nr; r += kThreads) us[r] = u_all[d.u_off + r0 + r];
   __syncthreads();
 
@@ -400,7 +437,6 @@ __global__ void __launch_bounds__(kThreads)
   if (rank == 0 && tid == 0) sigma[d.index] = s;
   const bool clamped = s > d.sigma_max;  // false for NaN: W is left alone and sigma reports the NaN
   const float scale = clamped ? d.sigma_max / s : 1.f;
-  const int64_t w0 = d.w_off + int64_t(r0) * cols;
   if (clamped || target != nullptr) {
     for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) {
       // The product rounded (never fused into the EMA's arithmetic): the float params holds,
@@ -414,8 +450,8 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (target != nullptr) {
-    // _spectral_norm_ema: the block's share of the elements before the matrix, and cluster 0's
-    // of those after the last one (no matrix's: final since the optimizer's step).
+    // The block's share of the elements before the matrix, and cluster 0's of those after the
+    // last one (no matrix's: final since Adam, which this block ran on them above when fused).
     ema_share(target, target_mirror, params, d.w_off - d.gap_len, d.gap_len, rank, tau);
     if (blockIdx.x < kCluster) ema_share(target, target_mirror, params, b.tail_off, b.tail_len, rank, tau);
   }
@@ -510,11 +546,11 @@ const ClusterSupport& cluster_support(int device) {
   return it->second;
 }
 
-// target / target_bf16: _spectral_norm_ema's EMA in the same launch (b's gap and tail fields
-// set), or undefined tensors for none.
+// adam, target / target_bf16: _adam_spectral_norm_ema's Adam and EMA in the same launch (b's
+// gap and tail fields set), or a null adam.p and undefined tensors for none.
 void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
-                     int iterations, float eps, cudaStream_t stream, const Tensor& target = Tensor(),
-                     const Tensor& target_bf16 = Tensor(), float tau = 0.f) {
+                     int iterations, float eps, cudaStream_t stream, const AdamArgs& adam = AdamArgs{},
+                     const Tensor& target = Tensor(), const Tensor& target_bf16 = Tensor(), float tau = 0.f) {
   int64_t floats = 0;
   for (int i = 0; i < b.count; ++i) floats = std::max(floats, cluster_smem_floats(b.m[i].rows, b.m[i].cols));
   // Within what cluster_support opted in to: the caller sends only matrices that fit.
@@ -525,7 +561,7 @@ void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, T
   float* t = target.defined() ? target.data_ptr<float>() : nullptr;
   auto* t_mirror = target.defined() ? static_cast<__nv_bfloat16*>(target_bf16.data_ptr()) : nullptr;
   launch_ex(config, spectral_norm_cluster_kernel, b, p, mirror, u.data_ptr<float>(), v.data_ptr<float>(),
-            sigma.data_ptr<float>(), iterations, eps, t, t_mirror, tau);
+            sigma.data_ptr<float>(), iterations, eps, adam, t, t_mirror, tau);
 }
 
 // The cooperative strategy: one cooperative launch, its grid capped at the blocks of
@@ -635,17 +671,24 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
   }
 }
 
-// _spectral_norm_ema in one launch of the cluster kernel where every matrix takes the cluster
-// strategy and they fit one launch. Each element's EMA runs once: a matrix's cluster takes its
-// rows and the elements between the matrix before it in params and it, cluster 0 those after the
-// last (check_spectral_args refuses overlapping matrices). Anything else runs the two ops; both
-// ways give the same bits, as the EMA reads the same clamped floats and applies ema_update's
-// formula to them.
-void spectral_norm_ema_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
-                            c10::IntArrayRef matrices, c10::ArrayRef<double> sigma_max, int64_t n_power_iterations,
-                            double eps, Tensor& target, Tensor& target_bf16, double tau) {
-  const auto mats = check_spectral_ema_args(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations,
-                                            eps, target, target_bf16, tau);
+// _adam_spectral_norm_ema in the norm partials' launch and one launch of the cluster kernel,
+// where every matrix takes the cluster strategy and they fit one launch. Each element's Adam
+// and EMA run once: a matrix's cluster takes its rows and the elements between the matrix before
+// it in params and it, cluster 0 those after the last (check_spectral_args refuses overlapping
+// matrices). Anything else runs the three ops; both ways give the same bits, as each element's
+// Adam reads the same norm, the power iteration the same updated W, and the EMA the same clamped
+// floats, through the formulas those ops use.
+void adam_spectral_norm_ema_cuda(Tensor& params, const Tensor& grads, Tensor& exp_avg, Tensor& exp_avg_sq,
+                                 Tensor& params_bf16, Tensor& step, const Tensor& lr, double beta1, double beta2,
+                                 double adam_eps, double weight_decay, bool decoupled_weight_decay,
+                                 c10::optional<double> max_grad_norm, Tensor& grad_norm, Tensor& found_inf, Tensor& u,
+                                 Tensor& v, Tensor& sigma, c10::IntArrayRef matrices, c10::ArrayRef<double> sigma_max,
+                                 int64_t n_power_iterations, double spectral_eps, Tensor& target, Tensor& target_bf16,
+                                 double tau) {
+  const auto mats = check_optimizer_tail_args(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2,
+                                              adam_eps, weight_decay, max_grad_norm, grad_norm, found_inf, u, v, sigma,
+                                              matrices, sigma_max, n_power_iterations, spectral_eps, target,
+                                              target_bf16, tau);
   int64_t partial_len = 0, norm_len = 0;
   std::vector<MatrixDesc> descs = describe(mats, n_power_iterations, &partial_len, &norm_len);
   const c10::cuda::CUDAGuard guard(params.device());
@@ -653,8 +696,10 @@ void spectral_norm_ema_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tens
   bool fused = descs.size() <= size_t(kMaxMatricesPerLaunch);
   for (const MatrixDesc& d : descs) fused = fused && takes_clusters(d, cs);
   if (!fused) {
-    spectral_norm_then_ema(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps, target,
-                           target_bf16, tau);
+    adam_then_spectral_norm_then_ema(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2,
+                                     adam_eps, weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm,
+                                     found_inf, u, v, sigma, matrices, sigma_max, n_power_iterations, spectral_eps,
+                                     target, target_bf16, tau);
     return;
   }
   std::vector<size_t> order(descs.size());
@@ -663,15 +708,20 @@ void spectral_norm_ema_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tens
   int64_t end = 0;  // of the matrices so far, in params' order
   for (size_t i : order) {
     MatrixDesc& d = descs[i];
-    TORCH_INTERNAL_ASSERT(d.w_off >= end, kSpectralEmaOp, ": overlapping matrices passed the checks");
+    TORCH_INTERNAL_ASSERT(d.w_off >= end, kOptimizerTailOp, ": overlapping matrices passed the checks");
     d.gap_len = d.w_off - end;
     end = d.w_off + int64_t(d.rows) * d.cols;
   }
   Batch b = batch_of(descs.data(), descs.size());
   b.tail_off = end;
   b.tail_len = params.numel() - end;
-  launch_clusters(b, params, params_bf16, u, v, sigma, static_cast<int>(n_power_iterations), static_cast<float>(eps),
-                  at::cuda::getCurrentCUDAStream(), target, target_bf16, static_cast<float>(tau));
+  Tensor norm_scratch;  // referenced until the cluster launch is enqueued
+  const AdamArgs adam = launch_adam_norm(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2,
+                                         adam_eps, weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm,
+                                         found_inf, &norm_scratch);
+  launch_clusters(b, params, params_bf16, u, v, sigma, static_cast<int>(n_power_iterations),
+                  static_cast<float>(spectral_eps), at::cuda::getCurrentCUDAStream(), adam, target, target_bf16,
+                  static_cast<float>(tau));
 }
 
 }  // namespace
@@ -679,7 +729,7 @@ void spectral_norm_ema_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tens
 
 TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {
   m.impl("batched_spectral_norm", &cuda::batched_spectral_norm_cuda);
-  m.impl("_spectral_norm_ema", &cuda::spectral_norm_ema_cuda);
+  m.impl("_adam_spectral_norm_ema", &cuda::adam_spectral_norm_ema_cuda);
 }
 
 }  // namespace dqn_ops
