@@ -13,9 +13,48 @@
 
 namespace dqn_ops {
 
+// Device code rounds each multiply and add on its own or in an explicit FMA (the _rn
+// intrinsics, which ptxas never contracts): a plain a * b + c becomes an FMA in one kernel and
+// not in another, as the code around it differs, and every kernel that inlines these formulas
+// (fused_adam_bf16's and ema_update's own, the optimizer tail's cluster kernel) must compute the
+// same bits. Host code runs the same sequence with separate roundings (built without contraction).
+DQN_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+DQN_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+DQN_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+// a * b + c: one rounding on the device, two on the host.
+DQN_HD float fma_dev(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // torch.lerp's formula (the one torch.optim.Adam's exp_avg.lerp_ and torch._foreach_lerp_ use).
 DQN_HD float lerp_like_torch(float start, float end, float weight) {
-  return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.f - weight);
+  const float diff = sub_rn(end, start);
+  return weight < 0.5f ? fma_dev(weight, diff, start) : fma_dev(-diff, sub_rn(1.f, weight), end);
 }
 
 // Whether a step runs: the gradient norm is finite and lr is a finite, non-negative number.
@@ -54,14 +93,14 @@ DQN_HD AdamStep make_adam_step(float lr, float step, float beta1, float beta2, f
 
 // One element of torch.optim.Adam(W) (F32, not amsgrad, not maximize) on a clipped gradient.
 DQN_HD void adam_element(float& p, float g, float& m, float& v, const AdamStep& s) {
-  g *= s.coef;
+  g = mul_rn(g, s.coef);
   if (s.weight_decay != 0.f) {
-    if (s.decoupled) p *= 1.f - s.lr * s.weight_decay;
-    else g += s.weight_decay * p;
+    if (s.decoupled) p = mul_rn(p, sub_rn(1.f, mul_rn(s.lr, s.weight_decay)));
+    else g = fma_dev(s.weight_decay, p, g);
   }
   m = lerp_like_torch(m, g, 1.f - s.beta1);
-  v = v * s.beta2 + (1.f - s.beta2) * g * g;
-  p = p - s.step_size * (m / (sqrtf(v) / s.bc2_sqrt + s.eps));
+  v = fma_dev(v, s.beta2, mul_rn(mul_rn(1.f - s.beta2, g), g));
+  p = sub_rn(p, mul_rn(s.step_size, m / add_rn(sqrtf(v) / s.bc2_sqrt, s.eps)));
 }
 
 }  // namespace dqn_ops

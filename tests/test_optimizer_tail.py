@@ -160,11 +160,13 @@ def test_cuda_fuses_adam_and_the_ema_into_the_cluster_launch(layout):
 
 
 @requires_cuda
-@pytest.mark.parametrize("case", ["large_matrix", "cooperative", "many_matrices"])
+@pytest.mark.parametrize("case", ["large_matrix", "no_room_for_the_target", "cooperative", "many_matrices"])
 def test_cuda_cases_without_the_fused_launch_give_the_same_bits(case):
     shapes, before = SMALL, None
     if case == "large_matrix":  # too large for a cluster's shared memory: the cooperative strategy
         shapes = SMALL + [(1024, 4096)]
+    elif case == "no_room_for_the_target":  # a cluster's 8 slices of 32 x 1024 fit, with the target's rows not
+        shapes = SMALL + [(256, 1024)]
     elif case == "many_matrices":  # more than one launch's descriptors
         shapes = MANY + [(5, 5)]
     else:

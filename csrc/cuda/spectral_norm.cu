@@ -36,6 +36,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
+#include <cuda_pipeline.h>
 #include <map>
 #include <mutex>
 #include <cuda_bf16.h>
@@ -282,7 +283,8 @@ __global__ void __launch_bounds__(kThreads)
 // first folds the gradient norm's partials and runs Adam on its rows, W_k taking the updated
 // values on their way to shared memory, and on its share of the elements before the matrix in
 // params (cluster 0: also after the last matrix); after C, the EMA of the target toward W_k as it
-// now is and toward that share.
+// now is (the target's rows copied into shared memory asynchronously from the start) and toward
+// that share.
 // A matrix's result depends on its shape and values alone (its own cluster): batched and
 // one-launch-per-matrix still agree bit for bit. Larger matrices, and devices and binaries
 // cluster_support turns down, take the cooperative kernel above.
@@ -291,17 +293,19 @@ constexpr int kCluster = 8;
 // limit is lower (cluster_support).
 constexpr int64_t kClusterSmemFloats = 40 * 1024;
 
-// Floats of dynamic shared memory a block of the cluster kernel needs for a [rows, cols] matrix.
-int64_t cluster_smem_floats(int64_t rows, int64_t cols) {
+// Floats of dynamic shared memory a block of the cluster kernel needs for a [rows, cols] matrix;
+// with_target: the optimizer tail's launch, which also holds the target's rows of its slice.
+int64_t cluster_smem_floats(int64_t rows, int64_t cols, bool with_target = false) {
   const int64_t slice_rows = (rows + kCluster - 1) / kCluster;
   // W slice, u slice, u~ slice, partial (this block's W^T u), v~, group scratch, |u~|^2 partial
-  return slice_rows * cols + 2 * slice_rows + 2 * cols + kThreads + 1;
+  return (with_target ? 2 : 1) * slice_rows * cols + 2 * slice_rows + 2 * cols + kThreads + 1;
 }
 
-// ema_update's element: target = lerp(target, online, tau), and its mirror.
-__device__ __forceinline__ void ema_element(float* target, __nv_bfloat16* target_mirror, int64_t i, float online,
-                                            float tau) {
-  const float t = lerp_like_torch(target[i], online, tau);
+// ema_update's element: target[i] = lerp(old, online, tau) where old is target[i]'s value, and
+// its mirror.
+__device__ __forceinline__ void ema_element(float* target, __nv_bfloat16* target_mirror, int64_t i, float old,
+                                            float online, float tau) {
+  const float t = lerp_like_torch(old, online, tau);
   target[i] = t;
   target_mirror[i] = __float2bfloat16_rn(t);
 }
@@ -317,7 +321,8 @@ __device__ __forceinline__ void ema_share(float* target, __nv_bfloat16* target_m
                                           int64_t off, int64_t len, int part, float tau) {
   int64_t e0, e1;
   share_of(off, len, part, &e0, &e1);
-  for (int64_t i = e0 + threadIdx.x; i < e1; i += kThreads) ema_element(target, target_mirror, i, params[i], tau);
+  for (int64_t i = e0 + threadIdx.x; i < e1; i += kThreads)
+    ema_element(target, target_mirror, i, target[i], params[i], tau);
 }
 
 // Groups of 4 elements in flight per thread in the fused Adam (adam_range): a block of the
@@ -357,8 +362,17 @@ __global__ void __launch_bounds__(kThreads)
   float* vv = part + cols;                     // [cols]: v~, then v
   float* scratch = vv + cols;                  // [kThreads]
   float* sq_part = scratch + kThreads;         // [1]: this block's |u~|^2 (read by the cluster)
+  float* T = sq_part + 1;                      // [nr, cols] (target set): the target's rows
 
   const int64_t w0 = d.w_off + int64_t(r0) * cols;
+  // The target's rows on their way to shared memory while Adam and the power iteration run: the
+  // EMA at the end would otherwise wait a memory latency for each of a thread's elements (a
+  // block walks thousands). Each thread copies the elements it averages at the end (the same
+  // loop), so its own wait for them suffices.
+  if (target != nullptr) {
+    for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) __pipeline_memcpy_async(T + e, target + w0 + e, 4);
+    __pipeline_commit();
+  }
   // Adam writes params and its mirror through the pointers this kernel holds (the same buffers:
   // accesses based on the __restrict__ parameters).
   AdamArgs a = adam;
@@ -437,6 +451,7 @@ __global__ void __launch_bounds__(kThreads)
   if (rank == 0 && tid == 0) sigma[d.index] = s;
   const bool clamped = s > d.sigma_max;  // false for NaN: W is left alone and sigma reports the NaN
   const float scale = clamped ? d.sigma_max / s : 1.f;
+  if (target != nullptr) __pipeline_wait_prior(0);
   if (clamped || target != nullptr) {
     for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) {
       // The product rounded (never fused into the EMA's arithmetic): the float params holds,
@@ -446,7 +461,7 @@ __global__ void __launch_bounds__(kThreads)
         params[w0 + e] = w;
         mirror[w0 + e] = __float2bfloat16_rn(w);
       }
-      if (target != nullptr) ema_element(target, target_mirror, w0 + e, w, tau);
+      if (target != nullptr) ema_element(target, target_mirror, w0 + e, T[e], w, tau);
     }
   }
   if (target != nullptr) {
@@ -552,7 +567,8 @@ void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, T
                      int iterations, float eps, cudaStream_t stream, const AdamArgs& adam = AdamArgs{},
                      const Tensor& target = Tensor(), const Tensor& target_bf16 = Tensor(), float tau = 0.f) {
   int64_t floats = 0;
-  for (int i = 0; i < b.count; ++i) floats = std::max(floats, cluster_smem_floats(b.m[i].rows, b.m[i].cols));
+  for (int i = 0; i < b.count; ++i)
+    floats = std::max(floats, cluster_smem_floats(b.m[i].rows, b.m[i].cols, target.defined()));
   // Within what cluster_support opted in to: the caller sends only matrices that fit.
   cudaLaunchAttribute attr[1];
   cudaLaunchConfig_t config = cluster_config(b.count, static_cast<size_t>(floats) * sizeof(float), stream, attr);
@@ -629,9 +645,10 @@ Batch batch_of(const MatrixDesc* first, size_t count) {
 }
 
 // Whether a matrix takes the cluster strategy: a cached lookup of the device and the setting.
-bool takes_clusters(const MatrixDesc& d, const ClusterSupport& cs) {
+// with_target: in the optimizer tail's launch (its shared memory holds the target's rows too).
+bool takes_clusters(const MatrixDesc& d, const ClusterSupport& cs, bool with_target = false) {
   return cs.usable && spectral_strategy() == SpectralStrategy::kAuto &&
-         cluster_smem_floats(d.rows, d.cols) <= cs.smem_floats;
+         cluster_smem_floats(d.rows, d.cols, with_target) <= cs.smem_floats;
 }
 
 void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
@@ -672,7 +689,8 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
 }
 
 // _adam_spectral_norm_ema in the norm partials' launch and one launch of the cluster kernel,
-// where every matrix takes the cluster strategy and they fit one launch. Each element's Adam
+// where every matrix takes the cluster strategy with room for its target rows beside W's, and
+// they fit one launch. Each element's Adam
 // and EMA run once: a matrix's cluster takes its rows and the elements between the matrix before
 // it in params and it, cluster 0 those after the last (check_spectral_args refuses overlapping
 // matrices). Anything else runs the three ops; both ways give the same bits, as each element's
@@ -694,7 +712,7 @@ void adam_spectral_norm_ema_cuda(Tensor& params, const Tensor& grads, Tensor& ex
   const c10::cuda::CUDAGuard guard(params.device());
   const ClusterSupport& cs = cluster_support(params.device().index());
   bool fused = descs.size() <= size_t(kMaxMatricesPerLaunch);
-  for (const MatrixDesc& d : descs) fused = fused && takes_clusters(d, cs);
+  for (const MatrixDesc& d : descs) fused = fused && takes_clusters(d, cs, true);
   if (!fused) {
     adam_then_spectral_norm_then_ema(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2,
                                      adam_eps, weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm,
