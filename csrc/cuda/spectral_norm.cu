@@ -690,12 +690,12 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
 
 // _adam_spectral_norm_ema in the norm partials' launch and one launch of the cluster kernel,
 // where every matrix takes the cluster strategy with room for its target rows beside W's, and
-// they fit one launch. Each element's Adam
-// and EMA run once: a matrix's cluster takes its rows and the elements between the matrix before
-// it in params and it, cluster 0 those after the last (check_spectral_args refuses overlapping
-// matrices). Anything else runs the three ops; both ways give the same bits, as each element's
-// Adam reads the same norm, the power iteration the same updated W, and the EMA the same clamped
-// floats, through the formulas those ops use.
+// they fit one launch. Each element's Adam and EMA run once: a matrix's cluster takes its rows
+// and the elements between the matrix before it in params and it, cluster 0 those after the
+// last (check_spectral_args refuses overlapping matrices). Anything else runs the three ops.
+// Both ways give the same bits: each element's Adam reads the same norm, the power iteration the
+// same updated W, and the EMA the same clamped floats, through the formulas those ops use
+// (optim_math.h pins their rounding, so no kernel contracts them differently).
 void adam_spectral_norm_ema_cuda(Tensor& params, const Tensor& grads, Tensor& exp_avg, Tensor& exp_avg_sq,
                                  Tensor& params_bf16, Tensor& step, const Tensor& lr, double beta1, double beta2,
                                  double adam_eps, double weight_decay, bool decoupled_weight_decay,
