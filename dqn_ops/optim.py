@@ -183,7 +183,8 @@ class FusedAdamBF16(torch.optim.Optimizer):
         updates), then ``ema_update_(target, spectral.net, tau)``, as one op where this optimizer
         has one parameter, the network's ``flat_params`` with its mirror (``for_network``'s): on
         CUDA two launches where every matrix takes the spectral norm's cluster strategy. Otherwise
-        the three calls. The same results either way."""
+        the three calls. The same results either way. Like ``_adam``, it runs without
+        ``Optimizer.step``'s wrapper: no step hooks."""
         net = spectral.net
         check_same_network("FusedAdamBF16.step_clamp_ema", target, net)
         work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]

@@ -405,7 +405,8 @@ class Trainer(NonFiniteSteps):
         else:
             self.optimizer.step()
         # The TD errors and the readback row beside spectral norm and the EMA (dqn_ops.side_stream):
-        # they read the step's outputs and the optimizer's, which those two do not write.
+        # they read the step's outputs and the optimizer's, which those two do not write. (After
+        # the fused tail, which writes the norm and the flag they read, they only run beside the join.)
         tail = side_stream.Branch(self.device, side_stream.LANE_STEP)
         try:
             with tail:

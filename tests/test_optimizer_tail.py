@@ -28,15 +28,15 @@ NAMES = ["params", "grads", "exp_avg", "exp_avg_sq", "params_bf16", "step", "lr"
 def _case(shapes, order, device, seed=0, gap=3):
     """Matrices of `shapes` in a flat buffer, placed in params in the order `order` (a
     permutation of their indices) with gaps of about `gap` elements before, between and after
-    them, listed in the op's argument in shapes' order; Adam's state after a few steps (moments,
-    step count 3); u, v unit vectors in the matrices' order; a random target and mirrors; the
-    outputs poisoned."""
+    them (gap 0: none, the first matrix at offset 0 and nothing after the last), listed in the
+    op's argument in shapes' order; Adam's state after a few steps (moments, step count 3); u, v
+    unit vectors in the matrices' order; a random target and mirrors; the outputs poisoned."""
     g = torch.Generator().manual_seed(seed)
-    offsets, off = [0] * len(shapes), gap + 2
+    offsets, off = [0] * len(shapes), gap + 2 if gap else 0
     for i in order:
         offsets[i] = off
-        off += shapes[i][0] * shapes[i][1] + gap + i
-    n = off + gap + 4
+        off += shapes[i][0] * shapes[i][1] + (gap + i if gap else 0)
+    n = off + gap + 4 if gap else off
     params = torch.randn(n, generator=g)
     u = torch.cat([torch.nn.functional.normalize(torch.randn(r, generator=g), dim=0) for r, _ in shapes])
     v = torch.cat([torch.nn.functional.normalize(torch.randn(c, generator=g), dim=0) for _, c in shapes])
@@ -91,9 +91,14 @@ def _assert_same(fused, separate, context=""):
 
 SMALL = [(64, 64), (3, 5), (256, 96), (51, 128), (1, 7), (300, 1)]  # every one fits a cluster
 MANY = [(17 + i % 30, 9 + 3 * (i % 20)) for i in range(48)]  # one launch's descriptors, no more
+# Wider than a thread's pass over columns (256), and 8 slices of 16 x 1024 with their target rows
+# near a cluster block's shared memory (the fused launch's 160 KiB on Hopper).
+WIDE = [(40, 300), (3, 5), (128, 1024), (1, 7)]
 # The fused launch's layouts: small gaps; gaps and a tail of thousands of elements (each block
-# loops over its share); the most matrices one launch takes.
-LAYOUTS = {"small_gaps": (SMALL, 3), "large_gaps": (SMALL, 5000), "48_matrices": (MANY, 3)}
+# loops over its share); the most matrices one launch takes; matrices back to back from offset 0
+# with nothing after the last; wide matrices.
+LAYOUTS = {"small_gaps": (SMALL, 3), "large_gaps": (SMALL, 5000), "48_matrices": (MANY, 3), "packed": (SMALL, 0),
+           "wide": (WIDE, 3)}
 
 
 @pytest.mark.parametrize("device", DEVICES)
