@@ -186,7 +186,10 @@ def default_arch_list(nvcc_version):
 def _extension():
     # -DPy_LIMITED_API comes from py_limited_api=True (torch adds it; defining it here as well
     # redefines the macro in every translation unit).
-    cxx_flags = ["-O3", "-std=c++20"]
+    # -ffp-contract=off: the CPU kernels round each multiply and add on their own
+    # (csrc/optim_math.h), which GCC's default contraction into FMAs breaks where the target has
+    # them (aarch64; x86-64 builds have no FMA unless asked for one).
+    cxx_flags = ["-O3", "-std=c++20", "-ffp-contract=off"]
     # at::parallel_for (the CPU kernels' loops over rows and samples) is OpenMP in torch's builds:
     # in an extension compiled without -fopenmp its pragma is ignored and the loop runs serially.
     openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
