@@ -214,18 +214,6 @@ TORCH_LIBRARY(dqn_ops, m) {
       "batched_spectral_norm(Tensor(a!) params, Tensor(b!) params_bf16, Tensor(c!) u, Tensor(d!) v, "
       "Tensor(e!) sigma, int[] matrices, float[] sigma_max, int n_power_iterations=1, float eps=1e-12, "
       "bool one_launch_per_matrix=False) -> ()");
-  // Internal (the trainer's optimizer tail): fused_adam_bf16, batched_spectral_norm on the updated
-  // params, then ema_update(target, target_bf16, params, tau) toward the clamped params; the same
-  // results as those three calls. On CUDA two launches where every matrix takes the cluster
-  // strategy (the norm partials, then Adam, the power iteration, the clamp and the EMA in the
-  // clusters: a matrix's rows through shared memory, the elements between the matrices beside),
-  // else the three ops. The buffers only one of the three uses may share no memory.
-  m.def(
-      "_adam_spectral_norm_ema(Tensor(a!) params, Tensor grads, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
-      "Tensor(d!) params_bf16, Tensor(e!) step, Tensor lr, float beta1, float beta2, float adam_eps, "
-      "float weight_decay, bool decoupled_weight_decay, float? max_grad_norm, Tensor(f!) grad_norm, "
-      "Tensor(g!) found_inf, Tensor(h!) u, Tensor(i!) v, Tensor(j!) sigma, int[] matrices, float[] sigma_max, "
-      "int n_power_iterations, float spectral_eps, Tensor(k!) target, Tensor(l!) target_bf16, float tau) -> ()");
   // The DQN loss on q logits [B, E * sum n_d, atoms] (bf16_dueling_forward's q_logits) (q: online on s;
   // q_next_online: online on s', which picks the next action per branch (double DQN);
   // q_next_target: target on s'). E >= 1 ensemble members, inferred from q's width (a positive

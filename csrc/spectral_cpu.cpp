@@ -9,7 +9,6 @@
 #include <torch/library.h>
 
 #include "mirror_cpu.h"
-#include "optimizer_tail.h"
 #include "spectral_args.h"
 
 namespace dqn_ops {
@@ -103,27 +102,8 @@ void batched_spectral_norm_cpu(Tensor& params, Tensor& params_bf16, Tensor& u, T
   }
 }
 
-void adam_spectral_norm_ema_cpu(Tensor& params, const Tensor& grads, Tensor& exp_avg, Tensor& exp_avg_sq,
-                                Tensor& params_bf16, Tensor& step, const Tensor& lr, double beta1, double beta2,
-                                double adam_eps, double weight_decay, bool decoupled_weight_decay,
-                                c10::optional<double> max_grad_norm, Tensor& grad_norm, Tensor& found_inf, Tensor& u,
-                                Tensor& v, Tensor& sigma, c10::IntArrayRef matrices, c10::ArrayRef<double> sigma_max,
-                                int64_t n_power_iterations, double spectral_eps, Tensor& target, Tensor& target_bf16,
-                                double tau) {
-  check_optimizer_tail_args(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, adam_eps,
-                            weight_decay, max_grad_norm, grad_norm, found_inf, u, v, sigma, matrices, sigma_max,
-                            n_power_iterations, spectral_eps, target, target_bf16, tau);
-  adam_then_spectral_norm_then_ema(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, adam_eps,
-                                   weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm, found_inf, u, v,
-                                   sigma, matrices, sigma_max, n_power_iterations, spectral_eps, target, target_bf16,
-                                   tau);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dqn_ops, CPU, m) {
-  m.impl("batched_spectral_norm", &batched_spectral_norm_cpu);
-  m.impl("_adam_spectral_norm_ema", &adam_spectral_norm_ema_cpu);
-}
+TORCH_LIBRARY_IMPL(dqn_ops, CPU, m) { m.impl("batched_spectral_norm", &batched_spectral_norm_cpu); }
 
 }  // namespace dqn_ops

@@ -311,14 +311,10 @@ def fused_adam_bf16(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: 
 @torch.library.register_fake("dqn_ops::fused_adam_bf16")
 def _(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, eps, weight_decay,
       decoupled_weight_decay, max_grad_norm, grad_norm, found_inf):
-    _fake_adam(params, grads, exp_avg, exp_avg_sq, params_bf16)
-    return None
-
-
-def _fake_adam(params, grads, exp_avg, exp_avg_sq, params_bf16):
     for name, t in (("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("params_bf16", params_bf16)):
         _check(t.shape == params.shape,
                f"dqn_ops.fused_adam_bf16: {name}: expected shape {list(params.shape)}, got {list(t.shape)}")
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -400,11 +396,6 @@ def batched_spectral_norm(params: Tensor, params_bf16: Tensor, u: Tensor, v: Ten
 @torch.library.register_fake("dqn_ops::batched_spectral_norm")
 def _(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations=1, eps=1e-12,
       one_launch_per_matrix=False):
-    _fake_spectral_norm(params, params_bf16, u, v, sigma, matrices, sigma_max)
-    return None
-
-
-def _fake_spectral_norm(params, params_bf16, u, v, sigma, matrices, sigma_max):
     op = "dqn_ops.batched_spectral_norm"
     _check(len(matrices) % 3 == 0 and len(matrices) > 0,
            f"{op}: matrices: expected (offset, rows, cols) per matrix, got {len(matrices)} entries")
@@ -417,31 +408,6 @@ def _fake_spectral_norm(params, params_bf16, u, v, sigma, matrices, sigma_max):
     _check(sigma.shape == (m,), f"{op}: sigma: expected shape [{m}], got {list(sigma.shape)}")
     _check(params_bf16.shape == params.shape,
            f"{op}: params_bf16: expected shape {list(params.shape)}, got {list(params_bf16.shape)}")
-
-
-def _adam_spectral_norm_ema(params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, params_bf16: Tensor,
-                            step: Tensor, lr: Tensor, beta1: float, beta2: float, adam_eps: float, weight_decay: float,
-                            decoupled_weight_decay: bool, max_grad_norm: Optional[float], grad_norm: Tensor,
-                            found_inf: Tensor, u: Tensor, v: Tensor, sigma: Tensor, matrices: Sequence[int],
-                            sigma_max: Sequence[float], n_power_iterations: int, spectral_eps: float, target: Tensor,
-                            target_bf16: Tensor, tau: float) -> None:
-    """Internal (the trainer's optimizer tail): ``fused_adam_bf16``, ``batched_spectral_norm`` on
-    the updated ``params``, then ``ema_update(target, target_bf16, params, tau)``; on CUDA two
-    launches where every matrix takes the cluster strategy. The same results as the three calls."""
-    _call("_adam_spectral_norm_ema", params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, adam_eps,
-          weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm, found_inf, u, v, sigma, list(matrices),
-          [float(s) for s in sigma_max], n_power_iterations, spectral_eps, target, target_bf16, tau)
-
-
-@torch.library.register_fake("dqn_ops::_adam_spectral_norm_ema")
-def _(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, adam_eps, weight_decay,
-      decoupled_weight_decay, max_grad_norm, grad_norm, found_inf, u, v, sigma, matrices, sigma_max,
-      n_power_iterations, spectral_eps, target, target_bf16, tau):
-    _fake_adam(params, grads, exp_avg, exp_avg_sq, params_bf16)
-    _fake_spectral_norm(params, params_bf16, u, v, sigma, matrices, sigma_max)
-    for name, t in (("target", target), ("target_bf16", target_bf16)):
-        _check(t.shape == params.shape,
-               f"dqn_ops._adam_spectral_norm_ema: {name}: expected shape {list(params.shape)}, got {list(t.shape)}")
     return None
 
 

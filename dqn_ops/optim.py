@@ -1,56 +1,20 @@
 """``FusedAdamBF16`` and ``ema_update_``: the optimizer step and the target-network update,
-each one pass over memory that also writes the BF16 mirror the next forward reads.
-
-``FusedAdamBF16.step_clamp_ema(spectral, target, tau)`` is the step, the spectral-norm clamp
-and the target's EMA (a trainer's optimizer tail) as one op; ``Trainer`` uses it where
-``fused_tail()`` is on (the environment variable ``DQN_OPS_OPTIMIZER_TAIL=fused``, read at the
-first use, or ``set_fused_tail(True)``; off by default until it is timed on a GPU,
-``bench/NOTES.md``). Both ways give the same results.
-"""
+each one pass over memory that also writes the BF16 mirror the next forward reads."""
 from __future__ import annotations
 
-import os
 from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .layout import check_betas, check_float
-from .ops import _adam_spectral_norm_ema, ema_update, fused_adam_bf16
-
-_fused_tail: Optional[bool] = None  # the process's setting, from the environment at its first use
-
-
-def fused_tail() -> bool:
-    """Whether ``Trainer`` runs Adam, spectral norm and the target's EMA as one op
-    (``FusedAdamBF16.step_clamp_ema``) instead of three."""
-    global _fused_tail
-    if _fused_tail is None:
-        value = os.environ.get("DQN_OPS_OPTIMIZER_TAIL", "separate")
-        if value not in ("fused", "separate"):
-            raise ValueError(f"DQN_OPS_OPTIMIZER_TAIL: expected 'fused' or 'separate', got {value!r}")
-        _fused_tail = value == "fused"
-    return _fused_tail
-
-
-def set_fused_tail(on: bool) -> bool:
-    """Sets ``fused_tail()`` for the process (before a trainer's capture: a graph keeps the ops it
-    was captured with); returns the previous setting."""
-    global _fused_tail
-    previous = fused_tail()
-    _fused_tail = bool(on)
-    return previous
-
-
-def check_same_network(owner: str, target, online) -> None:
-    """A target network's EMA needs the online network's config: the same flat layout."""
-    if target.config != online.config:
-        raise ValueError(f"{owner}: target and online networks differ: {target.config} vs {online.config}")
+from .ops import ema_update, fused_adam_bf16
 
 
 def ema_update_(target, online, tau: float) -> None:
     """Polyak update of a target DuelingBranchQNet from an online one (flat buffers + mirror)."""
-    check_same_network("ema_update_", target, online)
+    if target.config != online.config:
+        raise ValueError(f"ema_update_: target and online networks differ: {target.config} vs {online.config}")
     ema_update(target.flat_params.data, target.params_bf16, online.flat_params.data, tau)
 
 
@@ -177,46 +141,13 @@ class FusedAdamBF16(torch.optim.Optimizer):
         self.found_inf.copy_((~finite).to(self.found_inf.dtype).reshape(1))
         return loss
 
-    @torch.no_grad()
-    def step_clamp_ema(self, spectral, target, tau: float) -> None:
-        """``step()``, then ``spectral()`` (a ``SpectralNorm`` of the network this optimizer
-        updates), then ``ema_update_(target, spectral.net, tau)``, as one op where this optimizer
-        has one parameter, the network's ``flat_params`` with its mirror (``for_network``'s): on
-        CUDA two launches where every matrix takes the spectral norm's cluster strategy. Otherwise
-        the three calls. The same results either way. Like ``_adam``, it runs without
-        ``Optimizer.step``'s wrapper: no step hooks."""
-        net = spectral.net
-        check_same_network("FusedAdamBF16.step_clamp_ema", target, net)
-        work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        p = net.flat_params
-        if len(work) != 1 or work[0][1] is not p or self._mirrors[p] is not net.params_bf16:
-            self.step()
-            spectral()
-            ema_update_(target, net, tau)
-            return
-        group = work[0][0]
-        state = self._state_of(p)
+    def _adam(self, group, p, grad, max_grad_norm, grad_norm, found_inf):
         beta1, beta2 = group["betas"]
-        _adam_spectral_norm_ema(p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1),
-                                state["exp_avg_sq"].view(-1), net.params_bf16.view(-1), state["step"].view(-1),
-                                self._lr_tensor(group, p.device), beta1, beta2, group["eps"], group["weight_decay"],
-                                group["decoupled_weight_decay"], self.max_grad_norm, self.grad_norm, self.found_inf,
-                                spectral.u, spectral.v, spectral.sigma, spectral.matrices, spectral.sigma_max,
-                                spectral.n_power_iterations, spectral.eps, target.flat_params.data,
-                                target.params_bf16, tau)
-        torch.autograd.graph.increment_version(p)  # as _adam: an in-place write autograd cannot see
-
-    def _state_of(self, p):
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros(1, dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        return state
-
-    def _adam(self, group, p, grad, max_grad_norm, grad_norm, found_inf):
-        beta1, beta2 = group["betas"]
-        state = self._state_of(p)
         fused_adam_bf16(p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
                         self._mirrors[p].view(-1), state["step"].view(-1), self._lr_tensor(group, p.device),
                         beta1, beta2, group["eps"], group["weight_decay"], group["decoupled_weight_decay"],

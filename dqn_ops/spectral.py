@@ -8,9 +8,6 @@ sync only when you ask), and W <- W * min(1, sigma_max / sigma) in place, BF16 m
 
 ``spectral_norm_(net, ...)`` is the one-line form: it keeps a ``SpectralNorm`` on the network
 (created on first use) and calls it.
-
-``FusedAdamBF16.step_clamp_ema(spectral, target, tau)`` (``dqn_ops.optim``) runs the optimizer's
-step, this clamp and the target's EMA as one op.
 """
 from __future__ import annotations
 
@@ -81,18 +78,14 @@ class SpectralNorm(nn.Module):
     @torch.no_grad()
     def forward(self, one_launch_per_matrix: bool = False) -> Tensor:
         """Runs the power iteration and the clamp; returns ``self.sigma`` (no host sync)."""
-        net = self._checked_net()
-        batched_spectral_norm(net.flat_params.data, net.params_bf16, self.u, self.v, self.sigma, self.matrices,
-                              self.sigma_max, self.n_power_iterations, self.eps, one_launch_per_matrix)
-        return self.sigma
-
-    def _checked_net(self):
         net = self.net
         if net.flat_params.dtype != torch.float32 or net.params_bf16.dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"SpectralNorm: the network must hold float32 parameters with a bfloat16 mirror (or a "
                             f"float32 one on the CPU), "
                             f"got {net.flat_params.dtype} / {net.params_bf16.dtype}")
-        return net
+        batched_spectral_norm(net.flat_params.data, net.params_bf16, self.u, self.v, self.sigma, self.matrices,
+                              self.sigma_max, self.n_power_iterations, self.eps, one_launch_per_matrix)
+        return self.sigma
 
     def sigmas(self) -> dict:
         """The latest sigma estimates by matrix name (reads back: syncs)."""

@@ -32,7 +32,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import ops, optim, side_stream
+from . import ops, side_stream
 from .graphed import CapturedStep, on_device
 from .layout import DQNConfig, check_betas, check_bool, check_choice, check_float, check_int, check_seed
 from .network import DuelingBranchQNet
@@ -398,25 +398,18 @@ class Trainer(NonFiniteSteps):
             torch.distributed.all_reduce(grad, group=self.process_group)
             grad.mul_(1.0 / self.world_size)
         p.grad = grad
-        # clip + Adam + BF16 mirror (skipped on the device when non-finite), spectral norm, the EMA
-        fused_tail = self.spectral is not None and optim.fused_tail()
-        if fused_tail:
-            self.optimizer.step_clamp_ema(self.spectral, self.target, cfg.tau)
-        else:
-            self.optimizer.step()
+        self.optimizer.step()  # clip + Adam + BF16 mirror; skipped on the device when non-finite
         # The TD errors and the readback row beside spectral norm and the EMA (dqn_ops.side_stream):
-        # they read the step's outputs and the optimizer's, which those two do not write. (After
-        # the fused tail, which writes the norm and the flag they read, they only run beside the join.)
+        # they read the step's outputs and the optimizer's, which those two do not write.
         tail = side_stream.Branch(self.device, side_stream.LANE_STEP)
         try:
             with tail:
                 self.td_error.copy_(out.td_error)
                 found_inf = self.optimizer.found_inf
                 self.stats.record([out.loss, self.optimizer.grad_norm, out.mean_q, found_inf], found_inf)
-            if not fused_tail:
-                if self.spectral is not None:
-                    self.spectral()
-                ops.ema_update(self.target.flat_params, self.target.params_bf16, p, cfg.tau)
+            if self.spectral is not None:
+                self.spectral()
+            ops.ema_update(self.target.flat_params, self.target.params_bf16, p, cfg.tau)
         finally:
             tail.join()
 

@@ -24,7 +24,6 @@
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
-#include "adam.cuh"
 #include "optim_args.h"
 #include "optim_math.h"
 #include "pdl.cuh"
@@ -35,7 +34,8 @@ namespace cuda {
 namespace {
 
 using at::Tensor;
-constexpr int kThreads = 256;  // kMaxNormBlocks partials: each update block folds them in 4 per thread
+constexpr int kThreads = 256;
+constexpr int kMaxNormBlocks = 1024;  // = partials; each update block folds them in 4 per thread
 
 // scratch: kMaxNormBlocks partial sums of squares, then the step count (doubles).
 __global__ void __launch_bounds__(kThreads) sq_norm_partials_kernel(const float* __restrict__ g, int64_t n,
@@ -55,12 +55,55 @@ __global__ void __launch_bounds__(kThreads) sq_norm_partials_kernel(const float*
   }
 }
 
-__global__ void __launch_bounds__(kThreads) adam_update_kernel(const AdamArgs a) {
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 p) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(p.x, p.y), hi = __floats2bfloat162_rn(p.z, p.w);
+  uint2 u;
+  u.x = *reinterpret_cast<uint32_t*>(&lo);
+  u.y = *reinterpret_cast<uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(dst) = u;
+}
+
+__global__ void __launch_bounds__(kThreads) adam_update_kernel(
+    float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+    __nv_bfloat16* __restrict__ mirror, int64_t n, const double* __restrict__ scratch, int num_partials,
+    float* __restrict__ step, const float* __restrict__ lr, float beta1, float beta2, float eps, float weight_decay,
+    bool decoupled, float max_grad_norm, float* __restrict__ grad_norm, float* __restrict__ found_inf) {
   pdl_enter();
   __shared__ double smem[kThreads];
-  AdamStep st;
-  if (!adam_begin<kThreads>(a, smem, &st, blockIdx.x == 0)) return;  // skip: nothing else is written
-  adam_range<1>(a, st, 0, a.n, blockIdx.x * int64_t(kThreads) + threadIdx.x, int64_t(gridDim.x) * kThreads, nullptr);
+  double s = 0.0;
+  for (int i = threadIdx.x; i < num_partials; i += kThreads) s += scratch[i];
+  const float norm = static_cast<float>(sqrt(block_sum<kThreads>(s, smem)));
+  const float step_lr = lr[0];
+  const bool runs = adam_step_runs(norm, step_lr);  // the same decision in every block
+  const float new_step = static_cast<float>(scratch[kMaxNormBlocks]) + 1.f;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    grad_norm[0] = norm;
+    found_inf[0] = runs ? 0.f : 1.f;
+    if (runs) step[0] = new_step;
+  }
+  if (!runs) return;  // skip: nothing else is written
+  const AdamStep st = make_adam_step(step_lr, new_step, beta1, beta2, eps, weight_decay, decoupled,
+                                     clip_coefficient(norm, max_grad_norm));
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  const int64_t n4 = n / 4;  // every buffer is 16-byte aligned (checked)
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n4; i += stride) {
+    float4 pp = reinterpret_cast<float4*>(p)[i];
+    const float4 gg = reinterpret_cast<const float4*>(g)[i];
+    float4 mm = reinterpret_cast<float4*>(m)[i];
+    float4 vv = reinterpret_cast<float4*>(v)[i];
+    adam_element(pp.x, gg.x, mm.x, vv.x, st);
+    adam_element(pp.y, gg.y, mm.y, vv.y, st);
+    adam_element(pp.z, gg.z, mm.z, vv.z, st);
+    adam_element(pp.w, gg.w, mm.w, vv.w, st);
+    reinterpret_cast<float4*>(p)[i] = pp;
+    reinterpret_cast<float4*>(m)[i] = mm;
+    reinterpret_cast<float4*>(v)[i] = vv;
+    store_bf16x4(mirror + 4 * i, pp);
+  }
+  for (int64_t i = 4 * n4 + blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += stride) {
+    adam_element(p[i], g[i], m[i], v[i], st);
+    mirror[i] = __float2bfloat16_rn(p[i]);
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) ema_kernel(float* __restrict__ t, __nv_bfloat16* __restrict__ mirror,
@@ -91,52 +134,25 @@ unsigned update_blocks(int64_t n) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(sms) * 8)));
 }
 
-}  // namespace
-
-AdamArgs launch_adam_norm(Tensor& params, const Tensor& grads, Tensor& exp_avg, Tensor& exp_avg_sq,
-                          Tensor& params_bf16, Tensor& step, const Tensor& lr, double beta1, double beta2, double eps,
-                          double weight_decay, bool decoupled_weight_decay, c10::optional<double> max_grad_norm,
-                          Tensor& grad_norm, Tensor& found_inf, Tensor* scratch) {
-  check_adam_args(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, eps, weight_decay,
-                  max_grad_norm, grad_norm, found_inf);
-  const int64_t n = params.numel();
-  const int partials = static_cast<int>(std::min<int64_t>(kMaxNormBlocks, (n + kThreads - 1) / kThreads));
-  *scratch = at::empty({kMaxNormBlocks + 1}, params.options().dtype(at::kDouble));
-  launch(sq_norm_partials_kernel, partials, kThreads, 0, at::cuda::getCurrentCUDAStream(), grads.data_ptr<float>(), n,
-         scratch->data_ptr<double>(), step.data_ptr<float>());
-  return AdamArgs{params.data_ptr<float>(),
-                  grads.data_ptr<float>(),
-                  exp_avg.data_ptr<float>(),
-                  exp_avg_sq.data_ptr<float>(),
-                  static_cast<__nv_bfloat16*>(params_bf16.data_ptr()),
-                  n,
-                  scratch->data_ptr<double>(),
-                  partials,
-                  step.data_ptr<float>(),
-                  lr.data_ptr<float>(),
-                  float(beta1),
-                  float(beta2),
-                  float(eps),
-                  float(weight_decay),
-                  float(max_grad_norm.value_or(0)),
-                  decoupled_weight_decay,
-                  grad_norm.data_ptr<float>(),
-                  found_inf.data_ptr<float>()};
-}
-
-namespace {
-
 void fused_adam_bf16_cuda(Tensor& params, const Tensor& grads, Tensor& exp_avg, Tensor& exp_avg_sq,
                           Tensor& params_bf16, Tensor& step, const Tensor& lr, double beta1, double beta2, double eps,
                           double weight_decay, bool decoupled_weight_decay, c10::optional<double> max_grad_norm,
                           Tensor& grad_norm, Tensor& found_inf) {
+  check_adam_args(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, eps, weight_decay,
+                  max_grad_norm, grad_norm, found_inf);
   // Kernels must run on the tensors' device, whichever device is current.
   const c10::cuda::CUDAGuard guard(params.device());
-  Tensor scratch;
-  const AdamArgs a = launch_adam_norm(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2, eps,
-                                      weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm, found_inf,
-                                      &scratch);
-  launch(adam_update_kernel, update_blocks(a.n), kThreads, 0, at::cuda::getCurrentCUDAStream(), a);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t n = params.numel();
+  const int partials = static_cast<int>(std::min<int64_t>(kMaxNormBlocks, (n + kThreads - 1) / kThreads));
+  Tensor scratch = at::empty({kMaxNormBlocks + 1}, params.options().dtype(at::kDouble));
+  launch(sq_norm_partials_kernel, partials, kThreads, 0, stream, grads.data_ptr<float>(), n,
+         scratch.data_ptr<double>(), step.data_ptr<float>());
+  launch(adam_update_kernel, update_blocks(n), kThreads, 0, stream, params.data_ptr<float>(), grads.data_ptr<float>(),
+         exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), static_cast<__nv_bfloat16*>(params_bf16.data_ptr()),
+         n, scratch.data_ptr<double>(), partials, step.data_ptr<float>(), lr.data_ptr<float>(), float(beta1),
+         float(beta2), float(eps), float(weight_decay), decoupled_weight_decay, float(max_grad_norm.value_or(0)),
+         grad_norm.data_ptr<float>(), found_inf.data_ptr<float>());
 }
 
 void ema_update_cuda(Tensor& target, Tensor& target_bf16, const Tensor& online, double tau) {

@@ -27,24 +27,17 @@
 //
 // Descriptors travel by value as the kernel's parameter (a CUDA graph records them), up to
 // kMaxMatricesPerLaunch per launch; more matrices take more launches.
-#include <algorithm>
-#include <vector>
-
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
-#include <cuda_pipeline.h>
 #include <map>
 #include <mutex>
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
-#include "adam.cuh"
-#include "optim_math.h"
-#include "optimizer_tail.h"
 #include "pdl.cuh"
 #include "reductions.cuh"
 #include "spectral_args.h"
@@ -67,7 +60,7 @@ constexpr int kColsPerLane = 4;
 constexpr int kChunkCols = 32 * kColsPerLane;
 // Phase B: rows a warp reduces together.
 constexpr int kRowsPerPass = 4;
-// Kernel parameters are limited to 4 KiB; 48 descriptors of 72 bytes leave room for the rest.
+// Kernel parameters are limited to 4 KiB; 48 descriptors of 64 bytes leave room for the rest.
 constexpr int kMaxMatricesPerLaunch = 48;
 
 struct MatrixDesc {
@@ -79,16 +72,12 @@ struct MatrixDesc {
   int first_vblock;  // index of its first virtual block in this launch
   int index;         // position in sigma
   float sigma_max;
-  // _adam_spectral_norm_ema's fused launch: the gap_len elements of params before this matrix
-  // (after the matrix before it in params' order), whose Adam and EMA this matrix's cluster runs.
-  int64_t gap_len;
 };
 
 struct Batch {
   MatrixDesc m[kMaxMatricesPerLaunch];
   int count;
   int total_vblocks;
-  int64_t tail_off, tail_len;  // the fused launch: the elements after the last matrix (cluster 0's)
 };
 static_assert(sizeof(Batch) <= 3584, "kernel parameters must stay under 4 KiB");
 
@@ -279,12 +268,6 @@ __global__ void __launch_bounds__(kThreads)
 //   A  partial_k = W_k^T u_k;  barrier;  every block: v~ = sum_k partial_k (k order), |v~|^2
 //   B  u~_k = W_k v~ / |v~|, partial |u~_k|^2;  barrier;  every block: |u~| (k order)
 //   C  u = u~ / |u~|; rank 0 writes v = v~ / |v~| and sigma; W_k rescaled where sigma > sigma_max.
-// _adam_spectral_norm_ema (the trainer's optimizer tail) runs in the same launch: each block
-// first folds the gradient norm's partials and runs Adam on its rows, W_k taking the updated
-// values on their way to shared memory, and on its share of the elements before the matrix in
-// params (cluster 0: also after the last matrix); after C, the EMA of the target toward W_k as it
-// now is (the target's rows copied into shared memory asynchronously from the start) and toward
-// that share.
 // A matrix's result depends on its shape and values alone (its own cluster): batched and
 // one-launch-per-matrix still agree bit for bit. Larger matrices, and devices and binaries
 // cluster_support turns down, take the cooperative kernel above.
@@ -293,59 +276,20 @@ constexpr int kCluster = 8;
 // limit is lower (cluster_support).
 constexpr int64_t kClusterSmemFloats = 40 * 1024;
 
-// Floats of dynamic shared memory a block of the cluster kernel needs for a [rows, cols] matrix;
-// with_target: the optimizer tail's launch, which also holds the target's rows of its slice.
-int64_t cluster_smem_floats(int64_t rows, int64_t cols, bool with_target = false) {
+// Floats of dynamic shared memory a block of the cluster kernel needs for a [rows, cols] matrix.
+int64_t cluster_smem_floats(int64_t rows, int64_t cols) {
   const int64_t slice_rows = (rows + kCluster - 1) / kCluster;
   // W slice, u slice, u~ slice, partial (this block's W^T u), v~, group scratch, |u~|^2 partial
-  return (with_target ? 2 : 1) * slice_rows * cols + 2 * slice_rows + 2 * cols + kThreads + 1;
-}
-
-// ema_update's element: target[i] = lerp(old, online, tau) where old is target[i]'s value, and
-// its mirror.
-__device__ __forceinline__ void ema_element(float* target, __nv_bfloat16* target_mirror, int64_t i, float old,
-                                            float online, float tau) {
-  const float t = lerp_like_torch(old, online, tau);
-  target[i] = t;
-  target_mirror[i] = __float2bfloat16_rn(t);
-}
-
-// Block `part` of a cluster's share of params' elements [off, off + len): [*e0, *e1).
-__device__ __forceinline__ void share_of(int64_t off, int64_t len, int part, int64_t* e0, int64_t* e1) {
-  *e0 = off + len * part / kCluster;
-  *e1 = off + len * (part + 1) / kCluster;
-}
-
-// The EMA of the block's share of params' elements [off, off + len).
-__device__ __forceinline__ void ema_share(float* target, __nv_bfloat16* target_mirror, const float* params,
-                                          int64_t off, int64_t len, int part, float tau) {
-  int64_t e0, e1;
-  share_of(off, len, part, &e0, &e1);
-  for (int64_t i = e0 + threadIdx.x; i < e1; i += kThreads)
-    ema_element(target, target_mirror, i, target[i], params[i], tau);
-}
-
-// Groups of 4 elements in flight per thread in the fused Adam (adam_range): a block of the
-// cluster kernel updates a slice of thousands of elements.
-constexpr int kAdamUnroll = 4;
-
-// Adam on the block's share of params' elements [off, off + len).
-__device__ __forceinline__ void adam_share(const AdamArgs& a, const AdamStep& st, int64_t off, int64_t len, int part) {
-  int64_t e0, e1;
-  share_of(off, len, part, &e0, &e1);
-  adam_range<kAdamUnroll>(a, st, e0, e1, threadIdx.x, kThreads, nullptr);
+  return slice_rows * cols + 2 * slice_rows + 2 * cols + kThreads + 1;
 }
 
 __global__ void __launch_bounds__(kThreads)
     spectral_norm_cluster_kernel(const __grid_constant__ Batch b, float* __restrict__ params,
                                  __nv_bfloat16* __restrict__ mirror, float* __restrict__ u_all,
-                                 float* __restrict__ v_all, float* __restrict__ sigma, int iterations, float eps,
-                                 const AdamArgs adam, float* __restrict__ target,
-                                 __nv_bfloat16* __restrict__ target_mirror, float tau) {
+                                 float* __restrict__ v_all, float* __restrict__ sigma, int iterations, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   pdl_enter();
   extern __shared__ float dyn[];
-  __shared__ double fold[kThreads];  // the gradient norm's fold (adam.p set)
   namespace cgx = cooperative_groups;
   cgx::cluster_group cluster = cgx::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
@@ -362,31 +306,9 @@ __global__ void __launch_bounds__(kThreads)
   float* vv = part + cols;                     // [cols]: v~, then v
   float* scratch = vv + cols;                  // [kThreads]
   float* sq_part = scratch + kThreads;         // [1]: this block's |u~|^2 (read by the cluster)
-  float* T = sq_part + 1;                      // [nr, cols] (target set): the target's rows
 
-  const int64_t w0 = d.w_off + int64_t(r0) * cols;
-  // The target's rows on their way to shared memory while Adam and the power iteration run: the
-  // EMA at the end would otherwise wait a memory latency for each of a thread's elements (a
-  // block walks thousands). Each thread copies the elements it averages at the end (the same
-  // loop), so its own wait for them suffices.
-  if (target != nullptr) {
-    for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) __pipeline_memcpy_async(T + e, target + w0 + e, 4);
-    __pipeline_commit();
-  }
-  // Adam writes params and its mirror through the pointers this kernel holds (the same buffers:
-  // accesses based on the __restrict__ parameters).
-  AdamArgs a = adam;
-  a.p = params;
-  a.mirror = mirror;
-  AdamStep st;
-  const bool adam_runs = adam.p != nullptr && adam_begin<kThreads>(a, fold, &st, blockIdx.x == 0);
-  if (adam_runs) {
-    adam_range<kAdamUnroll>(a, st, w0, w0 + int64_t(nr) * cols, tid, kThreads, W);
-    adam_share(a, st, d.w_off - d.gap_len, d.gap_len, rank);
-    if (blockIdx.x < kCluster) adam_share(a, st, b.tail_off, b.tail_len, rank);
-  } else {
-    for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) W[e] = params[w0 + e];
-  }
+  const float* Wg = params + d.w_off + int64_t(r0) * cols;
+  for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) W[e] = Wg[e];
   for (int r = tid; r < nr; r += kThreads) us[r] = u_all[d.u_off + r0 + r];
   __syncthreads();
 
@@ -449,26 +371,15 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
   if (rank == 0 && tid == 0) sigma[d.index] = s;
-  const bool clamped = s > d.sigma_max;  // false for NaN: W is left alone and sigma reports the NaN
-  const float scale = clamped ? d.sigma_max / s : 1.f;
-  if (target != nullptr) __pipeline_wait_prior(0);
-  if (clamped || target != nullptr) {
+  if (s > d.sigma_max) {  // false for NaN: W is left alone and sigma reports the NaN
+    const float scale = d.sigma_max / s;
+    float* Wo = params + d.w_off + int64_t(r0) * cols;
+    __nv_bfloat16* Mo = mirror + d.w_off + int64_t(r0) * cols;
     for (int64_t e = tid; e < int64_t(nr) * cols; e += kThreads) {
-      // The product rounded (never fused into the EMA's arithmetic): the float params holds,
-      // which ema_update would read back.
-      const float w = clamped ? __fmul_rn(W[e], scale) : W[e];
-      if (clamped) {
-        params[w0 + e] = w;
-        mirror[w0 + e] = __float2bfloat16_rn(w);
-      }
-      if (target != nullptr) ema_element(target, target_mirror, w0 + e, T[e], w, tau);
+      const float w = W[e] * scale;
+      Wo[e] = w;
+      Mo[e] = __float2bfloat16_rn(w);
     }
-  }
-  if (target != nullptr) {
-    // The block's share of the elements before the matrix, and cluster 0's of those after the
-    // last one (no matrix's: final since Adam, which this block ran on them above when fused).
-    ema_share(target, target_mirror, params, d.w_off - d.gap_len, d.gap_len, rank, tau);
-    if (blockIdx.x < kCluster) ema_share(target, target_mirror, params, b.tail_off, b.tail_len, rank, tau);
   }
   cluster.sync();  // no block leaves while another may still read its shared memory
 #else
@@ -561,23 +472,17 @@ const ClusterSupport& cluster_support(int device) {
   return it->second;
 }
 
-// adam, target / target_bf16: _adam_spectral_norm_ema's Adam and EMA in the same launch (b's
-// gap and tail fields set), or a null adam.p and undefined tensors for none.
 void launch_clusters(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
-                     int iterations, float eps, cudaStream_t stream, const AdamArgs& adam = AdamArgs{},
-                     const Tensor& target = Tensor(), const Tensor& target_bf16 = Tensor(), float tau = 0.f) {
+                     int iterations, float eps, cudaStream_t stream) {
   int64_t floats = 0;
-  for (int i = 0; i < b.count; ++i)
-    floats = std::max(floats, cluster_smem_floats(b.m[i].rows, b.m[i].cols, target.defined()));
+  for (int i = 0; i < b.count; ++i) floats = std::max(floats, cluster_smem_floats(b.m[i].rows, b.m[i].cols));
   // Within what cluster_support opted in to: the caller sends only matrices that fit.
   cudaLaunchAttribute attr[1];
   cudaLaunchConfig_t config = cluster_config(b.count, static_cast<size_t>(floats) * sizeof(float), stream, attr);
   float* p = params.data_ptr<float>();
   auto* mirror = static_cast<__nv_bfloat16*>(params_bf16.data_ptr());
-  float* t = target.defined() ? target.data_ptr<float>() : nullptr;
-  auto* t_mirror = target.defined() ? static_cast<__nv_bfloat16*>(target_bf16.data_ptr()) : nullptr;
   launch_ex(config, spectral_norm_cluster_kernel, b, p, mirror, u.data_ptr<float>(), v.data_ptr<float>(),
-            sigma.data_ptr<float>(), iterations, eps, adam, t, t_mirror, tau);
+            sigma.data_ptr<float>(), iterations, eps);
 }
 
 // The cooperative strategy: one cooperative launch, its grid capped at the blocks of
@@ -598,17 +503,22 @@ void launch_cooperative(Batch& b, Tensor& params, Tensor& params_bf16, Tensor& u
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The kernels' descriptors of the checked matrices, in their order; partial_len / norm_len: the
-// scratch the cooperative strategy needs for them.
-std::vector<MatrixDesc> describe(const std::vector<SpectralMatrix>& mats, int64_t n_power_iterations,
-                                 int64_t* partial_len, int64_t* norm_len) {
+void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
+                                c10::IntArrayRef matrices, c10::ArrayRef<double> sigma_max,
+                                int64_t n_power_iterations, double eps, bool one_launch_per_matrix) {
+  const auto mats = check_spectral_args(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps);
   for (size_t m = 0; m < mats.size(); ++m)
     DQN_CHECK(mats[m].rows <= INT_MAX && mats[m].cols <= INT_MAX, kSpectralOp, ": matrices: matrix ", m,
               " has more than 2^31 - 1 rows or columns");
   DQN_CHECK(n_power_iterations <= INT_MAX, kSpectralOp, ": n_power_iterations too large");
+  // Kernels must run on the tensors' device, whichever device is current.
+  const c10::cuda::CUDAGuard guard(params.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  // Scratch from torch's caching allocator: the [K, cols] partials of every matrix, then the
+  // K partial squared norms of v~ and of u~.
   std::vector<MatrixDesc> descs;
-  *partial_len = 0;
-  *norm_len = 0;
+  int64_t partial_len = 0, norm_len = 0;
   for (size_t m = 0; m < mats.size(); ++m) {
     const SpectralMatrix& s = mats[m];
     MatrixDesc d{};
@@ -618,51 +528,14 @@ std::vector<MatrixDesc> describe(const std::vector<SpectralMatrix>& mats, int64_
     d.rows = static_cast<int>(s.rows);
     d.cols = static_cast<int>(s.cols);
     d.vblocks = virtual_blocks(s.rows, s.cols);
-    d.partial_off = *partial_len;
-    d.norm_off = *norm_len;
+    d.partial_off = partial_len;
+    d.norm_off = norm_len;
     d.index = static_cast<int>(m);
     d.sigma_max = s.sigma_max;
-    *partial_len += int64_t(d.vblocks) * s.cols;
-    *norm_len += d.vblocks;
+    partial_len += int64_t(d.vblocks) * s.cols;
+    norm_len += d.vblocks;
     descs.push_back(d);
   }
-  return descs;
-}
-
-// One launch's descriptors: `count` (at most kMaxMatricesPerLaunch) from `first`, their virtual
-// blocks numbered in order.
-Batch batch_of(const MatrixDesc* first, size_t count) {
-  TORCH_INTERNAL_ASSERT(count <= size_t(kMaxMatricesPerLaunch), kSpectralOp, ": ", count, " matrices for one launch");
-  Batch b{};
-  b.count = static_cast<int>(count);
-  for (int i = 0; i < b.count; ++i) {
-    b.m[i] = first[i];
-    b.m[i].first_vblock = b.total_vblocks;
-    DQN_CHECK(int64_t(b.total_vblocks) + b.m[i].vblocks <= INT_MAX, kSpectralOp, ": too many blocks");
-    b.total_vblocks += b.m[i].vblocks;
-  }
-  return b;
-}
-
-// Whether a matrix takes the cluster strategy: a cached lookup of the device and the setting.
-// with_target: in the optimizer tail's launch (its shared memory holds the target's rows too).
-bool takes_clusters(const MatrixDesc& d, const ClusterSupport& cs, bool with_target = false) {
-  return cs.usable && spectral_strategy() == SpectralStrategy::kAuto &&
-         cluster_smem_floats(d.rows, d.cols, with_target) <= cs.smem_floats;
-}
-
-void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, Tensor& v, Tensor& sigma,
-                                c10::IntArrayRef matrices, c10::ArrayRef<double> sigma_max,
-                                int64_t n_power_iterations, double eps, bool one_launch_per_matrix) {
-  const auto mats = check_spectral_args(params, params_bf16, u, v, sigma, matrices, sigma_max, n_power_iterations, eps);
-  int64_t partial_len = 0, norm_len = 0;
-  const std::vector<MatrixDesc> descs = describe(mats, n_power_iterations, &partial_len, &norm_len);
-  // Kernels must run on the tensors' device, whichever device is current.
-  const c10::cuda::CUDAGuard guard(params.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-
-  // Scratch from torch's caching allocator: the [K, cols] partials of every matrix, then the
-  // K partial squared norms of v~ and of u~.
   Tensor scratch = at::empty({partial_len + 2 * norm_len}, params.options());
   float* partial = scratch.data_ptr<float>();
   float* sq_v = partial + partial_len;
@@ -671,13 +544,22 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
   // The choice depends on the strategy setting, the device (and the binary on it) and the
   // matrix's shape alone: a cached lookup per call.
   const ClusterSupport& cs = cluster_support(params.device().index());
+  const bool clusters = cs.usable && spectral_strategy() == SpectralStrategy::kAuto;
   std::vector<MatrixDesc> small, large;
-  for (const MatrixDesc& d : descs) (takes_clusters(d, cs) ? small : large).push_back(d);
+  for (const MatrixDesc& d : descs)
+    (clusters && cluster_smem_floats(d.rows, d.cols) <= cs.smem_floats ? small : large).push_back(d);
   const size_t per_launch = one_launch_per_matrix ? 1 : kMaxMatricesPerLaunch;
   for (const bool cluster : {true, false}) {
     const std::vector<MatrixDesc>& group = cluster ? small : large;
     for (size_t first = 0; first < group.size(); first += per_launch) {
-      Batch b = batch_of(&group[first], std::min(per_launch, group.size() - first));
+      Batch b{};  // the next per_launch matrices, their virtual blocks numbered in order
+      b.count = static_cast<int>(std::min(per_launch, group.size() - first));
+      for (int i = 0; i < b.count; ++i) {
+        b.m[i] = group[first + i];
+        b.m[i].first_vblock = b.total_vblocks;
+        DQN_CHECK(int64_t(b.total_vblocks) + b.m[i].vblocks <= INT_MAX, kSpectralOp, ": too many blocks");
+        b.total_vblocks += b.m[i].vblocks;
+      }
       if (cluster)
         launch_clusters(b, params, params_bf16, u, v, sigma, static_cast<int>(n_power_iterations),
                         static_cast<float>(eps), stream);
@@ -688,66 +570,9 @@ void batched_spectral_norm_cuda(Tensor& params, Tensor& params_bf16, Tensor& u, 
   }
 }
 
-// _adam_spectral_norm_ema in the norm partials' launch and one launch of the cluster kernel,
-// where every matrix takes the cluster strategy with room for its target rows beside W's, and
-// they fit one launch. Each element's Adam and EMA run once: a matrix's cluster takes its rows
-// and the elements between the matrix before it in params and it, cluster 0 those after the
-// last (check_spectral_args refuses overlapping matrices). Anything else runs the three ops.
-// Both ways give the same bits: each element's Adam reads the same norm, the power iteration the
-// same updated W, and the EMA the same clamped floats, through the formulas those ops use
-// (optim_math.h pins their rounding, so no kernel contracts them differently).
-void adam_spectral_norm_ema_cuda(Tensor& params, const Tensor& grads, Tensor& exp_avg, Tensor& exp_avg_sq,
-                                 Tensor& params_bf16, Tensor& step, const Tensor& lr, double beta1, double beta2,
-                                 double adam_eps, double weight_decay, bool decoupled_weight_decay,
-                                 c10::optional<double> max_grad_norm, Tensor& grad_norm, Tensor& found_inf, Tensor& u,
-                                 Tensor& v, Tensor& sigma, c10::IntArrayRef matrices, c10::ArrayRef<double> sigma_max,
-                                 int64_t n_power_iterations, double spectral_eps, Tensor& target, Tensor& target_bf16,
-                                 double tau) {
-  const auto mats = check_optimizer_tail_args(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2,
-                                              adam_eps, weight_decay, max_grad_norm, grad_norm, found_inf, u, v, sigma,
-                                              matrices, sigma_max, n_power_iterations, spectral_eps, target,
-                                              target_bf16, tau);
-  int64_t partial_len = 0, norm_len = 0;
-  std::vector<MatrixDesc> descs = describe(mats, n_power_iterations, &partial_len, &norm_len);
-  const c10::cuda::CUDAGuard guard(params.device());
-  const ClusterSupport& cs = cluster_support(params.device().index());
-  bool fused = descs.size() <= size_t(kMaxMatricesPerLaunch);
-  for (const MatrixDesc& d : descs) fused = fused && takes_clusters(d, cs, true);
-  if (!fused) {
-    adam_then_spectral_norm_then_ema(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2,
-                                     adam_eps, weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm,
-                                     found_inf, u, v, sigma, matrices, sigma_max, n_power_iterations, spectral_eps,
-                                     target, target_bf16, tau);
-    return;
-  }
-  std::vector<size_t> order(descs.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return descs[a].w_off < descs[b].w_off; });
-  int64_t end = 0;  // of the matrices so far, in params' order
-  for (size_t i : order) {
-    MatrixDesc& d = descs[i];
-    TORCH_INTERNAL_ASSERT(d.w_off >= end, kOptimizerTailOp, ": overlapping matrices passed the checks");
-    d.gap_len = d.w_off - end;
-    end = d.w_off + int64_t(d.rows) * d.cols;
-  }
-  Batch b = batch_of(descs.data(), descs.size());
-  b.tail_off = end;
-  b.tail_len = params.numel() - end;
-  Tensor norm_scratch;  // referenced until the cluster launch is enqueued
-  const AdamArgs adam = launch_adam_norm(params, grads, exp_avg, exp_avg_sq, params_bf16, step, lr, beta1, beta2,
-                                         adam_eps, weight_decay, decoupled_weight_decay, max_grad_norm, grad_norm,
-                                         found_inf, &norm_scratch);
-  launch_clusters(b, params, params_bf16, u, v, sigma, static_cast<int>(n_power_iterations),
-                  static_cast<float>(spectral_eps), at::cuda::getCurrentCUDAStream(), adam, target, target_bf16,
-                  static_cast<float>(tau));
-}
-
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) {
-  m.impl("batched_spectral_norm", &cuda::batched_spectral_norm_cuda);
-  m.impl("_adam_spectral_norm_ema", &cuda::adam_spectral_norm_ema_cuda);
-}
+TORCH_LIBRARY_IMPL(dqn_ops, CUDA, m) { m.impl("batched_spectral_norm", &cuda::batched_spectral_norm_cuda); }
 
 }  // namespace dqn_ops
