@@ -220,7 +220,29 @@ def test_gradcheck_float64():
 @pytest.mark.parametrize("B", [256, 1100])  # the CUDA bias gradients sum 512-row chunks past 512 rows
 def test_backward_vs_float64_within_bars(device, precision, name, B):
     """mixed_backward vs a hand-written float64 backward of the same forward, per precision."""
-    c = CONFIGS[name]
+    check_backward_vs_float64(device, precision, CONFIGS[name], name, B)
+
+
+# A value head per member, 5 of one shape: a group of more blocks than the rows' K chunks.
+SPLIT_CONFIGS = {"reference": CONFIGS["reference"], "odd_widths": CONFIGS["odd_widths"],
+                 "ensemble_5": DQNConfig(state_dim=24, trunk_hidden=(64, 48), value_hidden=32, adv_hidden=16,
+                                         atoms=21, branches=(3, 2), ensemble=5)}
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(SPLIT_CONFIGS))
+@pytest.mark.parametrize("B", [4096, 4196, 16461])
+def test_cuda_weight_gradients_split_along_the_rows_within_bars(precision, name, B):
+    """From 4096 rows the CUDA backward splits a dW GEMM's K (the rows) into chunks and sums their
+    products: whole chunks, a shorter last one (4196, 16461), more blocks than chunks (the
+    ensemble's value heads), the row offsets of unaligned widths (odd_widths)."""
+    check_backward_vs_float64("cuda", precision, SPLIT_CONFIGS[name], name, B)
+
+
+def check_backward_vs_float64(device, precision, c, name, B):
+    """mixed_backward of network c at batch B within its precision's bar of the float64 backward,
+    every layer and the states' gradient; the layout's padding zero."""
     net = make_net(c, device)
     s = random_states(c, B, device)
     saved = net.forward_full(s)

@@ -303,6 +303,38 @@ __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
   }
 }
 
+// A weight gradient dW = dY^T X over many rows (IQN's B x N fraction rows, large batches) has
+// few output tiles and a long K: cuBLAS's batched GEMM runs it on a few SMs (IQN's heads at B =
+// 4096: 48 blocks for 208 us). Split along K into `splits` row chunks, each chunk's product goes
+// to a slice of a partial buffer, and sum_splits_kernel adds the slices in order: the sum is
+// deterministic, its order set by the rows alone. kSplitMinRows: below it the GEMMs are short
+// and a split only adds the reduction's launch; kSplitMinChunk keeps each chunk's K long
+// enough for the GEMM's own pipeline; kMaxSplits bounds the partial buffer.
+constexpr int64_t kSplitMinRows = 4096, kSplitMinChunk = 1024, kMaxSplits = 16;
+
+// How many K chunks dW [width, in_width] (count blocks) over `rows` takes: enough for about two
+// 128 x 128 output tiles an SM, 1 (no split) below kSplitMinRows rows.
+int64_t dw_splits(int64_t width, int64_t in_width, int64_t count, int64_t rows) {
+  if (rows < kSplitMinRows) return 1;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t tiles = ((width + 127) / 128) * ((in_width + 127) / 128) * count;
+  const int64_t wanted = (2 * sms + tiles - 1) / tiles;
+  return std::max<int64_t>(1, std::min({wanted, kMaxSplits, rows / kSplitMinChunk}));
+}
+
+// dst_i[e] = sum over s in order of partial[s][i][e], for blocks i < count of n elements each,
+// dst_i = dst + i * dst_stride: the split dW's slices into the flat gradient.
+__global__ void sum_splits_kernel(const float* __restrict__ partial, int splits, int64_t count, int64_t n,
+                                  float* __restrict__ dst, int64_t dst_stride) {
+  pdl_enter();
+  const int64_t total = count * n;
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < total; j += int64_t(gridDim.x) * blockDim.x) {
+    float t = 0.f;
+    for (int s = 0; s < splits; ++s) t += partial[s * total + j];
+    dst[(j / n) * dst_stride + j % n] = t;
+  }
+}
+
 // The ranges of the flat gradient that backward_from_head's GEMMs and column sums leave
 // unwritten: the layout's alignment gaps and, outside bf16 mode (whose output-head GEMMs run on
 // the padded row count), the output heads' reserved rows. In order, disjoint.
@@ -459,10 +491,39 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         const HeadSlice& s = grp.first;
         const int64_t col = bf16 ? s.pad_col : s.out_col, width = bf16 ? s.pad_width : s.out_width;
         const int64_t dy_stride = bf16 ? grp.pad_col_stride : grp.out_col_stride;
-        gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, rows,
-                             Operand{at_elem(dy, col), op_type, dy_ld, true}, dy_stride,
-                             Operand{at_elem(act(in), s.in_col), op_type, x_ld, false}, grp.in_col_stride,
-                             g + s.w_off, CUDA_R_32F, s.in_width, grp.w_stride, grp.count, compute);
+        // Rows [r0, r0 + k) of every block of the group into C (block i at C + i * c_stride).
+        auto dw_rows = [&](int64_t r0, int64_t k, float* C, int64_t c_stride) {
+          gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, k,
+                               Operand{at_elem(dy, r0 * dy_ld + col), op_type, dy_ld, true}, dy_stride,
+                               Operand{at_elem(act(in), r0 * x_ld + s.in_col), op_type, x_ld, false},
+                               grp.in_col_stride, C, CUDA_R_32F, s.in_width, c_stride, grp.count, compute);
+        };
+        const int64_t splits = dw_splits(width, s.in_width, grp.count, rows);
+        if (splits == 1) {
+          dw_rows(0, rows, g + s.w_off, grp.w_stride);
+          continue;
+        }
+        // Chunks of `chunk` rows (a multiple of 64), the last one shorter: slice c of `slices`
+        // holds chunk c's products, [count, width, in_width].
+        const int64_t chunk = ((rows + splits - 1) / splits + 63) / 64 * 64;
+        const int64_t slices = (rows + chunk - 1) / chunk, full = rows / chunk;
+        const int64_t n = width * s.in_width, slice = grp.count * n;
+        // Allocated on the side stream (its pool), freed there once the work queued on it is done.
+        const Tensor partial_dw = at::empty({slices * slice}, f32);
+        float* P = partial_dw.data_ptr<float>();
+        if (grp.count <= full) {
+          // A launch per block, batched over the full chunks (their rows chunk * ld apart).
+          for (int64_t i = 0; i < grp.count; ++i)
+            gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, chunk,
+                                 Operand{at_elem(dy, col + i * dy_stride), op_type, dy_ld, true}, chunk * dy_ld,
+                                 Operand{at_elem(act(in), s.in_col + i * grp.in_col_stride), op_type, x_ld, false},
+                                 chunk * x_ld, P + i * n, CUDA_R_32F, s.in_width, slice, full, compute);
+        } else {
+          for (int64_t c = 0; c < full; ++c) dw_rows(c * chunk, chunk, P + c * slice, n);
+        }
+        if (slices > full) dw_rows(full * chunk, rows - full * chunk, P + full * slice, n);
+        launch(sum_splits_kernel, blocks_for(slice, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream(), P,
+               static_cast<int>(slices), grp.count, n, g + s.w_off, grp.w_stride);
       }
     });
     if (dx == nullptr) return false;
