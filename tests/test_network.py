@@ -223,7 +223,7 @@ def test_backward_vs_float64_within_bars(device, precision, name, B):
     check_backward_vs_float64(device, precision, CONFIGS[name], name, B)
 
 
-# A value head per member, 5 of one shape: a group of more blocks than the rows' K chunks.
+# An ensemble: groups of 5 same-shape blocks (a member's value head, its branch of 3 actions).
 SPLIT_CONFIGS = {"reference": CONFIGS["reference"], "odd_widths": CONFIGS["odd_widths"],
                  "ensemble_5": DQNConfig(state_dim=24, trunk_hidden=(64, 48), value_hidden=32, adv_hidden=16,
                                          atoms=21, branches=(3, 2), ensemble=5)}
@@ -232,11 +232,11 @@ SPLIT_CONFIGS = {"reference": CONFIGS["reference"], "odd_widths": CONFIGS["odd_w
 @requires_cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(SPLIT_CONFIGS))
-@pytest.mark.parametrize("B", [4096, 4196, 16461])
+@pytest.mark.parametrize("B", [8192, 8292, 16461])
 def test_cuda_weight_gradients_split_along_the_rows_within_bars(precision, name, B):
-    """From 4096 rows the CUDA backward splits a dW GEMM's K (the rows) into chunks and sums their
-    products: whole chunks, a shorter last one (4196, 16461), more blocks than chunks (the
-    ensemble's value heads), the row offsets of unaligned widths (odd_widths)."""
+    """From 8192 rows the CUDA backward splits a dW GEMM's K (the rows) into chunks and sums their
+    products: whole chunks, a shorter last one (8292, 16461), groups of several blocks (the
+    ensemble's), the row offsets of unaligned widths (odd_widths)."""
     check_backward_vs_float64("cuda", precision, SPLIT_CONFIGS[name], name, B)
 
 
@@ -246,7 +246,7 @@ def check_backward_vs_float64(device, precision, c, name, B):
     net = make_net(c, device)
     s = random_states(c, B, device)
     saved = net.forward_full(s)
-    gq = torch.randn(B, c.total_actions, c.atoms, device=device)
+    gq = torch.randn(B, c.q_rows, c.atoms, device=device)
     gh = torch.randn(B, c.head_out, device=device) * 0.1
     if device == "cuda":
         poison_cuda_cache()

@@ -307,10 +307,11 @@ __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
 // few output tiles and a long K: cuBLAS's batched GEMM runs it on a few SMs (IQN's heads at B =
 // 4096: 48 blocks for 208 us). Split along K into `splits` row chunks, each chunk's product goes
 // to a slice of a partial buffer, and sum_splits_kernel adds the slices in order: the sum is
-// deterministic, its order set by the rows alone. kSplitMinRows: below it the GEMMs are short
-// and a split only adds the reduction's launch; kSplitMinChunk keeps each chunk's K long
-// enough for the GEMM's own pipeline; kMaxSplits bounds the partial buffer.
-constexpr int64_t kSplitMinRows = 4096, kSplitMinChunk = 1024, kMaxSplits = 16;
+// deterministic, its order set by the rows alone. kSplitMinRows: below it the split did not pay
+// (the reference network at B = 4096 was slower with it, its dW GEMMs short, the reductions
+// launches of their own); kSplitMinChunk keeps each chunk's K long enough for the GEMM's own
+// pipeline; kMaxSplits bounds the partial buffer.
+constexpr int64_t kSplitMinRows = 8192, kSplitMinChunk = 1024, kMaxSplits = 16;
 
 // How many K chunks dW [width, in_width] (count blocks) over `rows` takes: enough for about two
 // 128 x 128 output tiles an SM, 1 (no split) below kSplitMinRows rows.
@@ -511,16 +512,12 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         // Allocated on the side stream (its pool), freed there once the work queued on it is done.
         const Tensor partial_dw = at::empty({slices * slice}, f32);
         float* P = partial_dw.data_ptr<float>();
-        if (grp.count <= full) {
-          // A launch per block, batched over the full chunks (their rows chunk * ld apart).
-          for (int64_t i = 0; i < grp.count; ++i)
-            gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, chunk,
-                                 Operand{at_elem(dy, col + i * dy_stride), op_type, dy_ld, true}, chunk * dy_ld,
-                                 Operand{at_elem(act(in), s.in_col + i * grp.in_col_stride), op_type, x_ld, false},
-                                 chunk * x_ld, P + i * n, CUDA_R_32F, s.in_width, slice, full, compute);
-        } else {
-          for (int64_t c = 0; c < full; ++c) dw_rows(c * chunk, chunk, P + c * slice, n);
-        }
+        // A launch per block, batched over the full chunks (their rows chunk * ld apart).
+        for (int64_t i = 0; i < grp.count; ++i)
+          gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, chunk,
+                               Operand{at_elem(dy, col + i * dy_stride), op_type, dy_ld, true}, chunk * dy_ld,
+                               Operand{at_elem(act(in), s.in_col + i * grp.in_col_stride), op_type, x_ld, false},
+                               chunk * x_ld, P + i * n, CUDA_R_32F, s.in_width, slice, full, compute);
         if (slices > full) dw_rows(full * chunk, rows - full * chunk, P + full * slice, n);
         launch(sum_splits_kernel, blocks_for(slice, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream(), P,
                static_cast<int>(slices), grp.count, n, g + s.w_off, grp.w_stride);
