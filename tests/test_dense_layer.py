@@ -290,27 +290,6 @@ def test_cuda_dense_layers_run_the_dense_kernel_as_the_mode_says(B, kernel_mode)
         assert dense == 0 and any("bias_relu_bf16" in n for n in names) and any("relu_backward" in n for n in back)
 
 
-@requires_cuda
-@pytest.mark.parametrize("kernel_mode", ["auto"], indirect=True)
-def test_cuda_auto_takes_the_input_gradient_of_a_single_k_tile_at_any_rows(kernel_mode):
-    """Mode auto bounds the input gradients' products, except where K fits one tile: one atom a
-    head (K = 8 padded columns of dY) over 2^17 rows, IQN's output heads at B = 4096, is past the
-    bound (3 x 2^27 products) yet takes the kernel, with no relu_backward for the head layer; the
-    heads' merged first layer's dX (K = 512) stays cuBLAS's with the trunk layer's relu_backward;
-    d(states) (K = 64) takes the kernel. Its gradients within the bf16 bar of the float64 backward."""
-    c = DQNConfig(state_dim=16, trunk_hidden=(64,), value_hidden=(128,), adv_hidden=(128,), atoms=1, branches=(3, 3, 3))
-    B = 1 << 17
-    net = make_net(c, "cuda", seed=8)
-    out = net.forward_full(_randn(B, c.state_dim, seed=8))
-    gq = _randn(B, c.q_rows, c.atoms, seed=9)
-    _backward_within_the_bar(net, out, gq)
-    back = _kernel_counts(lambda: _backward(net, out, gq))
-    if not any("dqn_ops" in n for n in back):
-        pytest.skip("the profiler recorded no kernels on this machine")
-    assert sum(k for n, k in back.items() if "dense_layer_kernel" in n and "DenseEpilogue)2" in n) == 2, back
-    assert sum(k for n, k in back.items() if "relu_backward" in n) == 1, back
-
-
 def _backward(net, out, gq, need_grad_states=True):
     """mixed_backward in bf16 on the gradient gq of q: the flat gradient and d(states)."""
     return dqn_ops.mixed_backward(gq, None, out, net.flat_params.detach(), net.params_bf16, net._layout_ints, "bf16",

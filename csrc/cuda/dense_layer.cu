@@ -344,9 +344,7 @@ void launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
 //     the pass costs. Measured with every kind on, by each step's largest such problem (the heads'
 //     merged first layer, the trunk's layers): faster at 2^25 to 2^27 (the reference at B = 256
 //     and 1024, the 3 x 512 trunk at 256), slower at 2^28 and more (the reference at 2048, the
-//     trunk at 1024 and 2048). Any size where K fits one tile (IQN's output heads, 8 columns of
-//     dY a head over B x N rows): both GEMMs are then bound by writing dX, not by their products,
-//     and the pass the epilogue saves reads and writes dX again.
+//     trunk at 1024 and 2048).
 constexpr int64_t kLogitsMaxRows = 2048;
 constexpr int64_t kInputGradMaxMacs = int64_t(1) << 27;
 // rows x N x K x batch <= bound, without the product's overflow (floor divisions compose).
@@ -358,7 +356,7 @@ bool measured_faster(const DenseLaunch& l) {
     const DenseProblem& p = l.problem[i];
     const bool faster = l.epilogue == DenseEpilogue::kHidden   ? p.N >= 128
                         : l.epilogue == DenseEpilogue::kLogits ? p.rows <= kLogitsMaxRows
-                                                               : p.K <= kBK || macs_at_most(p, kInputGradMaxMacs);
+                                                               : macs_at_most(p, kInputGradMaxMacs);
     if (!faster) return false;
   }
   return true;
