@@ -15,10 +15,9 @@ namespace dqn_ops {
 
 // Device code rounds each multiply and add on its own or in an explicit FMA (the _rn
 // intrinsics, which ptxas never contracts): a plain a * b + c becomes an FMA in one kernel and
-// not in another, as the code around it differs, and every kernel that inlines these formulas
-// (fused_adam_bf16's and ema_update's own, the optimizer tail's cluster kernel) must compute the
-// same bits. Host code runs the same sequence with separate roundings (setup.py builds it with
-// -ffp-contract=off).
+// not in another, as the code around it differs, so the rounding of each step is the one written
+// here in whichever kernel inlines these formulas (fused_adam_bf16's and ema_update's). Host
+// code runs the same sequence with separate roundings (setup.py builds it with -ffp-contract=off).
 DQN_HD float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);

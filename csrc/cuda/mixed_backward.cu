@@ -308,8 +308,8 @@ __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
 // 4096: 48 blocks for 208 us). Split along K into `splits` row chunks, each chunk's product goes
 // to a slice of a partial buffer, and sum_splits_kernel adds the slices in order: the sum is
 // deterministic, its order set by the rows alone. kSplitMinRows: below it the split did not pay
-// (the reference network at B = 4096 was slower with it, its dW GEMMs short, the reductions
-// launches of their own); kSplitMinChunk keeps each chunk's K long enough for the GEMM's own
+// (the reference network at B = 4096 was slower with it: its dW GEMMs are short, and each
+// split adds a reduction's launch); kSplitMinChunk keeps each chunk's K long enough for the GEMM's own
 // pipeline; kMaxSplits bounds the partial buffer.
 constexpr int64_t kSplitMinRows = 8192, kSplitMinChunk = 1024, kMaxSplits = 16;
 
