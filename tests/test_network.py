@@ -223,7 +223,8 @@ def test_backward_vs_float64_within_bars(device, precision, name, B):
     check_backward_vs_float64(device, precision, CONFIGS[name], name, B)
 
 
-# An ensemble: groups of 5 same-shape blocks (a member's value head, its branch of 3 actions).
+# An ensemble: its 5 value heads a group of 5 same-shape blocks (the branch heads, of 3 and 2
+# actions, groups of one).
 SPLIT_CONFIGS = {"reference": CONFIGS["reference"], "odd_widths": CONFIGS["odd_widths"],
                  "ensemble_5": DQNConfig(state_dim=24, trunk_hidden=(64, 48), value_hidden=32, adv_hidden=16,
                                          atoms=21, branches=(3, 2), ensemble=5)}

@@ -304,13 +304,12 @@ __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
 }
 
 // A weight gradient dW = dY^T X over many rows (IQN's B x N fraction rows, large batches) has
-// few output tiles and a long K: cuBLAS's batched GEMM runs it on a few SMs (IQN's heads at B =
-// 4096: 48 blocks for 208 us). Split along K into `splits` row chunks, each chunk's product goes
-// to a slice of a partial buffer, and sum_splits_kernel adds the slices in order: the sum is
-// deterministic, its order set by the rows alone. kSplitMinRows: below it the split did not pay
-// (the reference network at B = 4096 was slower with it: its dW GEMMs are short, and each
-// split adds a reduction's launch); kSplitMinChunk keeps each chunk's K long enough for the GEMM's own
-// pipeline; kMaxSplits bounds the partial buffer.
+// few output tiles and a long K: one cuBLAS GEMM runs it on a few SMs and leaves the rest idle.
+// Split along K into `splits` row chunks, each chunk's product goes to a slice of a partial
+// buffer, and sum_splits_kernel adds the slices in order: deterministic, the order fixed by the
+// device's SM count, the layer's shape and the rows. kSplitMinRows: below it the GEMMs are short
+// and the reduction's launch costs more than the split gains (bench/NOTES.md); kSplitMinChunk
+// keeps each chunk's K long enough for the GEMM's own pipeline; kMaxSplits bounds the buffer.
 constexpr int64_t kSplitMinRows = 8192, kSplitMinChunk = 1024, kMaxSplits = 16;
 
 // How many K chunks dW [width, in_width] (count blocks) over `rows` takes: enough for about two
@@ -509,7 +508,8 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         const int64_t chunk = ((rows + splits - 1) / splits + 63) / 64 * 64;
         const int64_t slices = (rows + chunk - 1) / chunk, full = rows / chunk;
         const int64_t n = width * s.in_width, slice = grp.count * n;
-        // Allocated on the side stream (its pool), freed there once the work queued on it is done.
+        // Allocated on the side stream: freed into its pool, which only work queued after this on the
+        // same stream (or, in a capture, the graph's pool on it) reuses.
         const Tensor partial_dw = at::empty({slices * slice}, f32);
         float* P = partial_dw.data_ptr<float>();
         // A launch per block, batched over the full chunks (their rows chunk * ld apart).
