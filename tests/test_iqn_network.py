@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import dqn_ops
+from backward_check import BACKWARD_BARS
 from conftest import DEVICES, requires_cuda
 from dqn_ops import DuelingBranchQNet, ParamLayout, ops
 from dqn_ops.layout import LAYOUT_FORMAT, decode_config
@@ -26,9 +27,6 @@ from poison import poison_cuda_cache
 from reference import logical_activations, mirror_layers, padding_mask, reference_iqn_forward, rel_err
 from step_check import snapshot
 from test_iqn_reference import NETS
-
-BACKWARD_BARS = {"fp32": 1e-5, "tf32": 3e-3, "bf16": 2e-2}
-
 
 def make_net(c, device="cpu", seed=0):
     return DuelingBranchQNet(c, generator=torch.Generator().manual_seed(seed)).to(device)

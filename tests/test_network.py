@@ -6,15 +6,11 @@ import torch
 import torch.nn.functional as F
 
 import dqn_ops
+from backward_check import check_backward_within_bars
 from conftest import DEVICES, behind_a_sleep, requires_cuda, warm_side_stream
 from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout
 from poison import poison_cuda_cache
-from reference import (CONFIGS, TINY, ReferenceNet, dueling_head_grad, logical_activations, padding_mask,
-                       reference_backward, reference_net_like, rel_err)
-
-# Precision bars (docs/design.md): relative Frobenius error of the backward against float64.
-BACKWARD_BARS = {"fp32": 1e-5, "tf32": 3e-3, "bf16": 2e-2}
-
+from reference import CONFIGS, TINY, ReferenceNet, logical_activations, padding_mask, reference_net_like, rel_err
 
 def make_net(config, device, **kw):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
@@ -220,7 +216,7 @@ def test_gradcheck_float64():
 @pytest.mark.parametrize("B", [256, 1100])  # the CUDA bias gradients sum 512-row chunks past 512 rows
 def test_backward_vs_float64_within_bars(device, precision, name, B):
     """mixed_backward vs a hand-written float64 backward of the same forward, per precision."""
-    check_backward_vs_float64(device, precision, CONFIGS[name], name, B)
+    check_backward_within_bars(make_net(CONFIGS[name], device), name, precision, B)
 
 
 # An ensemble: its 5 value heads a group of 5 same-shape blocks (the branch heads, of 3 and 2
@@ -238,34 +234,7 @@ def test_cuda_weight_gradients_split_along_the_rows_within_bars(precision, name,
     """From 8192 rows the CUDA backward splits a dW GEMM's K (the rows) into chunks and sums their
     products: whole chunks, a shorter last one (8292, 16461), groups of several blocks (the
     ensemble's), the row offsets of unaligned widths (odd_widths)."""
-    check_backward_vs_float64("cuda", precision, SPLIT_CONFIGS[name], name, B)
-
-
-def check_backward_vs_float64(device, precision, c, name, B):
-    """mixed_backward of network c at batch B within its precision's bar of the float64 backward,
-    every layer and the states' gradient; the layout's padding zero."""
-    net = make_net(c, device)
-    s = random_states(c, B, device)
-    saved = net.forward_full(s)
-    gq = torch.randn(B, c.q_rows, c.atoms, device=device)
-    gh = torch.randn(B, c.head_out, device=device) * 0.1
-    if device == "cuda":
-        poison_cuda_cache()
-    grad, gs = dqn_ops.mixed_backward(gq, gh, saved, net.flat_params.detach(), net.params_bf16,
-                                      net._layout_ints, precision, need_grad_states=True)
-    d_head = dueling_head_grad(c, gq) + gh.double().cpu()
-    ref_grad, ref_gs = reference_backward(net, saved.activations, d_head, "mirror" if precision == "bf16" else "master")
-    bar = BACKWARD_BARS[precision]
-    # CPU computes tf32 in full F32; only the GPU takes the TF32/BF16 shortcuts.
-    bar = bar if device == "cuda" or precision == "bf16" else BACKWARD_BARS["fp32"]
-    g_views, r_views = net.layer_views(grad), net.layer_views(ref_grad)
-    for pname in r_views:
-        e = rel_err(g_views[pname], r_views[pname])
-        assert e <= bar, f"{name}/{precision}/{device}: {pname} error {e:.2e} > {bar:.0e}"
-    assert rel_err(gs, ref_gs) <= bar
-    assert torch.isfinite(grad).all()
-    # the layout's padding (alignment gaps, reserved rows, extra units): zero on a poisoned cache
-    assert (grad[padding_mask(net.layout, grad.device)] == 0).all()
+    check_backward_within_bars(make_net(SPLIT_CONFIGS[name], "cuda"), name, precision, B)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dqn_ops
+from backward_check import BACKWARD_BARS, check_backward_within_bars
 from conftest import DEVICES, requires_cuda
 from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout, Trainer, TrainerConfig, ops
 from dqn_ops.step import InternalOpsStep, PublicOpsStep
@@ -21,8 +22,6 @@ from reference import (SHAPES, activation_columns, dueling_head_grad, logical_ac
 
 V_MIN, V_MAX, GAMMA = -10.0, 10.0, 0.97
 NAMES = list(SHAPES)
-# Relative Frobenius error of the backward against float64 (as tests/test_network.py).
-BACKWARD_BARS = {"fp32": 1e-5, "tf32": 3e-3, "bf16": 2e-2}
 
 
 def make_net(c, device="cpu", seed=0):
@@ -182,27 +181,7 @@ def check_bf16_mirror_emulated(net, s):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_backward_vs_float64_within_bars(name, precision):
-    check_backward_within_bars(make_net(SHAPES[name]), name, precision)
-
-
-def check_backward_within_bars(net, name, precision):
-    """The CPU kernel's backward of `net` (F32, BF16 mirror) within its precision's bar of the
-    float64 backward of the same forward, every layer; tests/test_ensemble_network.py runs it on
-    ensembles (the CUDA check's bar for a tiny layer rests on this one)."""
-    c = net.config
-    B = 200
-    out = net.forward_full(torch.randn(B, c.state_dim))
-    gq = torch.randn(B, c.q_rows, c.atoms)
-    gh = torch.randn(B, c.head_out) * 0.1
-    grad, gs = dqn_ops.mixed_backward(gq, gh, out, *net_args(net)[:2], net._layout_ints, precision, True)
-    ref_grad, ref_gs = reference_backward(net, out.activations, dueling_head_grad(c, gq) + gh.double(),
-                                          "mirror" if precision == "bf16" else "master")
-    bar = BACKWARD_BARS[precision if precision == "bf16" else "fp32"]  # the CPU runs tf32 in full F32
-    g, r = net.layer_views(grad), net.layer_views(ref_grad)
-    for pname in r:
-        assert rel_err(g[pname], r[pname]) <= bar, f"{name}/{precision}: {pname} {rel_err(g[pname], r[pname]):.2e}"
-    assert rel_err(gs, ref_gs) <= bar
-    assert (grad[padding_mask(net.layout, "cpu")] == 0).all()
+    check_backward_within_bars(make_net(SHAPES[name]), name, precision, B=200)
 
 
 def check_gradcheck_float64(c: DQNConfig, fast_above: int):
