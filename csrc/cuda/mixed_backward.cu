@@ -491,16 +491,26 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         const HeadSlice& s = grp.first;
         const int64_t col = bf16 ? s.pad_col : s.out_col, width = bf16 ? s.pad_width : s.out_width;
         const int64_t dy_stride = bf16 ? grp.pad_col_stride : grp.out_col_stride;
-        // Rows [r0, r0 + k) of every block of the group into C (block i at C + i * c_stride).
-        auto dw_rows = [&](int64_t r0, int64_t k, float* C, int64_t c_stride) {
+        // dW of rows [r0, r0 + k), `batch` GEMMs from block `i` on, the operands' batches dy_batch
+        // and x_batch elements apart, the products at C, c_stride apart: the one place dW's operands
+        // are addressed, for the blocks (batched over them) and the split's row chunks (a launch a
+        // block, batched over the chunks).
+        auto dw_gemm = [&](int64_t r0, int64_t k, int64_t i, int64_t dy_batch, int64_t x_batch, float* C,
+                           int64_t c_stride, int64_t batch) {
           gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, k,
-                               Operand{at_elem(dy, r0 * dy_ld + col), op_type, dy_ld, true}, dy_stride,
-                               Operand{at_elem(act(in), r0 * x_ld + s.in_col), op_type, x_ld, false},
-                               grp.in_col_stride, C, CUDA_R_32F, s.in_width, c_stride, grp.count, compute);
+                               Operand{at_elem(dy, r0 * dy_ld + col + i * dy_stride), op_type, dy_ld, true},
+                               dy_batch,
+                               Operand{at_elem(act(in), r0 * x_ld + s.in_col + i * grp.in_col_stride), op_type,
+                                       x_ld, false},
+                               x_batch, C, CUDA_R_32F, s.in_width, c_stride, batch, compute);
+        };
+        // Rows [r0, r0 + k) of every block of the group into C (block i at C + i * c_stride).
+        auto dw_blocks = [&](int64_t r0, int64_t k, float* C, int64_t c_stride) {
+          dw_gemm(r0, k, 0, dy_stride, grp.in_col_stride, C, c_stride, grp.count);
         };
         const int64_t splits = dw_splits(width, s.in_width, grp.count, rows);
         if (splits == 1) {
-          dw_rows(0, rows, g + s.w_off, grp.w_stride);
+          dw_blocks(0, rows, g + s.w_off, grp.w_stride);
           continue;
         }
         // Chunks of `chunk` rows (a multiple of 64), the last one shorter: slice c of `slices`
@@ -514,11 +524,8 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         float* P = partial_dw.data_ptr<float>();
         // A launch per block, batched over the full chunks (their rows chunk * ld apart).
         for (int64_t i = 0; i < grp.count; ++i)
-          gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, chunk,
-                               Operand{at_elem(dy, col + i * dy_stride), op_type, dy_ld, true}, chunk * dy_ld,
-                               Operand{at_elem(act(in), s.in_col + i * grp.in_col_stride), op_type, x_ld, false},
-                               chunk * x_ld, P + i * n, CUDA_R_32F, s.in_width, slice, full, compute);
-        if (slices > full) dw_rows(full * chunk, rows - full * chunk, P + full * slice, n);
+          dw_gemm(0, chunk, i, chunk * dy_ld, chunk * x_ld, P + i * n, slice, full);
+        if (slices > full) dw_blocks(full * chunk, rows - full * chunk, P + full * slice, n);
         launch(sum_splits_kernel, blocks_for(slice, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream(), P,
                static_cast<int>(slices), grp.count, n, g + s.w_off, grp.w_stride);
       }

@@ -24,6 +24,7 @@
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
+#include "elementwise.cuh"
 #include "optim_args.h"
 #include "optim_math.h"
 #include "pdl.cuh"
@@ -53,14 +54,6 @@ __global__ void __launch_bounds__(kThreads) sq_norm_partials_kernel(const float*
     scratch[blockIdx.x] = s;
     if (blockIdx.x == 0) scratch[kMaxNormBlocks] = step[0];
   }
-}
-
-__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, float4 p) {
-  __nv_bfloat162 lo = __floats2bfloat162_rn(p.x, p.y), hi = __floats2bfloat162_rn(p.z, p.w);
-  uint2 u;
-  u.x = *reinterpret_cast<uint32_t*>(&lo);
-  u.y = *reinterpret_cast<uint32_t*>(&hi);
-  *reinterpret_cast<uint2*>(dst) = u;
 }
 
 __global__ void __launch_bounds__(kThreads) adam_update_kernel(
@@ -98,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) adam_update_kernel(
     reinterpret_cast<float4*>(p)[i] = pp;
     reinterpret_cast<float4*>(m)[i] = mm;
     reinterpret_cast<float4*>(v)[i] = vv;
-    store_bf16x4(mirror + 4 * i, pp);
+    *reinterpret_cast<uint2*>(mirror + 4 * i) = pack_bf16x4(pp.x, pp.y, pp.z, pp.w);
   }
   for (int64_t i = 4 * n4 + blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += stride) {
     adam_element(p[i], g[i], m[i], v[i], st);
@@ -119,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) ema_kernel(float* __restrict__ t, __
     tt.z = lerp_like_torch(tt.z, oo.z, tau);
     tt.w = lerp_like_torch(tt.w, oo.w, tau);
     reinterpret_cast<float4*>(t)[i] = tt;
-    store_bf16x4(mirror + 4 * i, tt);
+    *reinterpret_cast<uint2*>(mirror + 4 * i) = pack_bf16x4(tt.x, tt.y, tt.z, tt.w);
   }
   for (int64_t i = 4 * n4 + blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += stride) {
     t[i] = lerp_like_torch(t[i], o[i], tau);
