@@ -10,11 +10,11 @@ import re
 import pytest
 import torch
 
+from backward_check import BACKWARD_BARS
 from conftest import requires_cuda, switch_at_first_use
 import dqn_ops
 from dqn_ops import DQNConfig, _C, dense_kernel
 from dqn_ops.step import InternalOpsStep
-from backward_check import BACKWARD_BARS
 from poison import poison_cuda_cache
 from reference import dueling_head_grad, head_widths, logical_activations, mirror_layers, reference_backward, rel_err
 from step_check import same_bits, snapshot

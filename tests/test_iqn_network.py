@@ -28,6 +28,7 @@ from reference import logical_activations, mirror_layers, padding_mask, referenc
 from step_check import snapshot
 from test_iqn_reference import NETS
 
+
 def make_net(c, device="cpu", seed=0):
     return DuelingBranchQNet(c, generator=torch.Generator().manual_seed(seed)).to(device)
 

@@ -12,6 +12,7 @@ from dqn_ops import DQNConfig, DuelingBranchQNet, ParamLayout
 from poison import poison_cuda_cache
 from reference import CONFIGS, TINY, ReferenceNet, logical_activations, padding_mask, reference_net_like, rel_err
 
+
 def make_net(config, device, **kw):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     return DuelingBranchQNet(config, generator=g, **kw).to(device)
