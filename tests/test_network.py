@@ -221,10 +221,14 @@ def test_backward_vs_float64_within_bars(device, precision, name, B):
 
 
 # An ensemble: its 5 value heads a group of 5 same-shape blocks (the branch heads, of 3 and 2
-# actions, groups of one).
+# actions, groups of one). A wide trunk: its 1536 x 1536 layer's dW has 144 output tiles of 128 x
+# 128, so on a device of 132 SMs (H100, H200) it takes 2 chunks, and at 8292 and 16461 rows the
+# batch of whole chunks is a single GEMM (one whole chunk, then the shorter last one).
 SPLIT_CONFIGS = {"reference": CONFIGS["reference"], "odd_widths": CONFIGS["odd_widths"],
                  "ensemble_5": DQNConfig(state_dim=24, trunk_hidden=(64, 48), value_hidden=32, adv_hidden=16,
-                                         atoms=21, branches=(3, 2), ensemble=5)}
+                                         atoms=21, branches=(3, 2), ensemble=5),
+                 "wide_trunk": DQNConfig(state_dim=24, trunk_hidden=(1536, 1536), value_hidden=32, adv_hidden=16,
+                                         atoms=5, branches=(3, 2))}
 
 
 @requires_cuda
