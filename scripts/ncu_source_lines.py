@@ -26,12 +26,15 @@ def _int(x: str) -> int:
 
 
 def per_line(path: str):
-    """{(file, line): [instructions, samples, long_scoreboard, barrier, source]}, {stall: samples}."""
+    """{(file, line): [instructions, samples, long_scoreboard, barrier, source]}, {stall: samples},
+    {"instructions": n, "samples": n}. The source page lists a SASS row under the line of each
+    function inlined at it (a cluster barrier under cooperative_groups.h and helpers.h alike): it
+    counts in each such line's entry, and once, by its address, in the stalls and the totals."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         rows = list(csv.reader(f))
     lines = collections.defaultdict(lambda: [0, 0, 0, 0, ""])
-    stalls = collections.Counter()
+    stalls, totals, seen = collections.Counter(), collections.Counter(), set()
     col, file, current = None, None, None
     for row in rows:
         if not row:
@@ -51,29 +54,38 @@ def per_line(path: str):
             entry[1] += _int(row[col["Warp Stall Sampling (All Samples)"]])
             entry[2] += _int(row[col["stall_long_sb"]])
             entry[3] += _int(row[col["stall_barrier"]])
+            address = row[col["Address"]]
+            if address in seen:
+                continue
+            seen.add(address)
+            totals["instructions"] += _int(row[col["Instructions Executed"]])
+            totals["samples"] += _int(row[col["Warp Stall Sampling (All Samples)"]])
             for name, i in col.items():
                 if name.startswith("stall_") and "Not Issued" not in name:
                     stalls[name[len("stall_"):]] += _int(row[i])
-    return lines, stalls
+    return lines, stalls, totals
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", help="ncu --page source --csv --print-source cuda,sass output (.csv or .csv.gz)")
-    ap.add_argument("--warps", type=int, default=1, help="warps of the launch, to print instructions per warp")
+    ap.add_argument("--warps", type=int, default=None,
+                    help="warps of the launch, to print instructions per warp (without it: the launch's totals)")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
-    lines, stalls = per_line(args.csv)
+    lines, stalls, totals = per_line(args.csv)
     if not lines:
         raise SystemExit(f"{args.csv}: no source lines (was it written with --print-source cuda,sass?)")
-    instructions = sum(v[0] for v in lines.values())
-    samples = max(sum(v[1] for v in lines.values()), 1)
-    print(f"instructions {instructions} ({instructions / args.warps:.0f} per warp), stall samples {samples}")
+    instructions, samples = totals["instructions"], max(totals["samples"], 1)
+    warps = args.warps or 1
+    per = f"{instructions / warps:.0f} per warp over {args.warps} warps" if args.warps else "the launch's total"
+    print(f"instructions {instructions} ({per}), stall samples {samples}")
     print("stalls: " + ", ".join(f"{k} {100 * v / samples:.1f}%" for k, v in stalls.most_common(10)))
+    column = "instr/warp" if args.warps else "    instr"
     for title, key in (("by instructions", 0), ("by stall samples", 1)):
-        print(f"\n{title}:  instr/warp  samples  long_sb  barrier  line")
+        print(f"\n{title}:  {column}  samples  long_sb  barrier  line")
         for (file, line), v in sorted(lines.items(), key=lambda kv: -kv[1][key])[: args.top]:
-            print(f"  {v[0] / args.warps:10.1f}  {v[1]:7d}  {v[2]:7d}  {v[3]:7d}  {file}:{line}  {v[4][:80]}")
+            print(f"  {v[0] / warps:10.1f}  {v[1]:7d}  {v[2]:7d}  {v[3]:7d}  {file}:{line}  {v[4][:80]}")
 
 
 if __name__ == "__main__":

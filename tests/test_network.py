@@ -238,7 +238,8 @@ SPLIT_CONFIGS = {"reference": CONFIGS["reference"], "odd_widths": CONFIGS["odd_w
 def test_cuda_weight_gradients_split_along_the_rows_within_bars(precision, name, B):
     """From 8192 rows the CUDA backward splits a dW GEMM's K (the rows) into chunks and sums their
     products: whole chunks, a shorter last one (8292, 16461), groups of several blocks (the
-    ensemble's), the row offsets of unaligned widths (odd_widths)."""
+    ensemble's), the row offsets of unaligned widths (odd_widths), a single whole chunk before
+    the shorter one (wide_trunk)."""
     check_backward_within_bars(make_net(SPLIT_CONFIGS[name], "cuda"), name, precision, B)
 
 

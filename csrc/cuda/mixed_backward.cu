@@ -491,10 +491,11 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         const HeadSlice& s = grp.first;
         const int64_t col = bf16 ? s.pad_col : s.out_col, width = bf16 ? s.pad_width : s.out_width;
         const int64_t dy_stride = bf16 ? grp.pad_col_stride : grp.out_col_stride;
-        // dW of rows [r0, r0 + k), `batch` GEMMs from block `i` on, the operands' batches dy_batch
-        // and x_batch elements apart, the products at C, c_stride apart: the one place dW's operands
-        // are addressed, for the blocks (batched over them) and the split's row chunks (a launch a
-        // block, batched over the chunks).
+        // `batch` dW GEMMs over k rows, the first of rows [r0, r0 + k) of block i, each next one's
+        // operands dy_batch and x_batch elements further (the next block's columns, or the next
+        // chunk's rows), their products at C, c_stride apart: the one place dW's operands are
+        // addressed, for the blocks (batched over them) and the split's row chunks (a launch a
+        // block, batched over its chunks).
         auto dw_gemm = [&](int64_t r0, int64_t k, int64_t i, int64_t dy_batch, int64_t x_batch, float* C,
                            int64_t c_stride, int64_t batch) {
           gemm_strided_batched(op, what_dw.c_str(), width, s.in_width, k,
