@@ -222,7 +222,7 @@ def test_backward_vs_float64_within_bars(device, precision, name, B):
 
 # An ensemble: its 5 value heads a group of 5 same-shape blocks (the branch heads, of 3 and 2
 # actions, groups of one). A wide trunk: its 1536 x 1536 layer's dW has 144 output tiles of 128 x
-# 128, so on a device of 132 SMs (H100, H200) it takes 2 chunks, and at 8292 and 16461 rows the
+# 128, so on a device of 132 SMs (H100, H200) it takes 2 chunks, and at 32868 and 49221 rows the
 # batch of whole chunks is a single GEMM (one whole chunk, then the shorter last one).
 SPLIT_CONFIGS = {"reference": CONFIGS["reference"], "odd_widths": CONFIGS["odd_widths"],
                  "ensemble_5": DQNConfig(state_dim=24, trunk_hidden=(64, 48), value_hidden=32, adv_hidden=16,
@@ -234,10 +234,10 @@ SPLIT_CONFIGS = {"reference": CONFIGS["reference"], "odd_widths": CONFIGS["odd_w
 @requires_cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(SPLIT_CONFIGS))
-@pytest.mark.parametrize("B", [8192, 8292, 16461])
+@pytest.mark.parametrize("B", [32768, 32868, 49221])
 def test_cuda_weight_gradients_split_along_the_rows_within_bars(precision, name, B):
-    """From 8192 rows the CUDA backward splits a dW GEMM's K (the rows) into chunks and sums their
-    products: whole chunks, a shorter last one (8292, 16461), groups of several blocks (the
+    """From 32768 rows the CUDA backward splits a dW GEMM's K (the rows) into chunks and sums their
+    products: whole chunks, a shorter last one (32868, 49221), groups of several blocks (the
     ensemble's), the row offsets of unaligned widths (odd_widths), a single whole chunk before
     the shorter one (wide_trunk)."""
     check_backward_within_bars(make_net(SPLIT_CONFIGS[name], "cuda"), name, precision, B)

@@ -310,7 +310,7 @@ __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
 // device's SM count, the layer's shape and the rows. kSplitMinRows: below it the GEMMs are short
 // and the reduction's launch costs more than the split gains (bench/NOTES.md); kSplitMinChunk
 // keeps each chunk's K long enough for the GEMM's own pipeline; kMaxSplits bounds the buffer.
-constexpr int64_t kSplitMinRows = 8192, kSplitMinChunk = 1024, kMaxSplits = 16;
+constexpr int64_t kSplitMinRows = 32768, kSplitMinChunk = 1024, kMaxSplits = 16;
 
 // How many K chunks dW [width, in_width] (count blocks) over `rows` takes: enough for about two
 // 128 x 128 output tiles an SM, 1 (no split) below kSplitMinRows rows.
