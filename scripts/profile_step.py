@@ -7,9 +7,12 @@ a step timed back to back cannot go under, whatever its kernels take.
 
     python3 scripts/profile_step.py --batches 256 4096 --out bench/results
     python3 scripts/profile_step.py --network cleanrl_c51 --batches 256   # a network of bench_networks.py
+    python3 scripts/profile_step.py --batches 256 --graph-dot gpu_out     # also the graph's nodes and edges
 
 Writes <out>/profile.txt (every batch; profile-<network>.txt for another network than the
-reference) and prints a summary.
+reference) and prints a summary. --graph-dot DIR also writes DIR/graph-<network>-B<batch>.dot:
+the step's graph as CUDA describes it (cudaGraphDebugDotPrint: every node with its parameters,
+every edge with its type, a programmatic dependent launch's included).
 """
 from __future__ import annotations
 
@@ -65,6 +68,26 @@ def host_us(fn, calls: int = 200, sleep_ms: float = 100.0) -> float:
     return host
 
 
+def dump_graph(c, trainer_kw, B: int, path: str):
+    """The trainer's step body captured as CapturedStep captures it (warmed up on the capture's
+    side stream first), in a graph in debug mode, written as a DOT file."""
+    cfg = TrainerConfig(batch_size=B, use_cuda_graph=False, readback_interval=100, on_non_finite="flag",
+                        **trainer_kw)
+    t = Trainer(c, cfg, device="cuda", seed=0)
+    t.step(random_batch(c, B, torch.device("cuda")))  # the batch into the trainer's inputs
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            t._step_body()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    g.enable_debug_mode()
+    with torch.cuda.graph(g, stream=side):
+        t._step_body()
+    g.debug_dump(path)
+
+
 def short(name: str, width: int = 110) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
@@ -74,6 +97,7 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     ap.add_argument("--network", default="reference", choices=list(NETWORKS))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "bench", "results"))
+    ap.add_argument("--graph-dot", metavar="DIR", help="also write each batch's step graph as a DOT file here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a CUDA device")
@@ -109,7 +133,13 @@ def main():
                         f"the GPU busy: Trainer.step() {host_us(t.step):.1f} µs, the replay alone "
                         f"{host_us(t._runner):.1f} µs")
                 print(note, flush=True)
-                lines += [f"## {note}", ""]
+                lines += [f"## {note}", "", "   start       µs  kernel"]
+                lines += [f"{start:8.2f} {us:8.2f}  {short(name)}" for name, start, us in replay] + [""]
+        if args.graph_dot:
+            os.makedirs(args.graph_dot, exist_ok=True)
+            dot = os.path.join(args.graph_dot, f"graph-{args.network}-B{B}.dot")
+            dump_graph(c, trainer_kw, B, dot)
+            print("wrote", dot, flush=True)
     name = "profile.txt" if args.network == "reference" else f"profile-{args.network}.txt"
     path = result_path(args.out, meta, name)
     with open(path, "w") as f:
