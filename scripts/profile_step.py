@@ -88,6 +88,16 @@ def dump_graph(c, trainer_kw, B: int, path: str):
     g.debug_dump(path)
 
 
+def middle_of_three(trace):
+    """The middle third of a trace of three identical calls, its starts from its own first (by
+    start order; [] when the kernels do not split into three equal runs)."""
+    n = len(trace) // 3
+    if n == 0 or 3 * n != len(trace) or [k for k, _, _ in trace[:n]] != [k for k, _, _ in trace[n:2 * n]]:
+        return []
+    t0 = trace[n][1]
+    return [(name, start - t0, us) for name, start, us in trace[n:2 * n]]
+
+
 def short(name: str, width: int = 110) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
@@ -135,6 +145,17 @@ def main():
                 print(note, flush=True)
                 lines += [f"## {note}", "", "   start       µs  kernel"]
                 lines += [f"{start:8.2f} {us:8.2f}  {short(name)}" for name, start, us in replay] + [""]
+                # The same replay in steady state: the second of three enqueued back to back, so
+                # that the host has submitted every node before the GPU reaches it (a replay
+                # traced from an idle GPU may wait on the host's submission of its next nodes).
+                middle = middle_of_three(kernel_trace(lambda: [t._runner() for _ in range(3)])[0])
+                if middle:
+                    busy, span = sum(us for _, _, us in middle), middle[-1][1] + middle[-1][2]
+                    note = (f"B = {B}, the second of three graph replays back to back: {len(middle)} kernels, sum "
+                            f"{busy:.1f} µs, its first start to its last end {span:.1f} µs")
+                    print(note, flush=True)
+                    lines += [f"## {note}", "", "   start       µs  kernel"]
+                    lines += [f"{start:8.2f} {us:8.2f}  {short(name)}" for name, start, us in middle] + [""]
         if args.graph_dot:
             os.makedirs(args.graph_dot, exist_ok=True)
             dot = os.path.join(args.graph_dot, f"graph-{args.network}-B{B}.dot")
