@@ -150,7 +150,7 @@ def main():
                 # traced from an idle GPU may wait on the host's submission of its next nodes).
                 middle = middle_of_three(kernel_trace(lambda: [t._runner() for _ in range(3)])[0])
                 if middle:
-                    busy, span = sum(us for _, _, us in middle), middle[-1][1] + middle[-1][2]
+                    busy, span = sum(us for _, _, us in middle), max(start + us for _, start, us in middle)
                     note = (f"B = {B}, the second of three graph replays back to back: {len(middle)} kernels, sum "
                             f"{busy:.1f} µs, its first start to its last end {span:.1f} µs")
                     print(note, flush=True)
