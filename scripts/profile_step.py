@@ -102,6 +102,12 @@ def short(name: str, width: int = 110) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
+def section(head: str, trace):
+    """The file's lines for one trace: its heading, then a kernel a line."""
+    return [head, "", "   start       µs  kernel"] + [f"{start:8.2f} {us:8.2f}  {short(name)}"
+                                                   for name, start, us in trace] + [""]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
@@ -127,8 +133,7 @@ def main():
             head = (f"## B = {B}, {'graph replay' if graph else 'eager'}: {len(trace)} kernels, sum of kernel times "
                     f"{busy:.1f} µs, first start to last end {span:.1f} µs")
             print(head[3:], flush=True)
-            lines += [head, "", "   start       µs  kernel"]
-            lines += [f"{start:8.2f} {us:8.2f}  {short(name)}" for name, start, us in trace] + [""]
+            lines += section(head, trace)
             if graph:
                 # The replay alone (no batch copy): its span is the GPU's time for the step's kernels
                 # and the gaps between them; timed back to back, what a step costs once the host
@@ -143,8 +148,7 @@ def main():
                         f"the GPU busy: Trainer.step() {host_us(t.step):.1f} µs, the replay alone "
                         f"{host_us(t._runner):.1f} µs")
                 print(note, flush=True)
-                lines += [f"## {note}", "", "   start       µs  kernel"]
-                lines += [f"{start:8.2f} {us:8.2f}  {short(name)}" for name, start, us in replay] + [""]
+                lines += section(f"## {note}", replay)
                 # The same replay in steady state: the second of three enqueued back to back, so
                 # that the host has submitted every node before the GPU reaches it (a replay
                 # traced from an idle GPU may wait on the host's submission of its next nodes).
@@ -154,8 +158,7 @@ def main():
                     note = (f"B = {B}, the second of three graph replays back to back: {len(middle)} kernels, sum "
                             f"{busy:.1f} µs, its first start to its last end {span:.1f} µs")
                     print(note, flush=True)
-                    lines += [f"## {note}", "", "   start       µs  kernel"]
-                    lines += [f"{start:8.2f} {us:8.2f}  {short(name)}" for name, start, us in middle] + [""]
+                    lines += section(f"## {note}", middle)
         if args.graph_dot:
             os.makedirs(args.graph_dot, exist_ok=True)
             dot = os.path.join(args.graph_dot, f"graph-{args.network}-B{B}.dot")
