@@ -359,6 +359,11 @@ __global__ void __launch_bounds__(kThreads)
     cluster.sync();  // every block's |u~|^2 partial is complete; no one reads part any more
     float squ = 0.f;
     for (int k = 0; k < kCluster; ++k) squ += cluster.map_shared_rank(sq_part, k)[0];
+    // The last read of a peer's shared memory: arrive now, wait just before the exit, so that
+    // phase C's and the clamp's stores do not stand in front of the barrier's release fence.
+    // Earlier iterations need no barrier here: the next one's first cluster.sync comes before
+    // any block writes sq_part again.
+    if (it + 1 == iterations) cluster.barrier_arrive();
     s = sqrtf(squ);
     const float inv_u = 1.f / fmaxf(s, eps);
     // C: normalise; u stays in shared memory for the next iteration
@@ -381,7 +386,7 @@ __global__ void __launch_bounds__(kThreads)
       Mo[e] = __float2bfloat16_rn(w);
     }
   }
-  cluster.sync();  // no block leaves while another may still read its shared memory
+  cluster.barrier_wait();  // no block leaves while another may still read its shared memory
 #else
   __trap();  // never launched: cluster_support sees ptxVersion < 90 and sends every matrix elsewhere
 #endif
