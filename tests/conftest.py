@@ -129,17 +129,33 @@ def loads_strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+def python_with_env(code: str, env_var: str, value, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -c code *args` in a fresh interpreter, in the checkout's root, with `env_var` set to
+    `value` (None: unset) and this process's dqn_ops first on the path: dqn_ops's process-wide
+    switches read their variable once, at their first use, so each setting needs an interpreter
+    of its own. Returns the finished process (its stdout and stderr as text)."""
+    env = {k: v for k, v in os.environ.items() if k != env_var}
+    if value is not None:
+        env[env_var] = value
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dqn_ops.__file__)))  # where this process found dqn_ops
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def saved_with_env(code: str, env_var: str, value, path: str):
+    """What `code` saves to `path` (its one argument, a torch.save file) run by python_with_env."""
+    r = python_with_env(code, env_var, value, path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return torch.load(path)
+
+
 def switch_at_first_use(env_var: str, value, module: str, calls: str) -> list:
     """What a process-wide switch of dqn_ops makes of its environment variable: `calls` (a tuple of
     callables on dqn_ops.<module>, as Python source) run in a fresh interpreter with `env_var`
     set to `value` (None: unset), one line each, repr(result) or "RuntimeError: <message>". The
     variable is read at the switch's first use, not at the import, so the interpreter must be a
     new one."""
-    env = {k: v for k, v in os.environ.items() if k != env_var}
-    if value is not None:
-        env[env_var] = value
-    root = os.path.dirname(os.path.dirname(os.path.abspath(dqn_ops.__file__)))  # where this process found dqn_ops
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     code = textwrap.dedent(f"""
         from dqn_ops import {module}
         def attempt(f):
@@ -150,6 +166,6 @@ def switch_at_first_use(env_var: str, value, module: str, calls: str) -> list:
         for f in ({calls}):
             print(attempt(f))
     """)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    r = python_with_env(code, env_var, value, timeout=300)
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()

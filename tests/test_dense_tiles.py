@@ -2,17 +2,13 @@
 pick_tile; the switch of scripts/bench_dense_tiles.py): each shape runs every launch and gives
 the same bits as the others, for the forward and the backward with the kernel on every layer it
 can run. Read once per process: a subprocess each."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import torch
 
-from conftest import requires_cuda
+from conftest import python_with_env, requires_cuda, saved_with_env
 
 ENV = "DQN_OPS_DENSE_TILE"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = ("128x128", "64x64", "32x64")
 
 # test_dense_layer.py's SHAPE (tails in every tile dimension) and DEEP_HEADS (a problem of batch
@@ -43,22 +39,9 @@ RUN = textwrap.dedent("""
 """)
 
 
-def child_env(setting: str) -> dict:
-    env = dict(os.environ, **{ENV: setting})
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])
-    return env
-
-
-def run(setting: str, path: str):
-    r = subprocess.run([sys.executable, "-c", RUN, path], env=child_env(setting), cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return torch.load(path)
-
-
 @requires_cuda
 def test_every_forced_tile_runs_every_launch_and_gives_the_same_bits(tmp_path):
-    results = {s: run(s, str(tmp_path / f"{s}.pt")) for s in SHAPES}
+    results = {s: saved_with_env(RUN, ENV, s, str(tmp_path / f"{s}.pt")) for s in SHAPES}
     for s, r in results.items():
         assert r["tiles"] == [s.replace("x", ", ")], (s, r["tiles"])
     first = results[SHAPES[0]]["out"]
@@ -82,6 +65,5 @@ def test_a_bad_tile_is_refused_by_name():
         net = DuelingBranchQNet(DQNConfig()).to("cuda")
         net.forward_full(torch.randn(4, 96, device="cuda"))
     """)
-    r = subprocess.run([sys.executable, "-c", code], env=child_env("256x256"), cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = python_with_env(code, ENV, "256x256", timeout=300)
     assert r.returncode != 0 and ENV in r.stderr and "'256x256'" in r.stderr, r.stderr[-2000:]

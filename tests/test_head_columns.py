@@ -2,17 +2,13 @@
 (csrc/cuda/dueling.cuh split_heads: a grid column per head, or one column walking a row's
 heads) give the same bits: every network shape's q, head and gradient, run once with
 DQN_OPS_HEAD_COLUMNS=split and once with =whole (read once per process: a subprocess each)."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import torch
 
-from conftest import requires_cuda
+from conftest import python_with_env, requires_cuda, saved_with_env
 
 ENV = "DQN_OPS_HEAD_COLUMNS"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each case: a network, its batch, and the backward's inputs (grad_q, grad_head: present or
 # None) and precision (bf16 writes the BF16 copy of d(head), fp32 does not).
@@ -49,24 +45,10 @@ RUN = textwrap.dedent("""
 """)
 
 
-def child_env(mode: str) -> dict:
-    """A child process's environment: DQN_OPS_HEAD_COLUMNS=mode, this checkout on the path."""
-    env = dict(os.environ, **{ENV: mode})
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def run(mode: str, path: str):
-    r = subprocess.run([sys.executable, "-c", RUN, path], env=child_env(mode), cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return torch.load(path)
-
-
 @requires_cuda
 def test_both_launch_shapes_give_the_same_bits(tmp_path):
-    split = run("split", str(tmp_path / "split.pt"))
-    whole = run("whole", str(tmp_path / "whole.pt"))
+    split = saved_with_env(RUN, ENV, "split", str(tmp_path / "split.pt"))
+    whole = saved_with_env(RUN, ENV, "whole", str(tmp_path / "whole.pt"))
     assert split.keys() == whole.keys() and len(split) == 10 * 8  # 10 networks, 8 outputs each
     for key in split:
         assert torch.isfinite(split[key]).all(), key
@@ -81,6 +63,5 @@ def test_a_bad_setting_is_refused_by_name(tmp_path):
         net = DuelingBranchQNet(DQNConfig()).to("cuda")
         net.forward_full(torch.randn(4, 96, device="cuda"))
     """)
-    r = subprocess.run([sys.executable, "-c", code], env=child_env("yes"), cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = python_with_env(code, ENV, "yes", timeout=300)
     assert r.returncode != 0 and ENV in r.stderr and "'yes'" in r.stderr, r.stderr[-2000:]
