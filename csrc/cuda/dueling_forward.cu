@@ -215,16 +215,30 @@ __global__ void __launch_bounds__(kThreads) head_bias_dueling_kernel(const float
 
 // IQN's embedding input c[r, k] = bf16(cos(pi * k * tau[r])), r over the rows * N fractions:
 // the argument k * tau in F32, cospif (accurate to an ulp of F32) before the rounding to BF16. A
-// thread per column k (row_group), so no index needs a division (a 64-bit division and modulo
-// per element make such a kernel compute-bound, not memory-bound).
+// row group (elementwise.cuh) of n / 8 threads a row where n is a multiple of 8, each thread 8
+// columns and one 16-byte store; else n threads, a column each. A thread a column made a block
+// of a few rows, each block waiting out a load of tau for a few cosines: bound by the blocks'
+// turnover, not by the bytes or the arithmetic.
 __global__ void iqn_cosines_kernel(const float* __restrict__ tau, __nv_bfloat16* __restrict__ c, int64_t fractions,
                                    int n) {
   pdl_enter();
-  const RowGroup g = row_group(n);
+  const bool by8 = n % 8 == 0;
+  const RowGroup g = row_group(by8 ? n / 8 : n);
   if (g.idle) return;
   for (int64_t r = g.first_row; r < fractions; r += g.row_stride) {
     const float t = tau[r];
-    for (int k = g.col; k < n; k += g.width) c[r * n + k] = __float2bfloat16_rn(cospif(float(k) * t));
+    __nv_bfloat16* const row = c + r * n;
+    if (by8) {
+      for (int k = 8 * g.col; k < n; k += 8 * g.width) {
+        const uint2 lo = pack_bf16x4(cospif(float(k) * t), cospif(float(k + 1) * t), cospif(float(k + 2) * t),
+                                     cospif(float(k + 3) * t));
+        const uint2 hi = pack_bf16x4(cospif(float(k + 4) * t), cospif(float(k + 5) * t), cospif(float(k + 6) * t),
+                                     cospif(float(k + 7) * t));
+        *reinterpret_cast<uint4*>(row + k) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      }
+    } else {
+      for (int k = g.col; k < n; k += g.width) row[k] = __float2bfloat16_rn(cospif(float(k) * t));
+    }
   }
 }
 
@@ -502,8 +516,9 @@ std::vector<Tensor> iqn_embedding(const char* op, const Tensor& h, const Tensor&
   const int64_t rows = fractions.numel(), n = L.iqn_embedding, T = L.phi.out_width;
   Tensor c = at::empty({rows, n}, h.options());
   auto* c_ptr = static_cast<__nv_bfloat16*>(c.data_ptr());
-  launch(iqn_cosines_kernel, row_group_blocks(rows, n, kThreads), kThreads, 0, stream, fractions.data_ptr<float>(),
-         c_ptr, rows, static_cast<int>(n));
+  // c is a fresh tensor (16-byte aligned), so its rows are where n % 8 == 0 (the kernel's 8-wide stores).
+  launch(iqn_cosines_kernel, row_group_blocks(rows, n % 8 == 0 ? n / 8 : n, kThreads), kThreads, 0, stream,
+         fractions.data_ptr<float>(), c_ptr, rows, static_cast<int>(n));
   const HeadSlice& w = L.phi.blocks[0];
   Tensor phi = at::empty({rows, T}, h.options()), z = at::empty({rows, T}, h.options());
   const float* b_ptr = net.p + L.phi.b_off;
