@@ -13,8 +13,9 @@ a child process of its own, in turns: auto, 128x128, 64x64, 32x64, for --rounds 
 Per (network, batch, setting): µs per graphed step (bench_common.time_us, the median over the
 rounds), and for each dense-kernel launch of one replay (torch profiler, in start order) its tile
 and the µs it added to the replay: its end minus the latest end of every activity that started
-before it (under programmatic dependent launch a kernel starts before its predecessor ends, so
-its duration overstates what it costs; this is what the step's span grows by). Writes
+before it, 0 where one of those ends later (under programmatic dependent launch a kernel starts
+before its predecessor ends, so its duration overstates what it costs; this is what the step's
+span grows by). Writes
 <out>/dense-tiles.{json,md} (--name).
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ for network in networks:
             end = start + dur
             if "dense_layer_kernel" in name:
                 m = re.search(r"dense_layer_kernel<(\d+), (\d+),", name)
-                added = end - max(start, latest) if latest is not None else dur
+                added = max(0.0, end - max(start, latest)) if latest is not None else dur
                 launches.append(dict(tile=f"{m.group(1)}x{m.group(2)}", us=round(dur, 2), added_us=round(added, 2)))
             latest = end if latest is None else max(latest, end)
         out.append(dict(network=network, batch=B, step_us=round(us, 2), launches=launches))
@@ -126,9 +127,9 @@ def main():
     for row in rows:
         lines.append(f"- {row['network']}, B = {row['batch']}: " + "; ".join(
             f"#{j} [{l['tile']}] " + " / ".join(f"{row['settings'][s]['launches'][j]['added_us']}"
-                                                for s in SETTINGS[1:])
+                                                for s in SETTINGS)
             for j, l in enumerate(row["settings"]["auto"]["launches"])))
-    lines += ["", "(each launch's three figures: 128x128 / 64x64 / 32x64)"]
+    lines += ["", "(each launch's four figures: " + " / ".join(SETTINGS) + ")"]
     write_results(args.out, args.name, meta, rows, lines)
     print("\n".join(lines))
 
