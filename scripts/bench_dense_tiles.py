@@ -15,8 +15,7 @@ rounds), and for each dense-kernel launch of one replay (torch profiler, in star
 and the µs it added to the replay: its end minus the latest end of every activity that started
 before it, 0 where one of those ends later (under programmatic dependent launch a kernel starts
 before its predecessor ends, so its duration overstates what it costs; this is what the step's
-span grows by). Writes
-<out>/dense-tiles.{json,md} (--name).
+span grows by). Writes <out>/dense-tiles.{json,md} (--name).
 """
 from __future__ import annotations
 

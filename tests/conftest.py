@@ -130,16 +130,17 @@ def loads_strict_json(text: str):
 
 
 def python_with_env(code: str, env_var: str, value, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -c code *args` in a fresh interpreter, in the checkout's root (tests/ there), with
-    `env_var` set to `value` (None: unset) and this process's dqn_ops first on the path: dqn_ops's process-wide
-    switches read their variable once, at their first use, so each setting needs an interpreter
-    of its own. Returns the finished process (its stdout and stderr as text)."""
+    """`python -c code *args` in a fresh interpreter, in this checkout's root (so `tests` is its
+    tests/), with `env_var` set to `value` (None: unset) and this process's dqn_ops first on the
+    path: dqn_ops's process-wide switches read their variable once, at their first use, so each
+    setting needs an interpreter of its own. Returns the finished process (stdout and stderr as
+    text)."""
     env = {k: v for k, v in os.environ.items() if k != env_var}
     if value is not None:
         env[env_var] = value
     root = os.path.dirname(os.path.dirname(os.path.abspath(dqn_ops.__file__)))  # where this process found dqn_ops
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the code's tests/ is tests/ here
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this conftest's checkout
     return subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=checkout, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -516,7 +516,7 @@ std::vector<Tensor> iqn_embedding(const char* op, const Tensor& h, const Tensor&
   const int64_t rows = fractions.numel(), n = L.iqn_embedding, T = L.phi.out_width;
   Tensor c = at::empty({rows, n}, h.options());
   auto* c_ptr = static_cast<__nv_bfloat16*>(c.data_ptr());
-  // c is a fresh tensor (16-byte aligned), so its rows are where n % 8 == 0 (the kernel's 8-wide stores).
+  // c is a fresh tensor, 16-byte aligned: so are its rows where n % 8 == 0 (the kernel's 8-wide stores).
   launch(iqn_cosines_kernel, row_group_blocks(rows, n % 8 == 0 ? n / 8 : n, kThreads), kThreads, 0, stream,
          fractions.data_ptr<float>(), c_ptr, rows, static_cast<int>(n));
   const HeadSlice& w = L.phi.blocks[0];
