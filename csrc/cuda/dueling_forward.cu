@@ -216,9 +216,9 @@ __global__ void __launch_bounds__(kThreads) head_bias_dueling_kernel(const float
 // IQN's embedding input c[r, k] = bf16(cos(pi * k * tau[r])), r over the rows * N fractions:
 // the argument k * tau in F32, cospif (accurate to an ulp of F32) before the rounding to BF16. A
 // row group (elementwise.cuh) of n / 8 threads a row where n is a multiple of 8, each thread 8
-// columns and one 16-byte store; else n threads, a column each. A thread a column made a block
-// of a few rows, each block waiting out a load of tau for a few cosines: bound by the blocks'
-// turnover, not by the bytes or the arithmetic.
+// columns and one 16-byte store; else n threads, a column each. Not a thread a column for every
+// n: that makes a block of a few rows, each waiting out a load of tau for one cosine a thread,
+// so the kernel is bound by the blocks' turnover, not by its bytes or its arithmetic.
 __global__ void iqn_cosines_kernel(const float* __restrict__ tau, __nv_bfloat16* __restrict__ c, int64_t fractions,
                                    int n) {
   pdl_enter();
