@@ -2,23 +2,21 @@
 #include "dense_layer_mode.h"
 
 #include <atomic>
-#include <cstdlib>
-#include <string_view>
 
-#include "checks.h"
+#include "switches.h"
 
 namespace dqn_ops {
 namespace {
-// The setting, initialised from the environment at its first use. An unknown value raises there
-// (and again at the next use: a static whose initialiser throws is not initialised).
+constexpr SwitchName kModeNames[] = {{"auto", static_cast<int>(DenseLayerMode::kAuto)},
+                                     {"on", static_cast<int>(DenseLayerMode::kOn)},
+                                     {"1", static_cast<int>(DenseLayerMode::kOn)},
+                                     {"off", static_cast<int>(DenseLayerMode::kOff)},
+                                     {"0", static_cast<int>(DenseLayerMode::kOff)}};
+
+// The setting, initialised from the environment at its first use (switches.h).
 std::atomic<DenseLayerMode>& dense_layer_setting() {
-  static std::atomic<DenseLayerMode> setting{[] {
-    const char* env = std::getenv("DQN_OPS_DENSE_KERNEL");
-    DenseLayerMode mode = DenseLayerMode::kAuto;
-    DQN_CHECK(env == nullptr || *env == '\0' || parse_dense_layer_mode(env, &mode),
-              "dqn_ops: DQN_OPS_DENSE_KERNEL: expected auto, on (1) or off (0), got '", env, "'");
-    return mode;
-  }()};
+  static std::atomic<DenseLayerMode> setting{static_cast<DenseLayerMode>(
+      env_switch("DQN_OPS_DENSE_KERNEL", kModeNames, static_cast<int>(DenseLayerMode::kAuto)))};
   return setting;
 }
 }  // namespace
@@ -30,21 +28,14 @@ DenseLayerMode set_dense_layer_mode(DenseLayerMode mode) {
 }
 
 bool parse_dense_layer_mode(const char* name, DenseLayerMode* mode) {
-  const std::string_view s = name;
-  if (s == "auto") *mode = DenseLayerMode::kAuto;
-  else if (s == "1" || s == "on") *mode = DenseLayerMode::kOn;
-  else if (s == "0" || s == "off") *mode = DenseLayerMode::kOff;
-  else return false;
+  int value = 0;
+  if (!switch_value(kModeNames, name, &value)) return false;
+  *mode = static_cast<DenseLayerMode>(value);
   return true;
 }
 
-const char* dense_layer_mode_name(DenseLayerMode mode) {
-  switch (mode) {
-    case DenseLayerMode::kAuto: return "auto";
-    case DenseLayerMode::kOn: return "on";
-    case DenseLayerMode::kOff: return "off";
-  }
-  return "auto";
-}
+const char* dense_layer_mode_name(DenseLayerMode mode) { return switch_name(kModeNames, static_cast<int>(mode)); }
+
+std::string dense_layer_mode_choices() { return switch_choices(kModeNames); }
 
 }  // namespace dqn_ops

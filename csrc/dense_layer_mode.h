@@ -7,13 +7,15 @@
 //   - kOff: none.
 // Set by
 //   - the environment variable DQN_OPS_DENSE_KERNEL=auto|1|0 (or on|off; unset: auto), read once,
-//     at the first call of dense_layer_mode(); any other value raises there;
+//     at the first call of dense_layer_mode() (switches.h: any other value raises there);
 //   - dqn_ops._C._set_dense_layer_mode(name) (dqn_ops.dense_kernel.set_mode), which returns the
 //     previous one.
 // A process-wide setting read with one atomic load per layer. A CUDA graph keeps the kernels it
 // was captured with. The CPU kernels ignore it. Defined in dense_layer_mode.cpp (built with or
 // without CUDA).
 #pragma once
+
+#include <string>
 
 namespace dqn_ops {
 
@@ -26,5 +28,7 @@ DenseLayerMode set_dense_layer_mode(DenseLayerMode mode);
 // "on", "off").
 bool parse_dense_layer_mode(const char* name, DenseLayerMode* mode);
 const char* dense_layer_mode_name(DenseLayerMode mode);
+// The names parse takes, as a message lists them.
+std::string dense_layer_mode_choices();
 
 }  // namespace dqn_ops

@@ -103,7 +103,9 @@ PyObject* set_dense_layer_mode_py(PyObject* /*self*/, PyObject* args) {
   if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
   dqn_ops::DenseLayerMode mode;
   if (!dqn_ops::parse_dense_layer_mode(name, &mode)) {
-    PyErr_SetString(PyExc_ValueError, "_set_dense_layer_mode: expected 'auto', 'on' ('1') or 'off' ('0')");
+    PyErr_SetString(PyExc_ValueError,
+                    ("_set_dense_layer_mode: expected " + dqn_ops::dense_layer_mode_choices() + ", got '" + name + "'")
+                        .c_str());
     return nullptr;
   }
   // Raises when DQN_OPS_DENSE_KERNEL holds an unknown value.
@@ -117,7 +119,9 @@ PyObject* set_spectral_strategy_py(PyObject* /*self*/, PyObject* args) {
   if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
   dqn_ops::SpectralStrategy strategy;
   if (!dqn_ops::parse_spectral_strategy(name, &strategy)) {
-    PyErr_SetString(PyExc_ValueError, "_set_spectral_strategy: expected 'auto' or 'cooperative'");
+    PyErr_SetString(PyExc_ValueError,
+                    ("_set_spectral_strategy: expected " + dqn_ops::spectral_strategy_choices() + ", got '" + name + "'")
+                        .c_str());
     return nullptr;
   }
   // Raises when DQN_OPS_SPECTRAL_STRATEGY holds an unknown name.

@@ -2,24 +2,16 @@
 #include "side_streams.h"
 
 #include <atomic>
-#include <cstdlib>
-#include <string_view>
 
-#include "checks.h"
+#include "switches.h"
 
 namespace dqn_ops {
 namespace {
-// The setting, initialised from the environment at its first use (on unless it is 0). A value
-// other than 0 or 1 raises there (and again at the next use: a static whose initialiser throws
-// is not initialised).
+constexpr SwitchName kSwitchNames[] = {{"0", 0}, {"1", 1}};
+
+// The setting, initialised from the environment at its first use (switches.h; on unless it is 0).
 std::atomic<bool>& side_streams_setting() {
-  static std::atomic<bool> setting{[] {
-    const char* env = std::getenv("DQN_OPS_SIDE_STREAM");
-    const std::string_view value = env == nullptr ? "" : env;
-    DQN_CHECK(value.empty() || value == "0" || value == "1", "dqn_ops: DQN_OPS_SIDE_STREAM: expected 0 or 1, got '",
-              value, "'");
-    return value != "0";
-  }()};
+  static std::atomic<bool> setting{env_switch("DQN_OPS_SIDE_STREAM", kSwitchNames, 1) == 1};
   return setting;
 }
 }  // namespace

@@ -27,7 +27,7 @@ constexpr const char* kSpectralOp = "dqn_ops.batched_spectral_norm";
 // for the rest. kCooperative: the cooperative strategy for every matrix, the fallback every
 // device with BF16 tensor cores (sm_80+) runs; for tests and for comparing the two. Set by
 //   - the environment variable DQN_OPS_SPECTRAL_STRATEGY=auto|cooperative, read once, at the
-//     first call of spectral_strategy();
+//     first call of spectral_strategy() (switches.h: any other value raises there);
 //   - dqn_ops._C._set_spectral_strategy("auto" | "cooperative"), which returns the previous name
 //     (the test hook: no environment, no rebuild).
 // A process-wide setting read with one atomic load per call: the default path pays nothing
@@ -37,9 +37,11 @@ enum class SpectralStrategy : int { kAuto = 0, kCooperative = 1 };
 SpectralStrategy spectral_strategy();
 // Returns the previous strategy.
 SpectralStrategy set_spectral_strategy(SpectralStrategy strategy);
-// "auto" / "cooperative" <-> the enum; parse returns false for any other name.
+// "auto" / "cooperative" <-> the enum; parse returns false for any other name; the names as a
+// message lists them.
 bool parse_spectral_strategy(std::string_view name, SpectralStrategy* out);
 const char* spectral_strategy_name(SpectralStrategy strategy);
+std::string spectral_strategy_choices();
 
 struct SpectralMatrix {
   int64_t w_off;  // first element of W in params

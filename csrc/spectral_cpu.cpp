@@ -2,7 +2,6 @@
 // matrix after the other, with float64 accumulation.
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -10,34 +9,34 @@
 
 #include "mirror_cpu.h"
 #include "spectral_args.h"
+#include "switches.h"
 
 namespace dqn_ops {
 
+namespace {
+constexpr SwitchName kStrategyNames[] = {{"auto", static_cast<int>(SpectralStrategy::kAuto)},
+                                         {"cooperative", static_cast<int>(SpectralStrategy::kCooperative)}};
+
+// The setting, initialised from the environment at its first use (switches.h).
+std::atomic<int>& spectral_strategy_setting() {
+  static std::atomic<int> setting{
+      env_switch("DQN_OPS_SPECTRAL_STRATEGY", kStrategyNames, static_cast<int>(SpectralStrategy::kAuto))};
+  return setting;
+}
+}  // namespace
+
 bool parse_spectral_strategy(std::string_view name, SpectralStrategy* out) {
-  if (name == "auto") *out = SpectralStrategy::kAuto;
-  else if (name == "cooperative") *out = SpectralStrategy::kCooperative;
-  else return false;
+  int value = 0;
+  if (!switch_value(kStrategyNames, name, &value)) return false;
+  *out = static_cast<SpectralStrategy>(value);
   return true;
 }
 
 const char* spectral_strategy_name(SpectralStrategy strategy) {
-  return strategy == SpectralStrategy::kCooperative ? "cooperative" : "auto";
+  return switch_name(kStrategyNames, static_cast<int>(strategy));
 }
 
-namespace {
-// The setting, initialised from the environment at its first use. An unknown name raises there
-// (and again at the next use: a static whose initialiser throws is not initialised).
-std::atomic<int>& spectral_strategy_setting() {
-  static std::atomic<int> setting{[] {
-    const char* env = std::getenv("DQN_OPS_SPECTRAL_STRATEGY");
-    SpectralStrategy s = SpectralStrategy::kAuto;
-    DQN_CHECK(env == nullptr || *env == '\0' || parse_spectral_strategy(env, &s), kSpectralOp,
-              ": DQN_OPS_SPECTRAL_STRATEGY: expected 'auto' or 'cooperative', got '", env ? env : "", "'");
-    return static_cast<int>(s);
-  }()};
-  return setting;
-}
-}  // namespace
+std::string spectral_strategy_choices() { return switch_choices(kStrategyNames); }
 
 SpectralStrategy spectral_strategy() {
   return static_cast<SpectralStrategy>(spectral_strategy_setting().load(std::memory_order_relaxed));

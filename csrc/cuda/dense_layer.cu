@@ -17,13 +17,12 @@
 #include "dense_layer.h"
 
 #include <climits>
-#include <cstdlib>
-#include <string>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAFunctions.h>
 
 #include "../dense_layer_mode.h"
+#include "../switches.h"
 #include "elementwise.cuh"
 #include "pdl.cuh"
 #include "smem_limit.h"
@@ -300,20 +299,15 @@ int64_t tiles_of(const DenseLaunch& l, TileShape t) {
   return n;
 }
 
-// DQN_OPS_DENSE_TILE, read once per process: unset or "auto" pick_tile's rule; "128x128",
-// "64x64" or "32x64" that shape for every launch (the A/B switch for the rule; any shape gives
-// the same bits). -1: auto.
+// DQN_OPS_DENSE_TILE (switches.h): unset or "auto" pick_tile's rule; "128x128", "64x64" or
+// "32x64" that shape for every launch (the A/B switch for the rule; any shape gives the same
+// bits). -1: auto.
 int forced_tile() {
-  static const int forced = [] {
-    const char* env = std::getenv("DQN_OPS_DENSE_TILE");
-    const std::string value = env == nullptr || *env == '\0' ? "auto" : env;
-    TORCH_CHECK(value == "auto" || value == "128x128" || value == "64x64" || value == "32x64",
-                "dqn_ops: DQN_OPS_DENSE_TILE: expected auto, 128x128, 64x64 or 32x64, got '", value, "'");
-    return value == "auto"      ? -1
-           : value == "128x128" ? static_cast<int>(TileShape::k128x128)
-           : value == "64x64"   ? static_cast<int>(TileShape::k64x64)
-                                : static_cast<int>(TileShape::k32x64);
-  }();
+  static constexpr SwitchName kNames[] = {{"auto", -1},
+                                          {"128x128", static_cast<int>(TileShape::k128x128)},
+                                          {"64x64", static_cast<int>(TileShape::k64x64)},
+                                          {"32x64", static_cast<int>(TileShape::k32x64)}};
+  static const int forced = env_switch("DQN_OPS_DENSE_TILE", kNames, -1);
   return forced;
 }
 

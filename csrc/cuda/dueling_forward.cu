@@ -28,7 +28,6 @@
 // dense layer; the target then also runs on s, rows it does not need); both output layers are
 // one launch of the kernel (or their GEMMs, the target's on a side stream).
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -50,6 +49,7 @@
 #include "network_args.h"
 #include "pdl.cuh"
 #include "side_stream.h"
+#include "switches.h"
 
 namespace dqn_ops {
 namespace cuda {
@@ -660,16 +660,11 @@ void launch_head_bias_dueling(const float* logits, const float* b_out, float* he
 }
 
 bool split_heads(unsigned row_blocks) {
-  // DQN_OPS_HEAD_COLUMNS, read once per process: unset or "auto" the rule above, "split" or
-  // "whole" one shape for every launch (the A/B switch, and the tests' check that both shapes
-  // give the same bits).
-  static const int forced = [] {
-    const char* env = std::getenv("DQN_OPS_HEAD_COLUMNS");
-    const std::string value = env == nullptr ? "auto" : env;
-    TORCH_CHECK(value == "auto" || value == "split" || value == "whole",
-                "dqn_ops: DQN_OPS_HEAD_COLUMNS: expected auto, split or whole, got '", value, "'");
-    return value == "auto" ? -1 : value == "split" ? 1 : 0;
-  }();
+  // DQN_OPS_HEAD_COLUMNS (switches.h): unset or "auto" the rule above, "split" or "whole" one
+  // shape for every launch (the A/B switch, and the tests' check that both shapes give the same
+  // bits).
+  static constexpr SwitchName kNames[] = {{"auto", -1}, {"split", 1}, {"whole", 0}};
+  static const int forced = env_switch("DQN_OPS_HEAD_COLUMNS", kNames, -1);
   if (forced >= 0) return forced == 1;
   return row_blocks < static_cast<unsigned>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
 }

@@ -27,7 +27,8 @@
 // dimension) add the attribute only where all of these hold, and otherwise launch plainly
 // (stream-ordered, as <<<...>>> does):
 //   - the environment variable DQN_OPS_PDL is not "0" (read once per process: the A/B switch,
-//     no rebuild; a CUDA graph keeps the edges it was captured with);
+//     no rebuild; a CUDA graph keeps the edges it was captured with; a value other than 0 or 1
+//     raises at the first launch);
 //   - the current device is sm_90 or newer (compute capability major >= 9);
 //   - the kernel's image for the device was compiled from compute_90 or newer PTX
 //     (cudaFuncGetAttributes' ptxVersion): an image JIT-compiled from older PTX has its
@@ -35,8 +36,6 @@
 // Both check the launch with C10_CUDA_CHECK (in place of C10_CUDA_KERNEL_LAUNCH_CHECK).
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -46,6 +45,8 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
+
+#include "../switches.h"
 
 namespace dqn_ops {
 namespace cuda {
@@ -75,12 +76,10 @@ __device__ __forceinline__ void pdl_enter() {
 
 namespace pdl {
 
-// False under DQN_OPS_PDL=0. Read once per process.
+// False under DQN_OPS_PDL=0 (switches.h: 0 or 1, unset 1). Read once per process.
 inline bool enabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("DQN_OPS_PDL");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static constexpr SwitchName kNames[] = {{"0", 0}, {"1", 1}};
+  static const bool on = env_switch("DQN_OPS_PDL", kNames, 1) == 1;
   return on;
 }
 
