@@ -42,6 +42,10 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+// 4 bytes global -> shared (through L1); with `valid` false the 4 bytes are zeros.
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
@@ -82,6 +86,10 @@ struct Tile {
   static constexpr int kStages = BM == 128 ? 3 : BM == 64 ? 4 : 6;
   static constexpr int kWarps = (BM / WM) * (BN / WN);
   static constexpr int kThreads = kWarps * 32;
+  // The large tile's blocks two an SM (the cap of 128 registers a thread keeps the compiler
+  // there), so that one block's loads and epilogue overlap the other's tensor-core work; the small
+  // tiles' registers leave them at their shared memory's three (0: no minimum asked).
+  static constexpr int kMinBlocks = BM == 128 ? 2 : 0;
   static constexpr int MI = WM / 16;  // m16 fragments a warp
   static constexpr int NI = WN / 8;   // n8 fragments a warp
   static constexpr size_t kSmemBytes = size_t(kStages) * (BM + BN) * kBK * sizeof(__nv_bfloat16);
@@ -99,7 +107,7 @@ __device__ __forceinline__ int problem_of(const DenseLaunch& l, int tile) {
 // The launch is a __grid_constant__ parameter: a problem picked by a run-time index is read from
 // the parameter space where it lies, not from a per-thread copy of the whole list.
 template <int BM, int BN, int WM, int WN, DenseEpilogue kEpilogue>
-__global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads)
+__global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, WM, WN>::kMinBlocks)
     dense_layer_kernel(const __grid_constant__ DenseLaunch l) {
   using T = Tile<BM, BN, WM, WN>;
   constexpr int kStages = T::kStages;
@@ -231,55 +239,88 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads)
   cp_async_wait<0>();  // nothing is left in flight (the last groups are empty)
 
   // Epilogue: a thread holds rows g and g + 8 of each m16 fragment, columns 2t and 2t + 1 of
-  // each n8 fragment (g = lane / 4, t = lane % 4). N is even: col < N means col + 1 < N.
+  // each n8 fragment (g = lane / 4, t = lane % 4). N is even: col < N means col + 1 < N. The F32
+  // pairs are stored by __stwb (an ordinary store): assigned through a float2 pointer, they were
+  // split into two 4-byte stores.
+  // rows <= INT_MAX (dense_applies), so IQN's row / scale_group is a 32-bit division a row.
   const int g = lane >> 2, t2 = (lane & 3) * 2;
+  auto row_of = [&](int mi, int h) { return m0 + wm0 + mi * 16 + g + h * 8; };
+  auto col_of = [&](int ni) { return n0 + wn0 + ni * 8 + t2; };
   const int64_t out_ld = P.out_ld;
   float2 b[T::NI];
   if (kEpilogue == DenseEpilogue::kHidden) {
     const float* const bias = P.bias + out_at;
 #pragma unroll
     for (int ni = 0; ni < T::NI; ++ni) {
-      const int col = n0 + wn0 + ni * 8 + t2;
+      const int col = col_of(ni);
       b[ni] = col < N ? make_float2(bias[col], bias[col + 1]) : make_float2(0.f, 0.f);
     }
   }
   const __nv_bfloat16* const aux = P.aux ? P.aux + out_at : nullptr;
   __nv_bfloat16* const out_bf16 = P.out_bf16 ? P.out_bf16 + out_at : nullptr;
   void* const out = static_cast<char*>(P.out) + out_at * (kEpilogue == DenseEpilogue::kHidden ? 2 : 4);
+  // The pairs of `aux` a thread's elements read (kInputGrad's mask; kHidden's scale, at row /
+  // scale_group), all copied to shared memory at once before any store: read in the store loop
+  // itself, each load waited out a latency of its own (the stores before it may alias it), 2 MI
+  // NI latencies a thread. Pair j of thread i is word j * kThreads + i of the stages, whose last
+  // reads the barrier waits for (every block runs it or not: the problem's aux is uniform).
+  constexpr int kPairs = T::MI * 2 * T::NI;
+  static_assert(kPairs * T::kThreads * 4 <= T::kSmemBytes, "a thread's aux pairs fit the stages");
+  const bool staged_aux = kEpilogue == DenseEpilogue::kInputGrad ? aux != nullptr
+                          : kEpilogue == DenseEpilogue::kHidden && aux != nullptr && out_bf16 != nullptr;
+  const unsigned aux_smem = a_smem + threadIdx.x * 4;
+  if (staged_aux) {
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < T::MI; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_of(mi, h);
+        const int aux_row = kEpilogue == DenseEpilogue::kHidden ? row / static_cast<int>(l.scale_group) : row;
+#pragma unroll
+        for (int ni = 0; ni < T::NI; ++ni) {
+          const int col = col_of(ni);
+          const bool ok = row < rows && col < N;
+          const int j = (mi * 2 + h) * T::NI + ni;
+          cp_async4(aux_smem + j * T::kThreads * 4, ok ? aux + int64_t(aux_row) * out_ld + col : aux, ok);
+        }
+      }
+    cp_async_commit();
+    cp_async_wait<0>();
+  }
+  auto aux_pair = [&](int mi, int h, int ni) {
+    unsigned v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(aux_smem + ((mi * 2 + h) * T::NI + ni) * T::kThreads * 4));
+    return v;
+  };
 #pragma unroll
   for (int mi = 0; mi < T::MI; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // rows <= INT_MAX (dense_applies), so IQN's row / scale_group is a 32-bit division a row.
-      const int row = m0 + wm0 + mi * 16 + g + h * 8;
+      const int row = row_of(mi, h);
       if (row >= rows) continue;
       const int64_t at = int64_t(row) * out_ld;
-      const __nv_bfloat16* const scale_row =
-          kEpilogue == DenseEpilogue::kHidden && out_bf16
-              ? aux + int64_t(row / static_cast<int>(l.scale_group)) * out_ld
-              : nullptr;
 #pragma unroll
       for (int ni = 0; ni < T::NI; ++ni) {
-        const int col = n0 + wn0 + ni * 8 + t2;
+        const int col = col_of(ni);
         if (col >= N) continue;
         const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
         if (kEpilogue == DenseEpilogue::kHidden) {
           const __nv_bfloat162 v = __floats2bfloat162_rn(relu_keep_nan(v0 + b[ni].x), relu_keep_nan(v1 + b[ni].y));
           const unsigned bits = *reinterpret_cast<const unsigned*>(&v);
           *reinterpret_cast<unsigned*>(static_cast<__nv_bfloat16*>(out) + at + col) = bits;
-          if (scale_row) {
-            const unsigned s = *reinterpret_cast<const unsigned*>(scale_row + col);
-            *reinterpret_cast<unsigned*>(out_bf16 + at + col) = bf16_product2(s, bits);
-          }
+          if (staged_aux)
+            *reinterpret_cast<unsigned*>(out_bf16 + at + col) = bf16_product2(aux_pair(mi, h, ni), bits);
         } else if (kEpilogue == DenseEpilogue::kLogits) {
-          *reinterpret_cast<float2*>(static_cast<float*>(out) + at + col) = make_float2(v0, v1);
+          __stwb(reinterpret_cast<float2*>(static_cast<float*>(out) + at + col), make_float2(v0, v1));
         } else {  // kInputGrad: the ReLU's gradient mask, as relu_backward applies it
           float2 d = make_float2(v0, v1);
-          if (aux) {
-            const float2 m = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(aux + at + col));
+          if (staged_aux) {
+            const unsigned bits = aux_pair(mi, h, ni);
+            const float2 m = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
             d = make_float2(relu_grad(m.x, d.x), relu_grad(m.y, d.y));
           }
-          *reinterpret_cast<float2*>(static_cast<float*>(out) + at + col) = d;
+          __stwb(reinterpret_cast<float2*>(static_cast<float*>(out) + at + col), d);
           if (out_bf16) *reinterpret_cast<__nv_bfloat162*>(out_bf16 + at + col) = __floats2bfloat162_rn(d.x, d.y);
         }
       }
