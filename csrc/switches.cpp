@@ -20,7 +20,7 @@ bool switch_value(SwitchNames names, std::string_view name, int* value) {
 const char* switch_name(SwitchNames names, int value) {
   for (const SwitchName& n : names)
     if (n.value == value) return n.name.data();  // the tables' names are string literals
-  TORCH_INTERNAL_ASSERT(false, "dqn_ops: a switch's value without a name: ", value);
+  TORCH_INTERNAL_ASSERT(false, cat("dqn_ops: a switch's value without a name: ", value));  // one string (checks.h)
 }
 
 std::string switch_choices(SwitchNames names) {

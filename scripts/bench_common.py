@@ -61,7 +61,7 @@ def kernels_per_call(fn):
 def code_path_switches() -> dict:
     """dqn_ops's run-time switches that change which CUDA code a step runs, as this process has
     them: the side streams (``dqn_ops.side_stream``, env DQN_OPS_SIDE_STREAM) and programmatic
-    dependent launch (env DQN_OPS_PDL; on unless "0"), which keep every bit, and the dense layer
+    dependent launch (env DQN_OPS_PDL: "1", the default, or "0"), which keep every bit, and the dense layer
     kernel's mode (``dqn_ops.dense_kernel``, env DQN_OPS_DENSE_KERNEL: "auto", "on" or "off"),
     whose sums may round differently from cuBLAS's, and its tile shape (env DQN_OPS_DENSE_TILE,
     "auto" unless forced), which keeps every bit."""

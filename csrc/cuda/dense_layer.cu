@@ -86,9 +86,10 @@ struct Tile {
   static constexpr int kStages = BM == 128 ? 3 : BM == 64 ? 4 : 6;
   static constexpr int kWarps = (BM / WM) * (BN / WN);
   static constexpr int kThreads = kWarps * 32;
-  // The large tile's blocks two an SM (the cap of 128 registers a thread keeps the compiler
-  // there), so that one block's loads and epilogue overlap the other's tensor-core work; the small
-  // tiles' registers leave them at their shared memory's three (0: no minimum asked).
+  // The large tile's blocks two an SM where the shared memory holds two (sm_90: 2 x 96 KB of
+  // 227; the cap of 128 registers a thread keeps the compiler there), so that one block's loads
+  // and epilogue overlap the other's tensor-core work; the small tiles' registers leave them at
+  // their shared memory's three (0: no minimum asked).
   static constexpr int kMinBlocks = BM == 128 ? 2 : 0;
   static constexpr int MI = WM / 16;  // m16 fragments a warp
   static constexpr int NI = WN / 8;   // n8 fragments a warp
