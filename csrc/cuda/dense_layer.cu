@@ -243,7 +243,6 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
   // each n8 fragment (g = lane / 4, t = lane % 4). N is even: col < N means col + 1 < N. The F32
   // pairs are stored by __stwb (an ordinary store): assigned through a float2 pointer, they were
   // split into two 4-byte stores.
-  // rows <= INT_MAX (dense_applies), so IQN's row / scale_group is a 32-bit division a row.
   const int g = lane >> 2, t2 = (lane & 3) * 2;
   auto row_of = [&](int mi, int h) { return m0 + wm0 + mi * 16 + g + h * 8; };
   auto col_of = [&](int ni) { return n0 + wn0 + ni * 8 + t2; };
@@ -260,15 +259,16 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
   const __nv_bfloat16* const aux = P.aux ? P.aux + out_at : nullptr;
   __nv_bfloat16* const out_bf16 = P.out_bf16 ? P.out_bf16 + out_at : nullptr;
   void* const out = static_cast<char*>(P.out) + out_at * (kEpilogue == DenseEpilogue::kHidden ? 2 : 4);
-  // The pairs of `aux` a thread's elements read (kInputGrad's mask; kHidden's scale, at row /
-  // scale_group), all copied to shared memory at once before any store: read in the store loop
-  // itself, each load waited out a latency of its own (the stores before it may alias it), 2 MI
-  // NI latencies a thread. Pair j of thread i is word j * kThreads + i of the stages, whose last
-  // reads the barrier waits for (every block runs it or not: the problem's aux is uniform).
+  // kInputGrad's mask pairs, a thread's all copied to shared memory at once before any store:
+  // read in the store loop itself, each load waited out a latency of its own (the stores before
+  // it may alias it), 2 MI NI latencies of L2 or HBM a thread. Pair j of thread i is word j *
+  // kThreads + i of the stages, whose last reads the barrier waits for (every block runs it or
+  // not: the problem's aux is uniform). kHidden's scale (IQN's h_L[r / N]) stays loaded in the
+  // loop: a tile's rows read a few rows of it, L1 hits, and staging it made IQN's phi launch
+  // slower (bench/NOTES.md, the dense kernel's bullet "The epilogue's aux loads").
   constexpr int kPairs = T::MI * 2 * T::NI;
   static_assert(kPairs * T::kThreads * 4 <= T::kSmemBytes, "a thread's aux pairs fit the stages");
-  const bool staged_aux = kEpilogue == DenseEpilogue::kInputGrad ? aux != nullptr
-                          : kEpilogue == DenseEpilogue::kHidden && aux != nullptr && out_bf16 != nullptr;
+  const bool staged_aux = kEpilogue == DenseEpilogue::kInputGrad && aux != nullptr;
   const unsigned aux_smem = a_smem + threadIdx.x * 4;
   if (staged_aux) {
     __syncthreads();
@@ -277,13 +277,12 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row_of(mi, h);
-        const int aux_row = kEpilogue == DenseEpilogue::kHidden ? row / static_cast<int>(l.scale_group) : row;
 #pragma unroll
         for (int ni = 0; ni < T::NI; ++ni) {
           const int col = col_of(ni);
           const bool ok = row < rows && col < N;
           const int j = (mi * 2 + h) * T::NI + ni;
-          cp_async4(aux_smem + j * T::kThreads * 4, ok ? aux + int64_t(aux_row) * out_ld + col : aux, ok);
+          cp_async4(aux_smem + j * T::kThreads * 4, ok ? aux + int64_t(row) * out_ld + col : aux, ok);
         }
       }
     cp_async_commit();
@@ -301,6 +300,11 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
       const int row = row_of(mi, h);
       if (row >= rows) continue;
       const int64_t at = int64_t(row) * out_ld;
+      // rows <= INT_MAX (dense_applies), so IQN's row / scale_group is a 32-bit division a row.
+      const __nv_bfloat16* const scale_row =
+          kEpilogue == DenseEpilogue::kHidden && out_bf16
+              ? aux + int64_t(row / static_cast<int>(l.scale_group)) * out_ld
+              : nullptr;
 #pragma unroll
       for (int ni = 0; ni < T::NI; ++ni) {
         const int col = col_of(ni);
@@ -310,8 +314,10 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
           const __nv_bfloat162 v = __floats2bfloat162_rn(relu_keep_nan(v0 + b[ni].x), relu_keep_nan(v1 + b[ni].y));
           const unsigned bits = *reinterpret_cast<const unsigned*>(&v);
           *reinterpret_cast<unsigned*>(static_cast<__nv_bfloat16*>(out) + at + col) = bits;
-          if (staged_aux)
-            *reinterpret_cast<unsigned*>(out_bf16 + at + col) = bf16_product2(aux_pair(mi, h, ni), bits);
+          if (scale_row) {
+            const unsigned s = *reinterpret_cast<const unsigned*>(scale_row + col);
+            *reinterpret_cast<unsigned*>(out_bf16 + at + col) = bf16_product2(s, bits);
+          }
         } else if (kEpilogue == DenseEpilogue::kLogits) {
           __stwb(reinterpret_cast<float2*>(static_cast<float*>(out) + at + col), make_float2(v0, v1));
         } else {  // kInputGrad: the ReLU's gradient mask, as relu_backward applies it
