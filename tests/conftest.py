@@ -145,9 +145,10 @@ def python_with_env(code: str, env_var: str, value, *args: str, timeout: int = 6
                           timeout=timeout)
 
 
-def saved_with_env(code: str, env_var: str, value, path: str):
-    """What `code` saves to `path` (its one argument, a torch.save file) run by python_with_env."""
-    r = python_with_env(code, env_var, value, path)
+def saved_with_env(code: str, env_var: str, value, path: str, *args: str):
+    """What `code` saves to `path` (its first argument, a torch.save file; `args` after it) run by
+    python_with_env."""
+    r = python_with_env(code, env_var, value, path, *args)
     assert r.returncode == 0, r.stderr[-4000:]
     return torch.load(path)
 

@@ -293,6 +293,18 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(aux_smem + ((mi * 2 + h) * T::NI + ni) * T::kThreads * 4));
     return v;
   };
+  // kHidden's outputs through shared memory (l.staged_stores, DQN_OPS_DENSE_STORES=staged): the
+  // fragments' pairs go to a [BM, BN + 8] BF16 tile of the free stages (a tile each for out and
+  // the scaled out_bf16), rows padded by 16 bytes so that a warp's 4-byte writes (8 rows, 4 pairs
+  // each) and the 16-byte reads of a row fall on distinct banks; then each row leaves in 16-byte
+  // stores, BN / 8 threads a row, where the direct path stores 4 bytes a thread, 8 rows x 16 bytes
+  // a warp's store.
+  constexpr int kStagedLd = BN + 8;  // BF16 elements a staged row: 16 bytes of padding
+  static_assert(2 * BM * kStagedLd * 2 <= T::kSmemBytes, "both staged output tiles fit the stages");
+  const bool staged_out = kEpilogue == DenseEpilogue::kHidden && l.staged_stores;
+  __nv_bfloat16* const out_tile = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  __nv_bfloat16* const z_tile = out_tile + BM * kStagedLd;
+  if (staged_out) __syncthreads();  // every warp's last K tile read before the stages are written
 #pragma unroll
   for (int mi = 0; mi < T::MI; ++mi)
 #pragma unroll
@@ -313,10 +325,15 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
         if (kEpilogue == DenseEpilogue::kHidden) {
           const __nv_bfloat162 v = __floats2bfloat162_rn(relu_keep_nan(v0 + b[ni].x), relu_keep_nan(v1 + b[ni].y));
           const unsigned bits = *reinterpret_cast<const unsigned*>(&v);
-          *reinterpret_cast<unsigned*>(static_cast<__nv_bfloat16*>(out) + at + col) = bits;
-          if (scale_row) {
-            const unsigned s = *reinterpret_cast<const unsigned*>(scale_row + col);
-            *reinterpret_cast<unsigned*>(out_bf16 + at + col) = bf16_product2(s, bits);
+          const unsigned scaled =
+              scale_row ? bf16_product2(*reinterpret_cast<const unsigned*>(scale_row + col), bits) : 0u;
+          if (staged_out) {
+            const int at_tile = (row - m0) * kStagedLd + (col - n0);
+            *reinterpret_cast<unsigned*>(out_tile + at_tile) = bits;
+            if (scale_row) *reinterpret_cast<unsigned*>(z_tile + at_tile) = scaled;
+          } else {
+            *reinterpret_cast<unsigned*>(static_cast<__nv_bfloat16*>(out) + at + col) = bits;
+            if (scale_row) *reinterpret_cast<unsigned*>(out_bf16 + at + col) = scaled;
           }
         } else if (kEpilogue == DenseEpilogue::kLogits) {
           __stwb(reinterpret_cast<float2*>(static_cast<float*>(out) + at + col), make_float2(v0, v1));
@@ -332,6 +349,33 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
         }
       }
     }
+  if (staged_out) {
+    __syncthreads();
+    // A row's 16-byte chunks: whole ones where the row and the chunk's 8 columns are in range and
+    // the output's rows are 16-byte aligned (out_ld a multiple of 8, the tensors' starts aligned:
+    // the same for every block of the problem), else the chunk's pairs one by one.
+    constexpr int kRowChunks = BN / 8;
+    const bool vec16 = out_ld % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                       (out_bf16 == nullptr || reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0);
+    const bool scaled_out = out_bf16 != nullptr;
+    for (int c = threadIdx.x; c < BM * kRowChunks; c += T::kThreads) {
+      const int r = c / kRowChunks, col = n0 + (c % kRowChunks) * 8, row = m0 + r;
+      if (row >= rows || col >= N) continue;
+      const int at_tile = r * kStagedLd + (col - n0);
+      const int64_t at = int64_t(row) * out_ld + col;
+      __nv_bfloat16* const o = static_cast<__nv_bfloat16*>(out);
+      if (vec16 && col + 8 <= N) {
+        *reinterpret_cast<uint4*>(o + at) = *reinterpret_cast<const uint4*>(out_tile + at_tile);
+        if (scaled_out) *reinterpret_cast<uint4*>(out_bf16 + at) = *reinterpret_cast<const uint4*>(z_tile + at_tile);
+      } else {
+        for (int j = 0; j < 8 && col + j < N; j += 2) {
+          *reinterpret_cast<unsigned*>(o + at + j) = *reinterpret_cast<const unsigned*>(out_tile + at_tile + j);
+          if (scaled_out)
+            *reinterpret_cast<unsigned*>(out_bf16 + at + j) = *reinterpret_cast<const unsigned*>(z_tile + at_tile + j);
+        }
+      }
+    }
+  }
 }
 
 enum class TileShape { k128x128, k64x64, k32x64 };
@@ -357,6 +401,15 @@ int forced_tile() {
                                           {"32x64", static_cast<int>(TileShape::k32x64)}};
   static const int forced = env_switch("DQN_OPS_DENSE_TILE", kNames, -1);
   return forced;
+}
+
+// DQN_OPS_DENSE_STORES (switches.h): unset or "direct", kHidden's epilogue stores its pairs from
+// the fragments; "staged", through shared memory in 16-byte stores (the A/B switch; the same
+// bits either way).
+bool staged_stores() {
+  static constexpr SwitchName kNames[] = {{"direct", 0}, {"staged", 1}};
+  static const bool staged = env_switch("DQN_OPS_DENSE_STORES", kNames, 0) == 1;
+  return staged;
 }
 
 // The largest tile whose grid still covers every SM; the smallest where none does.
@@ -463,6 +516,7 @@ bool dense_applies(const DenseLaunch& l) {
 }
 
 void dense_launch(DenseLaunch l, cudaStream_t stream) {
+  l.staged_stores = staged_stores();
   switch (l.epilogue) {
     case DenseEpilogue::kHidden: return launch_epilogue<DenseEpilogue::kHidden>(l, stream);
     case DenseEpilogue::kLogits: return launch_epilogue<DenseEpilogue::kLogits>(l, stream);
