@@ -107,7 +107,7 @@ __device__ __forceinline__ int problem_of(const DenseLaunch& l, int tile) {
 
 // The launch is a __grid_constant__ parameter: a problem picked by a run-time index is read from
 // the parameter space where it lies, not from a per-thread copy of the whole list.
-template <int BM, int BN, int WM, int WN, DenseEpilogue kEpilogue>
+template <int BM, int BN, int WM, int WN, DenseEpilogue kEpilogue, bool kStagedStores>
 __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, WM, WN>::kMinBlocks)
     dense_layer_kernel(const __grid_constant__ DenseLaunch l) {
   using T = Tile<BM, BN, WM, WN>;
@@ -293,15 +293,16 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(aux_smem + ((mi * 2 + h) * T::NI + ni) * T::kThreads * 4));
     return v;
   };
-  // kHidden's outputs through shared memory (l.staged_stores, DQN_OPS_DENSE_STORES=staged): the
-  // fragments' pairs go to a [BM, BN + 8] BF16 tile of the free stages (a tile each for out and
-  // the scaled out_bf16), rows padded by 16 bytes so that a warp's 4-byte writes (8 rows, 4 pairs
-  // each) and the 16-byte reads of a row fall on distinct banks; then each row leaves in 16-byte
-  // stores, BN / 8 threads a row, where the direct path stores 4 bytes a thread, 8 rows x 16 bytes
-  // a warp's store.
+  // kStagedStores (kHidden only; launch_epilogue: DQN_OPS_DENSE_STORES=staged where every
+  // problem's output rows are whole 16-byte chunks): the fragments' pairs go to a [BM, BN + 8]
+  // BF16 tile of the free stages (a tile each for out and the scaled out_bf16), rows padded by 16
+  // bytes so that a warp's 4-byte writes (8 rows, 4 pairs each) and the 16-byte reads of a row
+  // fall on distinct banks; then each row leaves in 16-byte stores, BN / 8 threads a row, where
+  // the direct path stores 4 bytes a thread, 8 rows x 16 bytes a warp's store.
   constexpr int kStagedLd = BN + 8;  // BF16 elements a staged row: 16 bytes of padding
   static_assert(2 * BM * kStagedLd * 2 <= T::kSmemBytes, "both staged output tiles fit the stages");
-  const bool staged_out = kEpilogue == DenseEpilogue::kHidden && l.staged_stores;
+  static_assert(!kStagedStores || kEpilogue == DenseEpilogue::kHidden, "staged stores are kHidden's");
+  constexpr bool staged_out = kStagedStores;
   __nv_bfloat16* const out_tile = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   __nv_bfloat16* const z_tile = out_tile + BM * kStagedLd;
   if (staged_out) __syncthreads();  // every warp's last K tile read before the stages are written
@@ -351,29 +352,16 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
     }
   if (staged_out) {
     __syncthreads();
-    // A row's 16-byte chunks: whole ones where the row and the chunk's 8 columns are in range and
-    // the output's rows are 16-byte aligned (out_ld a multiple of 8, the tensors' starts aligned:
-    // the same for every block of the problem), else the chunk's pairs one by one.
+    // A row's 16-byte chunks (N a multiple of 8, the rows 16-byte aligned: launch_epilogue).
     constexpr int kRowChunks = BN / 8;
-    const bool vec16 = out_ld % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
-                       (out_bf16 == nullptr || reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0);
-    const bool scaled_out = out_bf16 != nullptr;
+    __nv_bfloat16* const o = static_cast<__nv_bfloat16*>(out);
     for (int c = threadIdx.x; c < BM * kRowChunks; c += T::kThreads) {
       const int r = c / kRowChunks, col = n0 + (c % kRowChunks) * 8, row = m0 + r;
       if (row >= rows || col >= N) continue;
       const int at_tile = r * kStagedLd + (col - n0);
       const int64_t at = int64_t(row) * out_ld + col;
-      __nv_bfloat16* const o = static_cast<__nv_bfloat16*>(out);
-      if (vec16 && col + 8 <= N) {
-        *reinterpret_cast<uint4*>(o + at) = *reinterpret_cast<const uint4*>(out_tile + at_tile);
-        if (scaled_out) *reinterpret_cast<uint4*>(out_bf16 + at) = *reinterpret_cast<const uint4*>(z_tile + at_tile);
-      } else {
-        for (int j = 0; j < 8 && col + j < N; j += 2) {
-          *reinterpret_cast<unsigned*>(o + at + j) = *reinterpret_cast<const unsigned*>(out_tile + at_tile + j);
-          if (scaled_out)
-            *reinterpret_cast<unsigned*>(out_bf16 + at + j) = *reinterpret_cast<const unsigned*>(z_tile + at_tile + j);
-        }
-      }
+      *reinterpret_cast<uint4*>(o + at) = *reinterpret_cast<const uint4*>(out_tile + at_tile);
+      if (out_bf16) *reinterpret_cast<uint4*>(out_bf16 + at) = *reinterpret_cast<const uint4*>(z_tile + at_tile);
     }
   }
 }
@@ -404,8 +392,8 @@ int forced_tile() {
 }
 
 // DQN_OPS_DENSE_STORES (switches.h): unset or "direct", kHidden's epilogue stores its pairs from
-// the fragments; "staged", through shared memory in 16-byte stores (the A/B switch; the same
-// bits either way).
+// the fragments; "staged", through shared memory in 16-byte stores, in the launches whose rows
+// are whole 16-byte chunks (rows_in_chunks; the others direct). The A/B switch; the same bits.
 bool staged_stores() {
   static constexpr SwitchName kNames[] = {{"direct", 0}, {"staged", 1}};
   static const bool staged = env_switch("DQN_OPS_DENSE_STORES", kNames, 0) == 1;
@@ -421,10 +409,10 @@ TileShape pick_tile(const DenseLaunch& l) {
   return TileShape::k32x64;
 }
 
-template <int BM, int BN, int WM, int WN, DenseEpilogue kEpilogue>
+template <int BM, int BN, int WM, int WN, DenseEpilogue kEpilogue, bool kStagedStores>
 void launch_tile(DenseLaunch& l, cudaStream_t stream) {
   using T = Tile<BM, BN, WM, WN>;
-  auto* kernel = dense_layer_kernel<BM, BN, WM, WN, kEpilogue>;
+  auto* kernel = dense_layer_kernel<BM, BN, WM, WN, kEpilogue, kStagedStores>;
   if (T::kSmemBytes > 48 * 1024) opt_in_dynamic_smem(kernel);
   constexpr TileShape shape = BM == 128 ? TileShape::k128x128 : BM == 64 ? TileShape::k64x64 : TileShape::k32x64;
   l.first_tile[0] = 0;
@@ -433,13 +421,32 @@ void launch_tile(DenseLaunch& l, cudaStream_t stream) {
   launch(kernel, dim3(static_cast<unsigned>(l.first_tile[l.count])), dim3(T::kThreads), T::kSmemBytes, stream, l);
 }
 
+template <DenseEpilogue kEpilogue, bool kStagedStores>
+void launch_tile_shape(DenseLaunch& l, cudaStream_t stream) {
+  switch (pick_tile(l)) {
+    case TileShape::k128x128: return launch_tile<128, 128, 64, 32, kEpilogue, kStagedStores>(l, stream);
+    case TileShape::k64x64: return launch_tile<64, 64, 32, 32, kEpilogue, kStagedStores>(l, stream);
+    case TileShape::k32x64: return launch_tile<32, 64, 16, 32, kEpilogue, kStagedStores>(l, stream);
+  }
+}
+
+// Whether every problem's output rows are whole 16-byte chunks of BF16 (the staged stores' only
+// store): N, the row stride and the batch stride multiples of 8, out and out_bf16 16-byte aligned.
+bool rows_in_chunks(const DenseLaunch& l) {
+  for (int i = 0; i < l.count; ++i) {
+    const DenseProblem& p = l.problem[i];
+    if (p.N % 8 || p.out_ld % 8 || p.out_stride % 8 || reinterpret_cast<uintptr_t>(p.out) % 16 ||
+        reinterpret_cast<uintptr_t>(p.out_bf16) % 16)
+      return false;
+  }
+  return true;
+}
+
 template <DenseEpilogue kEpilogue>
 void launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
-  switch (pick_tile(l)) {
-    case TileShape::k128x128: return launch_tile<128, 128, 64, 32, kEpilogue>(l, stream);
-    case TileShape::k64x64: return launch_tile<64, 64, 32, 32, kEpilogue>(l, stream);
-    case TileShape::k32x64: return launch_tile<32, 64, 16, 32, kEpilogue>(l, stream);
-  }
+  if constexpr (kEpilogue == DenseEpilogue::kHidden)
+    if (staged_stores() && rows_in_chunks(l)) return launch_tile_shape<kEpilogue, true>(l, stream);
+  launch_tile_shape<kEpilogue, false>(l, stream);
 }
 
 // Mode auto's rule (bench/NOTES.md, "The dense layer kernel"). It reads each problem's shape and
@@ -516,7 +523,6 @@ bool dense_applies(const DenseLaunch& l) {
 }
 
 void dense_launch(DenseLaunch l, cudaStream_t stream) {
-  l.staged_stores = staged_stores();
   switch (l.epilogue) {
     case DenseEpilogue::kHidden: return launch_epilogue<DenseEpilogue::kHidden>(l, stream);
     case DenseEpilogue::kLogits: return launch_epilogue<DenseEpilogue::kLogits>(l, stream);

@@ -61,9 +61,6 @@ struct DenseLaunch {
   DenseEpilogue epilogue = DenseEpilogue::kHidden;
   int count = 0;
   int64_t scale_group = 1;  // kHidden's scaled output: rows per row of `aux`
-  // kHidden's outputs through shared memory, 16-byte stores (DQN_OPS_DENSE_STORES=staged; the
-  // same bits): set by dense_launch.
-  bool staged_stores = false;
   DenseProblem problem[kMaxProblems];
   // Filled by dense_launch: problem p's tiles are the blocks [first_tile[p], first_tile[p + 1]).
   int first_tile[kMaxProblems + 1] = {};
