@@ -241,8 +241,8 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
 
   // Epilogue: a thread holds rows g and g + 8 of each m16 fragment, columns 2t and 2t + 1 of
   // each n8 fragment (g = lane / 4, t = lane % 4). N is even: col < N means col + 1 < N. The F32
-  // pairs are stored by __stwb (an ordinary store): assigned through a float2 pointer, they were
-  // split into two 4-byte stores.
+  // pairs are stored by __stwb (an ordinary store): assigned through a float2 pointer, the front
+  // end splits them into two 4-byte stores.
   const int g = lane >> 2, t2 = (lane & 3) * 2;
   auto row_of = [&](int mi, int h) { return m0 + wm0 + mi * 16 + g + h * 8; };
   auto col_of = [&](int ni) { return n0 + wn0 + ni * 8 + t2; };
@@ -259,13 +259,13 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
   const __nv_bfloat16* const aux = P.aux ? P.aux + out_at : nullptr;
   __nv_bfloat16* const out_bf16 = P.out_bf16 ? P.out_bf16 + out_at : nullptr;
   void* const out = static_cast<char*>(P.out) + out_at * (kEpilogue == DenseEpilogue::kHidden ? 2 : 4);
-  // kInputGrad's mask pairs, a thread's all copied to shared memory at once before any store:
+  // kInputGrad's mask pairs, all of a thread's copied to shared memory at once before any store:
   // read in the store loop itself, each load waited out a latency of its own (the stores before
   // it may alias it), 2 MI NI latencies of L2 or HBM a thread. Pair j of thread i is word j *
   // kThreads + i of the stages, whose last reads the barrier waits for (every block runs it or
   // not: the problem's aux is uniform). kHidden's scale (IQN's h_L[r / N]) stays loaded in the
   // loop: a tile's rows read a few rows of it, L1 hits, and staging it made IQN's phi launch
-  // slower (bench/NOTES.md, the dense kernel's bullet "The epilogue's aux loads").
+  // slower (bench/NOTES.md, the dense kernel's bullet "The epilogue's mask loads").
   constexpr int kPairs = T::MI * 2 * T::NI;
   static_assert(kPairs * T::kThreads * 4 <= T::kSmemBytes, "a thread's aux pairs fit the stages");
   const bool staged_aux = kEpilogue == DenseEpilogue::kInputGrad && aux != nullptr;
