@@ -153,6 +153,34 @@ def saved_with_env(code: str, env_var: str, value, path: str, *args: str):
     return torch.load(path)
 
 
+def assert_same_bits(first: dict, other: dict, what) -> None:
+    """Two runs' outputs, {name: [tensors]}, the same names and every tensor finite and the same
+    bits (2- and 4-byte elements compared as integers)."""
+    assert first.keys() == other.keys(), what
+    for name in first:
+        assert len(first[name]) == len(other[name]), (what, name)
+        for i, (a, b) in enumerate(zip(first[name], other[name])):
+            assert torch.isfinite(a.float()).all(), (what, name, i)
+            bits = torch.int16 if a.element_size() == 2 else torch.int32
+            assert torch.equal(a.view(bits), b.view(bits)), (what, name, i)
+
+
+def first_forward_error(env_var: str, value: str) -> str:
+    """The stderr of a fresh interpreter whose first CUDA forward (the default network, the dense
+    kernel on every layer it can run) has `env_var` set to `value`, asserted to have failed: the
+    switches read at their first launch refuse a bad value there."""
+    code = textwrap.dedent("""
+        import torch
+        from dqn_ops import DQNConfig, DuelingBranchQNet, dense_kernel
+        dense_kernel.set_mode("on")
+        net = DuelingBranchQNet(DQNConfig()).to("cuda")
+        net.forward_full(torch.randn(4, 96, device="cuda"))
+    """)
+    r = python_with_env(code, env_var, value, timeout=300)
+    assert r.returncode != 0, (env_var, value, r.stdout[-2000:])
+    return r.stderr
+
+
 def switch_at_first_use(env_var: str, value, module: str, calls: str) -> list:
     """What a process-wide switch of dqn_ops makes of its environment variable: `calls` (a tuple of
     callables on dqn_ops.<module>, as Python source) run in a fresh interpreter with `env_var`

@@ -10,9 +10,8 @@ import re
 import textwrap
 
 import pytest
-import torch
 
-from conftest import python_with_env, requires_cuda, saved_with_env
+from conftest import assert_same_bits, first_forward_error, requires_cuda, saved_with_env
 
 ENV = "DQN_OPS_DENSE_STORES"
 TILES = ("128x128", "64x64", "32x64")
@@ -60,25 +59,11 @@ def test_both_store_paths_give_the_same_bits(tmp_path, tile):
     rows = int(tile.split("x")[0])
     for setting, r in runs.items():
         assert hidden_launches(r["kernels"]) == {(rows, setting == "staged")}, (setting, r["kernels"])
-    direct, staged = runs["direct"]["out"], runs["staged"]["out"]
-    assert direct.keys() == staged.keys() == {"shape", "deep_heads", "iqn"}
-    for name in direct:
-        assert len(direct[name]) == len(staged[name])
-        for i, (a, b) in enumerate(zip(direct[name], staged[name])):
-            assert torch.isfinite(a.float()).all(), (tile, name, i)
-            bits = torch.int16 if a.element_size() == 2 else torch.int32
-            assert torch.equal(a.view(bits), b.view(bits)), (tile, name, i)
+    assert runs["direct"]["out"].keys() == {"shape", "deep_heads", "iqn"}
+    assert_same_bits(runs["direct"]["out"], runs["staged"]["out"], tile)
 
 
 @requires_cuda
 def test_a_bad_store_setting_is_refused_by_name():
-    code = textwrap.dedent("""
-        import torch
-        from dqn_ops import DQNConfig, DuelingBranchQNet, dense_kernel
-        dense_kernel.set_mode("on")
-        net = DuelingBranchQNet(DQNConfig()).to("cuda")
-        net.forward_full(torch.randn(4, 96, device="cuda"))
-    """)
-    r = python_with_env(code, ENV, "vector", timeout=300)
-    assert r.returncode != 0 and "dqn_ops: DQN_OPS_DENSE_STORES: expected direct or staged, got 'vector'" in r.stderr, \
-        r.stderr[-2000:]
+    err = first_forward_error(ENV, "vector")
+    assert "dqn_ops: DQN_OPS_DENSE_STORES: expected direct or staged, got 'vector'" in err, err[-2000:]

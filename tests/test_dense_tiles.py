@@ -4,9 +4,8 @@ the same bits as the others, for the forward and the backward with the kernel on
 can run. Read once per process: a subprocess each."""
 import textwrap
 
-import torch
 
-from conftest import python_with_env, requires_cuda, saved_with_env
+from conftest import assert_same_bits, first_forward_error, requires_cuda, saved_with_env
 
 ENV = "DQN_OPS_DENSE_TILE"
 SHAPES = ("128x128", "64x64", "32x64")
@@ -44,26 +43,11 @@ def test_every_forced_tile_runs_every_launch_and_gives_the_same_bits(tmp_path):
     results = {s: saved_with_env(RUN, ENV, s, str(tmp_path / f"{s}.pt")) for s in SHAPES}
     for s, r in results.items():
         assert r["tiles"] == [s.replace("x", ", ")], (s, r["tiles"])
-    first = results[SHAPES[0]]["out"]
     for s in SHAPES[1:]:
-        other = results[s]["out"]
-        assert first.keys() == other.keys()
-        for name in first:
-            assert len(first[name]) == len(other[name])
-            for i, (a, b) in enumerate(zip(first[name], other[name])):
-                assert torch.isfinite(a.float()).all(), (name, i)
-                bits = torch.int16 if a.element_size() == 2 else torch.int32
-                assert torch.equal(a.view(bits), b.view(bits)), (s, name, i)
+        assert_same_bits(results[SHAPES[0]]["out"], results[s]["out"], s)
 
 
 @requires_cuda
 def test_a_bad_tile_is_refused_by_name():
-    code = textwrap.dedent("""
-        import torch
-        from dqn_ops import DQNConfig, DuelingBranchQNet, dense_kernel
-        dense_kernel.set_mode("on")
-        net = DuelingBranchQNet(DQNConfig()).to("cuda")
-        net.forward_full(torch.randn(4, 96, device="cuda"))
-    """)
-    r = python_with_env(code, ENV, "256x256", timeout=300)
-    assert r.returncode != 0 and ENV in r.stderr and "'256x256'" in r.stderr, r.stderr[-2000:]
+    err = first_forward_error(ENV, "256x256")
+    assert "dqn_ops: DQN_OPS_DENSE_TILE: expected auto, 128x128, 64x64 or 32x64, got '256x256'" in err, err[-2000:]

@@ -3,11 +3,10 @@ first use; unset or empty is the default, a listed name its value, and any other
 every use, naming the variable, the names it takes and the value. The dense kernel's and the side
 streams' variables have their tests beside their switches (test_dense_layer.py,
 test_side_stream.py), the tile's and the head columns' beside theirs."""
-import textwrap
 
 import pytest
 
-from conftest import python_with_env, requires_cuda, switch_at_first_use
+from conftest import first_forward_error, requires_cuda, switch_at_first_use
 
 SPECTRAL = "DQN_OPS_SPECTRAL_STRATEGY"
 
@@ -27,11 +26,5 @@ def test_the_spectral_strategy_variable_sets_the_strategy_at_its_first_use(value
 @requires_cuda
 @pytest.mark.parametrize("value", ["off", "2"])
 def test_a_bad_pdl_setting_is_refused_by_name_at_the_first_launch(value):
-    code = textwrap.dedent("""
-        import torch
-        from dqn_ops import DQNConfig, DuelingBranchQNet
-        net = DuelingBranchQNet(DQNConfig()).to("cuda")
-        net.forward_full(torch.randn(4, 96, device="cuda"))
-    """)
-    r = python_with_env(code, "DQN_OPS_PDL", value, timeout=300)
-    assert r.returncode != 0 and f"dqn_ops: DQN_OPS_PDL: expected 0 or 1, got '{value}'" in r.stderr, r.stderr[-2000:]
+    err = first_forward_error("DQN_OPS_PDL", value)
+    assert f"dqn_ops: DQN_OPS_PDL: expected 0 or 1, got '{value}'" in err, err[-2000:]
