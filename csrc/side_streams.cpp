@@ -7,11 +7,9 @@
 
 namespace dqn_ops {
 namespace {
-constexpr SwitchName kSwitchNames[] = {{"0", 0}, {"1", 1}};
-
 // The setting, initialised from the environment at its first use (switches.h; on unless it is 0).
 std::atomic<bool>& side_streams_setting() {
-  static std::atomic<bool> setting{env_switch("DQN_OPS_SIDE_STREAM", kSwitchNames, 1) == 1};
+  static std::atomic<bool> setting{env_switch("DQN_OPS_SIDE_STREAM", kOffOnNames, 1) == 1};
   return setting;
 }
 }  // namespace

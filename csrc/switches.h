@@ -20,6 +20,9 @@ struct SwitchName {
 };
 using SwitchNames = c10::ArrayRef<SwitchName>;
 
+// The names of an on / off switch: "0" off, "1" on.
+inline constexpr SwitchName kOffOnNames[] = {{"0", 0}, {"1", 1}};
+
 // The value `name` names in `names`; false where none does.
 bool switch_value(SwitchNames names, std::string_view name, int* value);
 // The first name of `value` in `names` (list a value's canonical name before its aliases).

@@ -4,7 +4,6 @@ the same bits as the others, for the forward and the backward with the kernel on
 can run. Read once per process: a subprocess each."""
 import textwrap
 
-
 from conftest import assert_same_bits, first_forward_error, requires_cuda, saved_with_env
 
 ENV = "DQN_OPS_DENSE_TILE"

@@ -302,10 +302,9 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
   constexpr int kStagedLd = BN + 8;  // BF16 elements a staged row: 16 bytes of padding
   static_assert(2 * BM * kStagedLd * 2 <= T::kSmemBytes, "both staged output tiles fit the stages");
   static_assert(!kStagedStores || kEpilogue == DenseEpilogue::kHidden, "staged stores are kHidden's");
-  constexpr bool staged_out = kStagedStores;
   __nv_bfloat16* const out_tile = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   __nv_bfloat16* const z_tile = out_tile + BM * kStagedLd;
-  if (staged_out) __syncthreads();  // every warp's last K tile read before the stages are written
+  if constexpr (kStagedStores) __syncthreads();  // every warp's last K tile read before the stages are written
 #pragma unroll
   for (int mi = 0; mi < T::MI; ++mi)
 #pragma unroll
@@ -328,7 +327,7 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
           const unsigned bits = *reinterpret_cast<const unsigned*>(&v);
           const unsigned scaled =
               scale_row ? bf16_product2(*reinterpret_cast<const unsigned*>(scale_row + col), bits) : 0u;
-          if (staged_out) {
+          if constexpr (kStagedStores) {
             const int at_tile = (row - m0) * kStagedLd + (col - n0);
             *reinterpret_cast<unsigned*>(out_tile + at_tile) = bits;
             if (scale_row) *reinterpret_cast<unsigned*>(z_tile + at_tile) = scaled;
@@ -350,7 +349,7 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
         }
       }
     }
-  if (staged_out) {
+  if constexpr (kStagedStores) {
     __syncthreads();
     // A row's 16-byte chunks (N a multiple of 8, the rows 16-byte aligned: launch_epilogue).
     constexpr int kRowChunks = BN / 8;
