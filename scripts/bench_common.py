@@ -64,26 +64,26 @@ def code_path_switches() -> dict:
     dependent launch (env DQN_OPS_PDL: "1", the default, or "0"), which keep every bit, and the dense layer
     kernel's mode (``dqn_ops.dense_kernel``, env DQN_OPS_DENSE_KERNEL: "auto", "on" or "off"),
     whose sums may round differently from cuBLAS's, its tile shape (env DQN_OPS_DENSE_TILE,
-    "auto" unless forced) and its hidden layers' stores (env DQN_OPS_DENSE_STORES, "direct" unless
-    "staged"), which keep every bit."""
+    "auto" unless forced) and its stores (env DQN_OPS_DENSE_STORES, "staged" unless "direct"),
+    which keep every bit."""
     import os
 
     from dqn_ops import dense_kernel, side_stream
 
     return dict(side_streams=side_stream.enabled(), pdl=os.environ.get("DQN_OPS_PDL", "1") != "0",
                 dense_kernel=dense_kernel.mode(), dense_tile=os.environ.get("DQN_OPS_DENSE_TILE") or "auto",
-                dense_stores=os.environ.get("DQN_OPS_DENSE_STORES") or "direct")
+                dense_stores=os.environ.get("DQN_OPS_DENSE_STORES") or "staged")
 
 
 def switches_note(switches: dict) -> str:
     """The switches as a result file's markdown says them: "side streams on, PDL on, dense
     kernel auto" (files written before the dense kernel do not name it), a forced dense tile and
-    staged dense stores."""
+    the dense stores where a file names them (it does since the switch came)."""
     on = lambda key: "on" if switches[key] else "off"  # noqa: E731
     note = f"side streams {on('side_streams')}, PDL {on('pdl')}"
     note += f", dense kernel {switches['dense_kernel']}" if "dense_kernel" in switches else ""
     note += f", dense tile {switches['dense_tile']}" if switches.get("dense_tile", "auto") != "auto" else ""
-    return note + (", dense stores staged" if switches.get("dense_stores", "direct") == "staged" else "")
+    return note + (f", dense stores {switches['dense_stores']}" if "dense_stores" in switches else "")
 
 
 def run_meta(device="cuda", **extra):

@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(aux_smem + ((mi * 2 + h) * T::NI + ni) * T::kThreads * 4));
     return v;
   };
-  // kStagedStores (kHidden only; launch_epilogue: DQN_OPS_DENSE_STORES=staged where every
+  // kStagedStores (kHidden only; launch_epilogue: DQN_OPS_DENSE_STORES=staged, the default, where every
   // problem's output rows are whole 16-byte chunks): the fragments' pairs go to a [BM, BN + 8]
   // BF16 tile of the free stages (a tile each for out and the scaled out_bf16), rows padded by 16
   // bytes so that a warp's 4-byte writes (8 rows, 4 pairs each) and the 16-byte reads of a row
@@ -390,12 +390,13 @@ int forced_tile() {
   return forced;
 }
 
-// DQN_OPS_DENSE_STORES (switches.h): unset or "direct", kHidden's epilogue stores its pairs from
-// the fragments; "staged", through shared memory in 16-byte stores, in the launches whose rows
-// are whole 16-byte chunks (rows_in_chunks; the others direct). The A/B switch; the same bits.
+// DQN_OPS_DENSE_STORES (switches.h): unset or "staged", kHidden's epilogue stores through shared
+// memory in 16-byte stores, in the launches whose rows are whole 16-byte chunks (rows_in_chunks;
+// the others direct); "direct", its pairs from the fragments, the A/B switch's other side
+// (bench/NOTES.md, the dense kernel's bullet "The staged stores"). Either gives the same bits.
 bool staged_stores() {
   static constexpr SwitchName kNames[] = {{"direct", 0}, {"staged", 1}};
-  static const bool staged = env_switch("DQN_OPS_DENSE_STORES", kNames, 0) == 1;
+  static const bool staged = env_switch("DQN_OPS_DENSE_STORES", kNames, 1) == 1;
   return staged;
 }
 
