@@ -293,17 +293,29 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(aux_smem + ((mi * 2 + h) * T::NI + ni) * T::kThreads * 4));
     return v;
   };
-  // kStagedStores (kHidden only; launch_epilogue: DQN_OPS_DENSE_STORES=staged, the default, where every
-  // problem's output rows are whole 16-byte chunks): the fragments' pairs go to a [BM, BN + 8]
-  // BF16 tile of the free stages (a tile each for out and the scaled out_bf16), rows padded by 16
-  // bytes so that a warp's 4-byte writes (8 rows, 4 pairs each) and the 16-byte reads of a row
-  // fall on distinct banks; then each row leaves in 16-byte stores, BN / 8 threads a row, where
-  // the direct path stores 4 bytes a thread, 8 rows x 16 bytes a warp's store.
+  // kStagedStores (launch_epilogue: as DQN_OPS_DENSE_STORES says, where every problem's output
+  // rows are whole 16-byte chunks): the fragments' pairs go to shared memory first, then each
+  // row leaves in 16-byte stores, where the direct path stores 4 (BF16) or 8 (F32) bytes a
+  // thread, 8 rows x 16 or 32 bytes a warp's store.
+  //   - kHidden: a [BM, BN + 8] BF16 tile of the free stages (a tile each for out and the scaled
+  //     out_bf16), rows padded by 16 bytes so that a warp's 4-byte writes (8 rows, 4 pairs each)
+  //     and the 16-byte reads of a row fall on distinct banks; BN / 8 threads a row.
+  //   - kInputGrad: a [BM, BN] F32 tile after the mask pairs (the two fill the stages of the
+  //     128 x 128 tile: no room for padding), chunk c of row r at chunk c ^ 2 (r % 8), so a warp's
+  //     8-byte writes (8 rows, 32 bytes each) take two wavefronts and a row's 16-byte reads none
+  //     extra; BN / 4 threads a row, each also storing its four values' BF16 copy to out_bf16
+  //     (the same rounding as the direct path's).
   constexpr int kStagedLd = BN + 8;  // BF16 elements a staged row: 16 bytes of padding
   static_assert(2 * BM * kStagedLd * 2 <= T::kSmemBytes, "both staged output tiles fit the stages");
-  static_assert(!kStagedStores || kEpilogue == DenseEpilogue::kHidden, "staged stores are kHidden's");
+  constexpr int kPairBytes = kPairs * T::kThreads * 4;
+  static_assert(kPairBytes + BM * BN * 4 <= T::kSmemBytes, "the mask pairs and the staged gradient fit the stages");
+  static_assert(!kStagedStores || kEpilogue != DenseEpilogue::kLogits, "kLogits stores directly");
   __nv_bfloat16* const out_tile = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   __nv_bfloat16* const z_tile = out_tile + BM * kStagedLd;
+  float* const grad_tile = reinterpret_cast<float*>(smem_raw + kPairBytes);
+  // Element (r, c) of the staged gradient (c even in the fragments' writes, a multiple of 4 in
+  // the reads).
+  auto grad_at = [](int r, int c) { return r * BN + ((((c >> 2) ^ ((r & 7) << 1))) << 2) + (c & 3); };
   if constexpr (kStagedStores) __syncthreads();  // every warp's last K tile read before the stages are written
 #pragma unroll
   for (int mi = 0; mi < T::MI; ++mi)
@@ -344,23 +356,39 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
             const float2 m = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
             d = make_float2(relu_grad(m.x, d.x), relu_grad(m.y, d.y));
           }
-          __stwb(reinterpret_cast<float2*>(static_cast<float*>(out) + at + col), d);
-          if (out_bf16) *reinterpret_cast<__nv_bfloat162*>(out_bf16 + at + col) = __floats2bfloat162_rn(d.x, d.y);
+          if constexpr (kStagedStores) {
+            *reinterpret_cast<float2*>(grad_tile + grad_at(row - m0, col - n0)) = d;
+          } else {
+            __stwb(reinterpret_cast<float2*>(static_cast<float*>(out) + at + col), d);
+            if (out_bf16) *reinterpret_cast<__nv_bfloat162*>(out_bf16 + at + col) = __floats2bfloat162_rn(d.x, d.y);
+          }
         }
       }
     }
   if constexpr (kStagedStores) {
     __syncthreads();
-    // A row's 16-byte chunks (N a multiple of 8, the rows 16-byte aligned: launch_epilogue).
-    constexpr int kRowChunks = BN / 8;
-    __nv_bfloat16* const o = static_cast<__nv_bfloat16*>(out);
+    // A row's 16-byte chunks, of BF16 or of F32 (N a multiple of 8, the rows 16-byte aligned:
+    // launch_epilogue).
+    constexpr int kChunkCols = kEpilogue == DenseEpilogue::kHidden ? 8 : 4;
+    constexpr int kRowChunks = BN / kChunkCols;
     for (int c = threadIdx.x; c < BM * kRowChunks; c += T::kThreads) {
-      const int r = c / kRowChunks, col = n0 + (c % kRowChunks) * 8, row = m0 + r;
+      const int r = c / kRowChunks, col = n0 + (c % kRowChunks) * kChunkCols, row = m0 + r;
       if (row >= rows || col >= N) continue;
-      const int at_tile = r * kStagedLd + (col - n0);
       const int64_t at = int64_t(row) * out_ld + col;
-      *reinterpret_cast<uint4*>(o + at) = *reinterpret_cast<const uint4*>(out_tile + at_tile);
-      if (out_bf16) *reinterpret_cast<uint4*>(out_bf16 + at) = *reinterpret_cast<const uint4*>(z_tile + at_tile);
+      if constexpr (kEpilogue == DenseEpilogue::kHidden) {
+        const int at_tile = r * kStagedLd + (col - n0);
+        *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out) + at) =
+            *reinterpret_cast<const uint4*>(out_tile + at_tile);
+        if (out_bf16) *reinterpret_cast<uint4*>(out_bf16 + at) = *reinterpret_cast<const uint4*>(z_tile + at_tile);
+      } else {
+        const float4 d = *reinterpret_cast<const float4*>(grad_tile + grad_at(r, col - n0));
+        __stwb(reinterpret_cast<float4*>(static_cast<float*>(out) + at), d);  // assigned, four 4-byte stores
+        if (out_bf16) {
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(d.x, d.y), hi = __floats2bfloat162_rn(d.z, d.w);
+          *reinterpret_cast<uint2*>(out_bf16 + at) =
+              make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+        }
+      }
     }
   }
 }
@@ -390,14 +418,23 @@ int forced_tile() {
   return forced;
 }
 
-// DQN_OPS_DENSE_STORES (switches.h): unset or "staged", kHidden's epilogue stores through shared
-// memory in 16-byte stores, in the launches whose rows are whole 16-byte chunks (rows_in_chunks;
-// the others direct); "direct", its pairs from the fragments, the A/B switch's other side
-// (bench/NOTES.md, the dense kernel's bullet "The staged stores"). Either gives the same bits.
-bool staged_stores() {
-  static constexpr SwitchName kNames[] = {{"direct", 0}, {"staged", 1}};
-  static const bool staged = env_switch("DQN_OPS_DENSE_STORES", kNames, 1) == 1;
+// DQN_OPS_DENSE_STORES (switches.h): which epilogues store through shared memory in 16-byte
+// stores, in the launches whose rows are whole 16-byte chunks (rows_in_chunks; the others store
+// their pairs from the fragments): unset or "hidden", kHidden's (measured faster: bench/NOTES.md,
+// the dense kernel's bullet "The staged stores"); "all", kInputGrad's too (the A/B candidate);
+// "direct", none. Any of them gives the same bits.
+enum class StagedStores { kNone, kHidden, kAll };
+StagedStores staged_stores() {
+  static constexpr SwitchName kNames[] = {{"direct", static_cast<int>(StagedStores::kNone)},
+                                          {"hidden", static_cast<int>(StagedStores::kHidden)},
+                                          {"all", static_cast<int>(StagedStores::kAll)}};
+  static const auto staged =
+      static_cast<StagedStores>(env_switch("DQN_OPS_DENSE_STORES", kNames, static_cast<int>(StagedStores::kHidden)));
   return staged;
+}
+bool stages_stores(DenseEpilogue e) {
+  return e == DenseEpilogue::kHidden ? staged_stores() != StagedStores::kNone
+                                     : e == DenseEpilogue::kInputGrad && staged_stores() == StagedStores::kAll;
 }
 
 // The largest tile whose grid still covers every SM; the smallest where none does.
@@ -444,8 +481,8 @@ bool rows_in_chunks(const DenseLaunch& l) {
 
 template <DenseEpilogue kEpilogue>
 void launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
-  if constexpr (kEpilogue == DenseEpilogue::kHidden)
-    if (staged_stores() && rows_in_chunks(l)) return launch_tile_shape<kEpilogue, true>(l, stream);
+  if constexpr (kEpilogue != DenseEpilogue::kLogits)
+    if (stages_stores(kEpilogue) && rows_in_chunks(l)) return launch_tile_shape<kEpilogue, true>(l, stream);
   launch_tile_shape<kEpilogue, false>(l, stream);
 }
 
