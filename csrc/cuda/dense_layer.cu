@@ -308,7 +308,10 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
   constexpr int kStagedLd = BN + 8;  // BF16 elements a staged row: 16 bytes of padding
   static_assert(2 * BM * kStagedLd * 2 <= T::kSmemBytes, "both staged output tiles fit the stages");
   constexpr int kPairBytes = kPairs * T::kThreads * 4;
-  static_assert(kPairBytes + BM * BN * 4 <= T::kSmemBytes, "the mask pairs and the staged gradient fit the stages");
+  constexpr bool kStagedGrad = kStagedStores && kEpilogue == DenseEpilogue::kInputGrad;
+  static_assert(!kStagedGrad || kPairBytes + BM * BN * 4 <= T::kSmemBytes,
+                "the mask pairs and the staged gradient fit the stages");
+  static_assert(!kStagedGrad || BN % 64 == 0, "the swizzle's XOR (bits 1-3 of a chunk) stays within a row");
   static_assert(!kStagedStores || kEpilogue != DenseEpilogue::kLogits, "kLogits stores directly");
   __nv_bfloat16* const out_tile = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   __nv_bfloat16* const z_tile = out_tile + BM * kStagedLd;
@@ -316,7 +319,9 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
   // Element (r, c) of the staged gradient (c even in the fragments' writes, a multiple of 4 in
   // the reads).
   auto grad_at = [](int r, int c) { return r * BN + ((((c >> 2) ^ ((r & 7) << 1))) << 2) + (c & 3); };
-  if constexpr (kStagedStores) __syncthreads();  // every warp's last K tile read before the stages are written
+  // Every warp's last K tile read before the stages are written (the masks' staging above
+  // already waited for it).
+  if (kStagedStores && !staged_aux) __syncthreads();
 #pragma unroll
   for (int mi = 0; mi < T::MI; ++mi)
 #pragma unroll
@@ -382,7 +387,8 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
         if (out_bf16) *reinterpret_cast<uint4*>(out_bf16 + at) = *reinterpret_cast<const uint4*>(z_tile + at_tile);
       } else {
         const float4 d = *reinterpret_cast<const float4*>(grad_tile + grad_at(r, col - n0));
-        __stwb(reinterpret_cast<float4*>(static_cast<float*>(out) + at), d);  // assigned, four 4-byte stores
+        // One 16-byte store; assigned through the float4 pointer, it would leave as four 4-byte ones.
+        __stwb(reinterpret_cast<float4*>(static_cast<float*>(out) + at), d);
         if (out_bf16) {
           const __nv_bfloat162 lo = __floats2bfloat162_rn(d.x, d.y), hi = __floats2bfloat162_rn(d.z, d.w);
           *reinterpret_cast<uint2*>(out_bf16 + at) =
@@ -467,8 +473,9 @@ void launch_tile_shape(DenseLaunch& l, cudaStream_t stream) {
   }
 }
 
-// Whether every problem's output rows are whole 16-byte chunks of BF16 (the staged stores' only
-// store): N, the row stride and the batch stride multiples of 8, out and out_bf16 16-byte aligned.
+// Whether every problem's output rows are whole 16-byte chunks of BF16 (the staged stores': 16
+// bytes of BF16, or of F32 with its 8-byte BF16 copy): N, the row stride and the batch stride
+// multiples of 8, out and out_bf16 16-byte aligned.
 bool rows_in_chunks(const DenseLaunch& l) {
   for (int i = 0; i < l.count; ++i) {
     const DenseProblem& p = l.problem[i];
