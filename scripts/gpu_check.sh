@@ -36,7 +36,9 @@
 #       (a base from before the side streams were on by default: AB_ARGS="--base-env DQN_OPS_SIDE_STREAM=1")
 #   AB_BASE=. AB_ARGS="--base-env DQN_OPS_SIDE_STREAM=0 --networks reference iqn_32 --name step-ab-side-stream" bash scripts/gpu_check.sh
 #       # this tree against itself under a run-time switch (no second build), several networks in one file
-# Sanitizers: scripts/verify_gpu.sh.
+# Sanitizers: scripts/verify_gpu.sh. The build is skipped where scripts/prebuild.sh left this
+# tree's (or AB_BASE's) build in .prebuilt and the call carries it (carry [".prebuilt"], or
+# [".base"] for a base tree's).
 #
 # Training runs go to $OUT/runs.tar.gz (metrics.csv, summary.json, learning_curve.png; not the checkpoints),
 # the logs (env, build, pytest, benchmarks) to $OUT/logs.tar.gz (logs-2.tar.gz, ... for later runs in one call).
@@ -75,7 +77,7 @@ cat "$OUT/env.txt"
 echo "== build"
 # The base tree builds beside this one (the machine has the cores for both), unless it is this one.
 if [ -n "${AB_BASE:-}" ] && [ "$(realpath "$AB_BASE")" != "$(realpath .)" ]; then
-  (cd "$AB_BASE" && MAX_JOBS=8 $PY setup.py build_ext --inplace > "$OUT/build-base.log" 2>&1) &
+  (use_prebuilt "$AB_BASE" || (cd "$AB_BASE" && MAX_JOBS=8 $PY setup.py build_ext --inplace)) > "$OUT/build-base.log" 2>&1 &
   base_build=$!
 fi
 build_in_place

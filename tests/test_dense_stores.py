@@ -2,12 +2,11 @@
 through shared memory in 16-byte stores or from the fragments (csrc/cuda/dense_layer.cu,
 DQN_OPS_DENSE_STORES=hidden|all|direct: the hidden layers' staged, both kinds' or neither's), give
 the same bits, under every tile shape, for the forward and the backward of networks with row and
-tile tails and of IQN (its phi layer's scaled output z); the profiler's kernel names say that
-every hidden layer and every input gradient ran the kernel with the forced tile and the setting's
-store path. Each setting is read once per process: a
-subprocess each, the tile forced by DQN_OPS_DENSE_TILE set before the first launch. (The networks'
-widths are stored as multiples of 8, so every launch here has rows of whole 16-byte chunks, which
-the staged path needs.)"""
+tile tails and of IQN (its phi layer's scaled output z); the profiler's kernel names say that every
+hidden layer and every input gradient ran the kernel with the forced tile and the setting's store
+path. Each setting is read once per process: a subprocess each, the tile forced by
+DQN_OPS_DENSE_TILE set before the first launch. (The networks' widths are stored as multiples of 8,
+so every launch here has rows of whole 16-byte chunks, which the staged path needs.)"""
 import re
 import textwrap
 
