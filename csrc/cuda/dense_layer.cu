@@ -473,15 +473,15 @@ void launch_tile_shape(DenseLaunch& l, cudaStream_t stream) {
   }
 }
 
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
 // Whether every problem's output rows are whole 16-byte chunks of BF16 (the staged stores': 16
 // bytes of BF16, or of F32 with its 8-byte BF16 copy): N, the row stride and the batch stride
 // multiples of 8, out and out_bf16 16-byte aligned.
 bool rows_in_chunks(const DenseLaunch& l) {
   for (int i = 0; i < l.count; ++i) {
     const DenseProblem& p = l.problem[i];
-    if (p.N % 8 || p.out_ld % 8 || p.out_stride % 8 || reinterpret_cast<uintptr_t>(p.out) % 16 ||
-        reinterpret_cast<uintptr_t>(p.out_bf16) % 16)
-      return false;
+    if (p.N % 8 || p.out_ld % 8 || p.out_stride % 8 || !aligned(p.out, 16) || !aligned(p.out_bf16, 16)) return false;
   }
   return true;
 }
@@ -527,8 +527,6 @@ bool measured_faster(const DenseLaunch& l) {
   }
   return true;
 }
-
-bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 bool problem_fits(const DenseProblem& p, DenseEpilogue e) {
   const bool trans = e == DenseEpilogue::kInputGrad;
