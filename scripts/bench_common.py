@@ -65,14 +65,14 @@ def code_path_switches() -> dict:
     kernel's mode (``dqn_ops.dense_kernel``, env DQN_OPS_DENSE_KERNEL: "auto", "on" or "off"),
     whose sums may round differently from cuBLAS's, its tile shape (env DQN_OPS_DENSE_TILE,
     "auto" unless forced) and which of its epilogues stage their stores (env DQN_OPS_DENSE_STORES,
-    "hidden" unless "all" or "direct"), which keep every bit."""
+    "all" unless "hidden" or "direct"), which keep every bit."""
     import os
 
     from dqn_ops import dense_kernel, side_stream
 
     return dict(side_streams=side_stream.enabled(), pdl=os.environ.get("DQN_OPS_PDL", "1") != "0",
                 dense_kernel=dense_kernel.mode(), dense_tile=os.environ.get("DQN_OPS_DENSE_TILE") or "auto",
-                dense_stores=os.environ.get("DQN_OPS_DENSE_STORES") or "hidden")
+                dense_stores=os.environ.get("DQN_OPS_DENSE_STORES") or "all")
 
 
 def switches_note(switches: dict) -> str:

@@ -23,12 +23,14 @@ trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/tree"
 cp -r "$DIR/csrc" "$DIR/dqn_ops" "$DIR/setup.py" "$WORK/tree/"
 rm -f "$WORK/tree/dqn_ops/"*.so "$WORK/tree/dqn_ops/_build_info.py"
-export OUT="$WORK/out" PYTHON
+# The GPU machine's environment sets TORCH_CUDA_ARCH_LIST=9.0a (its build.log), which the stamp
+# includes: build for that unless told otherwise.
+export OUT="$WORK/out" PYTHON TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 source "$ROOT/scripts/gpu_common.sh"  # the build settings, $PY, tree_stamp; cds to $ROOT
 (cd "$WORK/tree" && MAX_JOBS=${MAX_JOBS_HERE:-2} $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1) \
   || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 mkdir -p "$DIR/.prebuilt"
 strip --strip-debug -o "$DIR/.prebuilt/_C.abi3.so" "$WORK/tree/dqn_ops/_C.abi3.so"
 cp "$WORK/tree/dqn_ops/_build_info.py" "$DIR/.prebuilt/"
-tree_stamp "$DIR" > "$DIR/.prebuilt/stamp"
+tree_stamp "$WORK/tree" > "$DIR/.prebuilt/stamp"  # the sources built, whatever changed in DIR since
 echo "$DIR/.prebuilt: $(du -h "$DIR/.prebuilt/_C.abi3.so" | cut -f1), stamp $(cut -c1-12 "$DIR/.prebuilt/stamp")"

@@ -366,3 +366,33 @@ def test_cuda_output_layer_heads_that_share_their_input_take_the_kernel_forward_
         # input gradients (the first's, d(states), unmasked) from the kernel.
         assert sum(k for n, k in back.items() if "relu_backward" in n) == 1, back
         assert sum(k for n, k in back.items() if "dense_layer_kernel" in n and "DenseEpilogue)2" in n) == 2, back
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel_mode", ["auto"], indirect=True)
+def test_cuda_auto_takes_an_input_gradient_of_one_k_tile_at_any_size(kernel_mode):
+    """Mode auto's rule for input gradients: past its bound on products (2^27) only a K of one tile
+    takes the kernel. At 70,000 rows of atoms = 1 heads the output layer's dX (K = 8 padded
+    columns, 70,000 x 256 x 8 products a head) is the kernel's, one launch for the value head and
+    the branch heads' group; the heads' merged first layer's and the trunk's (K = 768 and 256) are
+    cuBLAS's, each with its relu_backward pass. The gradients within 2^-6 of mode "off"'s."""
+    c = DQNConfig(state_dim=40, trunk_hidden=(256, 256), value_hidden=256, adv_hidden=256, atoms=1, branches=(3, 3))
+    net = make_net(c, "cuda", seed=11)
+    rows = 70_000
+    out = net.forward_full(_randn(rows, c.state_dim, seed=11))
+    gq = _randn(rows, c.q_rows, c.atoms, seed=12)
+    back = _kernel_counts(lambda: _backward(net, out, gq))
+    if not any("dqn_ops" in n for n in back):
+        pytest.skip("the profiler recorded no kernels on this machine")
+    assert sum(k for n, k in back.items() if "dense_layer_kernel" in n and "DenseEpilogue)2" in n) == 1, back
+    assert sum(k for n, k in back.items() if "relu_backward" in n) == 2, back
+    assert _cublas_gemms(list(back)), back
+    poison_cuda_cache()
+    grad, gs = _backward(net, out, gq)
+    dense_kernel.set_mode("off")
+    poison_cuda_cache()
+    cublas_grad, cublas_gs = _backward(net, out, gq)
+    g, cublas = net.layer_views(grad), net.layer_views(cublas_grad)
+    for name in cublas:
+        assert rel_err(g[name], cublas[name]) <= 2 ** -6, (name, rel_err(g[name], cublas[name]))
+    assert rel_err(gs, cublas_gs) <= 2 ** -6

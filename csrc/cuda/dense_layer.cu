@@ -426,16 +426,17 @@ int forced_tile() {
 
 // DQN_OPS_DENSE_STORES (switches.h): which epilogues store through shared memory in 16-byte
 // stores, in the launches whose rows are whole 16-byte chunks (rows_in_chunks; the others store
-// their pairs from the fragments): unset or "hidden", kHidden's (measured faster: bench/NOTES.md,
-// the dense kernel's bullet "The staged stores"); "all", kInputGrad's too (the A/B candidate);
-// "direct", none. Any of them gives the same bits.
+// their pairs from the fragments): unset or "all", kHidden's and kInputGrad's (each measured
+// faster: bench/NOTES.md, the dense kernel's bullets "The staged stores" and "The input
+// gradients' stores staged"); "hidden", kHidden's alone; "direct", none. Any of them gives the
+// same bits.
 enum class StagedStores { kNone, kHidden, kAll };
 StagedStores staged_stores() {
   static constexpr SwitchName kNames[] = {{"direct", static_cast<int>(StagedStores::kNone)},
                                           {"hidden", static_cast<int>(StagedStores::kHidden)},
                                           {"all", static_cast<int>(StagedStores::kAll)}};
   static const auto staged =
-      static_cast<StagedStores>(env_switch("DQN_OPS_DENSE_STORES", kNames, static_cast<int>(StagedStores::kHidden)));
+      static_cast<StagedStores>(env_switch("DQN_OPS_DENSE_STORES", kNames, static_cast<int>(StagedStores::kAll)));
   return staged;
 }
 bool stages_stores(DenseEpilogue e) {
@@ -505,12 +506,15 @@ void launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
 //     network, the target's fork and join), which counts at small batches; at large ones cuBLAS's
 //     GEMMs are faster than this kernel. Measured with every kind on: faster at B = 256 and 1024
 //     (the online network's 2048 rows), slower at 2048 and 4096.
-//   - kInputGrad: at most kInputGradMaxMacs products a problem (rows x N x K, x batch). It saves
-//     the relu_backward pass after each GEMM; on larger GEMMs cuBLAS's faster one wins more than
-//     the pass costs. Measured with every kind on, by each step's largest such problem (the heads'
-//     merged first layer, the trunk's layers): faster at 2^25 to 2^27 (the reference at B = 256
-//     and 1024, the 3 x 512 trunk at 256), slower at 2^28 and more (the reference at 2048, the
-//     trunk at 1024 and 2048).
+//   - kInputGrad: at most kInputGradMaxMacs products a problem (rows x N x K, x batch), or K within
+//     one tile at any size. It saves the relu_backward pass after each GEMM; on larger GEMMs
+//     cuBLAS's faster one wins more than the pass costs. Measured with every kind on, by each
+//     step's largest such problem (the heads' merged first layer, the trunk's layers): faster at
+//     2^25 to 2^27 (the reference at B = 256 and 1024, the 3 x 512 trunk at 256), slower at 2^28
+//     and more (the reference at 2048, the trunk at 1024 and 2048). Where K fits one tile (the
+//     output layer of few columns, IQN's atoms = 1 heads) the GEMM is no work beside writing dX,
+//     and the kernel writes it once with its mask and copy where cuBLAS's path writes and rereads
+//     it: measured faster at IQN's B = 4096 (131,072 rows x 512 x 8), the same at 256.
 constexpr int64_t kLogitsMaxRows = 2048;
 constexpr int64_t kInputGradMaxMacs = int64_t(1) << 27;
 // rows x N x K x batch <= bound, without the product's overflow (floor divisions compose).
@@ -522,7 +526,7 @@ bool measured_faster(const DenseLaunch& l) {
     const DenseProblem& p = l.problem[i];
     const bool faster = l.epilogue == DenseEpilogue::kHidden   ? p.N >= 128
                         : l.epilogue == DenseEpilogue::kLogits ? p.rows <= kLogitsMaxRows
-                                                               : macs_at_most(p, kInputGradMaxMacs);
+                                                               : p.K <= kBK || macs_at_most(p, kInputGradMaxMacs);
     if (!faster) return false;
   }
   return true;
