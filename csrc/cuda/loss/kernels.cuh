@@ -450,7 +450,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
   // barrier.
   __shared__ float part_a[2][kMaxWarps], part_b[2][kMaxWarps], part_c[2][kMaxWarps], part_d[2][kMaxWarps];
   __shared__ float slot_loss[kMaxWarps], slot_q[kMaxWarps];
-  static_assert(kMaxWarps < 16, "a named barrier per sample slot, 1 .. kMaxWarps");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int W = P.warps_per_sample, S = P.samples_per_block;
   const int slot = warp / W, wi = warp % W;  // this warp's sample in the block, and its share
@@ -516,24 +515,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kSlots == 2 ? kTwoSlotMinBlock
       part_b[buf][warp] = y;
       part_c[buf][warp] = z;
     }
-    // The round's barrier joins the sample's W warps alone (named barrier 1 + slot; 0 is
-    // __syncthreads'): everything a round writes and reads after it (part_a.., the round
-    // buffers, the rows) is its own sample's, so the block's other samples need not wait for the
-    // slowest of them, and the double-buffer argument above holds per sample.
-    asm volatile("bar.sync %0, %1;" ::"r"(slot + 1), "r"(32 * W) : "memory");
+    __syncthreads();
     // QR: a branch that poisons its sample poisons every branch's rows (every member's)
     bool poisoned = false;
     if constexpr (kQuantiles)
       for (int k = 0; k < W; ++k) poisoned = poisoned || part_c[buf][slot * W + k] > 0.f;
-    if constexpr (kDueling)  // the value columns' 32-atom chunks, member by member, dealt to the sample's warps
-      if (live) {
-        const int chunks = (P.atoms + 31) / 32;
-        for (int c = wi; c < P.value_heads * chunks; c += W) {
-          const int m = c / chunks;
-          write_value_grad(P, br, b, m, 32 * (c % chunks), entry_row(buf, m * br.per_member), P.sum_floats, poisoned,
-                           lane);
-        }
-      }
+    if constexpr (kDueling)  // member m's value column by the sample's warp m % W
+      if (live)
+        for (int m = wi; m < P.value_heads; m += W)
+          write_value_grad(P, br, b, m, entry_row(buf, m * br.per_member), P.sum_floats, poisoned, lane);
     if constexpr (kQuantiles)
       if (live && poisoned)
         for (int d = wi; d < br.count; d += W) qr_poison_rows<kRows>(br, P, b, d, nullptr, lane);

@@ -246,32 +246,6 @@ __device__ QuantileRows<kRows> quantile_rows(const LossParams& P, const BranchTa
   return r;
 }
 
-// The output biases of branch d's columns (and, with dueling, its member's value column) at a
-// lane's atoms, the online network's ([..][0]) and the target's ([..][1]), each read once: the
-// passes on s and s' are both the online network's, and their biases are the same values. 0 where
-// the lane has no atom or (head) the branch no action k; the value column's only with kValue.
-template <int kSlots, bool kValue>
-struct HeadBiases {
-  float head[kSlots][2][kQChunk];
-  float value[kSlots][2];
-  __device__ HeadBiases(const LossParams& P, const BranchTable& br, int d, const LaneAtoms<kSlots>& at) {
-    const int NA = P.atoms, n = br.size[d];
-    const int value_at = int(value_col(member_of(br, d), NA));
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const float* b_out = t == 0 ? P.b_online : P.b_target;
-      const float* bias = b_out + head_col_of(br, d, P.value_heads, NA);
-#pragma unroll
-      for (int e = 0; e < kSlots; ++e) {
-        const int j = at.j[e];
-        value[e][t] = kValue && at.has[e] ? b_out[value_at + j] : 0.f;
-#pragma unroll
-        for (int k = 0; k < kQChunk; ++k) head[e][t][k] = k < n && at.has[e] ? bias[k * NA + j] : 0.f;
-      }
-    }
-  }
-};
-
 // Every branch with at most kQChunk actions (kRowsInRegisters, chosen at launch): a lane's
 // values of branch d's rows in the three passes, read once and kept in registers: x[e][p][k]
 // at atom j_e, -inf at a missing atom, unused for k >= n. BranchRows re-reads a row after the
@@ -299,34 +273,38 @@ __device__ void branch_q(const LossParams& P, const BranchTable& br, int b, int 
       }
     }
   } else if constexpr (kRows == LossRows::kHeadPlain) {
-    const HeadBiases<kSlots, false> hb(P, br, d, at);
+    const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
 #pragma unroll
     for (int p = 0; p < 3; ++p) {
       const float* row = base[p] + int64_t(b) * P.head_ld + br.pad_col[d];
+      const float* bias = b_out[p] + head_col_of(br, d, P.value_heads, NA);
 #pragma unroll
       for (int k = 0; k < kQChunk; ++k) {
         const bool live = k < n;
 #pragma unroll
-        for (int e = 0; e < kSlots; ++e)
-          q.x[e][p][k] = live && at.has[e] ? biased_logit(row[k * NA + at.j[e]], hb.head[e][p == 2][k]) : -INFINITY;
+        for (int e = 0; e < kSlots; ++e) {
+          const int j = at.j[e];
+          q.x[e][p][k] = live && at.has[e] ? biased_logit(row[k * NA + j], bias[k * NA + j]) : -INFINITY;
+        }
       }
     }
   } else {
-    const HeadBiases<kSlots, true> hb(P, br, d, at);
+    const float* b_out[3] = {P.b_online, P.b_online, P.b_target};
     float v[kSlots][3];
     // the member's value head: 32-bit column offsets (64-bit pointers per pass cost registers)
-    const int value_pad = int(value_pad_col(member_of(br, d), NA));
+    const int m = member_of(br, d), value_pad = int(value_pad_col(m, NA)), value_at = int(value_col(m, NA));
 #pragma unroll
     for (int p = 0; p < 3; ++p) {  // every load of the three passes issued before the first add
       const float* in = base[p] + int64_t(b) * P.head_ld;
       const float* row = in + br.pad_col[d];
+      const float* bias = b_out[p] + head_col_of(br, d, P.value_heads, NA);
 #pragma unroll
       for (int e = 0; e < kSlots; ++e) {
         const int j = at.j[e];
-        v[e][p] = at.has[e] ? biased_logit(in[value_pad + j], hb.value[e][p == 2]) : 0.f;
+        v[e][p] = at.has[e] ? biased_logit(in[value_pad + j], b_out[p][value_at + j]) : 0.f;
 #pragma unroll
         for (int k = 0; k < kQChunk; ++k)
-          q.x[e][p][k] = k < n && at.has[e] ? biased_logit(row[k * NA + j], hb.head[e][p == 2][k]) : 0.f;
+          q.x[e][p][k] = k < n && at.has[e] ? biased_logit(row[k * NA + j], bias[k * NA + j]) : 0.f;
       }
     }
 #pragma unroll
@@ -409,24 +387,23 @@ __device__ void write_branch_head_grad(const LossParams& P, const BranchTable& b
 }
 
 // Member m's value column of sample b's head-logit gradient (kHeadDueling: value head m is the
-// m-th output head, compact column m * atoms, padded m * round_up_to_align(atoms)), atoms
-// [first, first + 32) of it by the calling warp: its branches' sums in branch order (dueling.cuh's
-// dv, no direct gradient; NaN when `poisoned`, as a QR sample's every row is), then its BF16 copy;
-// the warp taking the last atoms also zeroes the BF16 row's padding. branch_sums: the member's
+// m-th output head, compact column m * atoms, padded m * round_up_to_align(atoms)): its
+// branches' sums in branch order (dueling.cuh's dv, no direct gradient; NaN when `poisoned`,
+// as a QR sample's every row is), then its BF16 copy and padding. branch_sums: the member's
 // branches' rows, `stride` floats apart.
-__device__ void write_value_grad(const LossParams& P, const BranchTable& br, int b, int m, int first,
-                                 const float* branch_sums, int stride, bool poisoned, int lane) {
-  const int NA = P.atoms, j = first + lane;
+__device__ void write_value_grad(const LossParams& P, const BranchTable& br, int b, int m, const float* branch_sums,
+                                 int stride, bool poisoned, int lane) {
+  const int NA = P.atoms;
   float* dh = P.grad_head + int64_t(b) * P.head_out + value_col(m, NA);
   __nv_bfloat16* low = P.grad_head_bf16 + int64_t(b) * P.head_ld + value_pad_col(m, NA);
-  if (j < NA) {
+  for (int j = lane; j < NA; j += 32) {
     float dv = 0.f;
     for (int d = 0; d < br.per_member; ++d) dv += branch_sums[d * stride + j];
     if (poisoned) dv = NAN;
     dh[j] = dv;
     low[j] = __float2bfloat16_rn(dv);
   }
-  if (first + 32 >= NA) zero_head_padding(low, NA, lane, 32);
+  zero_head_padding(low, NA, lane, 32);
 }
 
 // Floats of shared memory per warp, C51's general version: [staged online rows | staged target
