@@ -310,27 +310,32 @@ def _backward_within_the_bar(net, out, gq):
     return grad, gs
 
 
+def _check_near_the_cublas_backward(net, out, gq, grad, gs):
+    """grad and d(states) gs of a backward within 2^-6 of the cuBLAS GEMM + relu_backward path's
+    (mode "off", which this sets) on the same forward: the two differ by their F32 sums' order and
+    the BF16 copies that order rounds the other way, far less than a wrong mask, transposition or
+    tile would (a whole product's size)."""
+    dense_kernel.set_mode("off")
+    poison_cuda_cache()
+    cublas_grad, cublas_gs = _backward(net, out, gq)
+    g, cublas = net.layer_views(grad), net.layer_views(cublas_grad)
+    for name in cublas:
+        assert rel_err(g[name], cublas[name]) <= 2 ** -6, (name, rel_err(g[name], cublas[name]))
+    assert rel_err(gs, cublas_gs) <= 2 ** -6
+
+
 @requires_cuda
 @pytest.mark.parametrize("c", [SHAPE, DEEP_HEADS], ids=["shape", "deep_heads"])
 @pytest.mark.parametrize("B", BATCHES)
 def test_cuda_input_gradients_through_the_kernel_are_the_backward_within_its_bar(B, c, kernel_mode):
     """The backward with each layer's input gradient from the kernel (its ReLU mask and BF16 copy
     in the epilogue) against the float64 backward of the GPU's own forward (every layer within the
-    bf16 bar), and against the cuBLAS GEMM + relu_backward path (mode "off") on the same forward:
-    the two differ by their F32 sums' order and the BF16 copies that order rounds the other way,
-    far less than a wrong mask, transposition or tile would (a whole product's size)."""
+    bf16 bar), and against the cuBLAS GEMM + relu_backward path (mode "off") on the same forward
+    (_check_near_the_cublas_backward)."""
     net = make_net(c, "cuda", seed=B + 7)
     out = net.forward_full(_randn(B, c.state_dim, seed=B))
     gq = _randn(B, c.q_rows, c.atoms, seed=B + 1)
-    grad, gs = _backward_within_the_bar(net, out, gq)
-    g = net.layer_views(grad)
-    dense_kernel.set_mode("off")
-    poison_cuda_cache()
-    cublas_grad, cublas_gs = _backward(net, out, gq)
-    cublas = net.layer_views(cublas_grad)
-    for name in cublas:
-        assert rel_err(g[name], cublas[name]) <= 2 ** -6, (name, rel_err(g[name], cublas[name]))
-    assert rel_err(gs, cublas_gs) <= 2 ** -6
+    _check_near_the_cublas_backward(net, out, gq, *_backward_within_the_bar(net, out, gq))
 
 
 @requires_cuda
@@ -388,11 +393,4 @@ def test_cuda_auto_takes_an_input_gradient_of_one_k_tile_at_any_size(kernel_mode
     assert sum(k for n, k in back.items() if "relu_backward" in n) == 2, back
     assert _cublas_gemms(list(back)), back
     poison_cuda_cache()
-    grad, gs = _backward(net, out, gq)
-    dense_kernel.set_mode("off")
-    poison_cuda_cache()
-    cublas_grad, cublas_gs = _backward(net, out, gq)
-    g, cublas = net.layer_views(grad), net.layer_views(cublas_grad)
-    for name in cublas:
-        assert rel_err(g[name], cublas[name]) <= 2 ** -6, (name, rel_err(g[name], cublas[name]))
-    assert rel_err(gs, cublas_gs) <= 2 ** -6
+    _check_near_the_cublas_backward(net, out, gq, *_backward(net, out, gq))
