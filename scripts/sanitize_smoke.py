@@ -5,7 +5,7 @@ import torch
 from bench_common import run_meta, switches_note
 
 import dqn_ops
-from dqn_ops import DQNConfig, Trainer, TrainerConfig
+from dqn_ops import DQNConfig, Trainer, TrainerConfig, dense_kernel
 
 CONFIGS = [DQNConfig(state_dim=37, trunk_hidden=(61, 45), value_hidden=(29,), adv_hidden=(23,), atoms=11,
                      branches=(3, 2)),
@@ -51,6 +51,35 @@ def main():
             for _ in range(3):
                 t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=r, dones=d))
             t.readback()
+    # the dense layer kernel (csrc/cuda/dense_layer.cu) on every layer it can run: the hidden
+    # layers' bias + ReLU, the output layer's heads (one network, and both in the trainer's
+    # step), the backward's masked input gradients, their stores staged through shared memory;
+    # rows that take each tile shape on a GPU of 132 SMs (32 x 64, 64 x 64, 128 x 128), with
+    # tails in every dimension (tests/test_dense_layer.py's SHAPE)
+    c = DQNConfig(state_dim=40, trunk_hidden=(130, 256), value_hidden=(24,), adv_hidden=(16,), atoms=5,
+                  branches=(2, 3))
+    previous = dense_kernel.set_mode("on")
+    try:
+        net = dqn_ops.DuelingBranchQNet(c).to(dev)
+        for B in (33, 300, 3000, 9000):
+            s = torch.randn(B, c.state_dim, device=dev)
+            out = net.forward_full(s)
+            dqn_ops.mixed_backward(torch.randn_like(out.q_logits), None, out, net.flat_params.detach(),
+                                   net.params_bf16, net._layout_ints, "bf16", True)
+        for B in (33, 3000):
+            t = Trainer(c, TrainerConfig(batch_size=B, use_cuda_graph=False), device=dev)
+            s = torch.randn(B, c.state_dim, device=dev)
+            a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in c.branches], 1)
+            t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=torch.randn(B, device=dev),
+                        dones=torch.zeros(B, device=dev)))
+    finally:
+        dense_kernel.set_mode(previous)
+    # the backward's weight gradients split over row chunks and reduced (from 32768 rows)
+    c = DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=(8,), adv_hidden=(8,), atoms=3, branches=(2,))
+    net = dqn_ops.DuelingBranchQNet(c).to(dev)
+    out = net.forward_full(torch.randn(32800, c.state_dim, device=dev))
+    dqn_ops.mixed_backward(torch.randn_like(out.q_logits), None, out, net.flat_params.detach(), net.params_bf16,
+                           net._layout_ints, "bf16", True)
     # the loss kernel's register version at 65 and 128 atoms (a lane's third and fourth atoms; rows
     # in registers, and read twice with more than 4 actions), and its general version (more atoms
     # than the fused loss takes) at the edges of its shared-memory budget (staged rows just below

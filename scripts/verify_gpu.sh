@@ -16,10 +16,21 @@ for tool in $tools; do
   extra=""
   [ "$tool" = memcheck ] && extra="--leak-check no"
   # Every kernel of the program is checked, torch's and cuBLAS's too: the smoke run is small.
-  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" $extra --error-exitcode 9 --print-limit 20 \
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" $extra --error-exitcode 9 --print-limit 10000 \
     $PY scripts/sanitize_smoke.py > "$OUT/sanitizer-$tool.log" 2>&1
   rc=$?
   echo "$tool: exit $rc, $(grep -c '========= ' "$OUT/sanitizer-$tool.log") sanitizer lines; $(tail -1 "$OUT/sanitizer-$tool.log")"
+  if [ "$tool" = racecheck ] && [ $rc -eq 9 ] && grep -q "sanitize_smoke: every kernel ran" "$OUT/sanitizer-$tool.log"; then
+    # racecheck reports shared-memory hazards inside cuBLAS's own Hopper GEMMs (nvjet_sm90_*, at
+    # the smoke's large row counts), which dqn_ops neither writes nor can change (excluding them
+    # with --kernel-name-exclude made the sanitizer fail on a hardware exception): the check
+    # passes when every access a report names (its first line and each "and" line) is in one.
+    sites=$(grep -E "Race reported|^=========  +and " "$OUT/sanitizer-$tool.log" | grep -o "access at [^ +]*")
+    others=$(grep -vc "access at nvjet_sm90_" <<< "$sites")
+    echo "racecheck: $others of the reported accesses outside cuBLAS's nvjet GEMMs; by kernel:"
+    sort <<< "$sites" | uniq -c
+    [ "$others" -eq 0 ] && rc=0
+  fi
   [ $rc -ne 0 ] && status=1
 done
 [[ " $tools " == *" initcheck "* ]] || exit $status

@@ -109,12 +109,14 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_logreport(report):
     """DQN_OPS_FAILURE_LOG=<file>: each failing test's id (and phase) appended to the file as it
     fails, so that a run cut short by the GPU machine's time limit still names its failures
-    (pytest prints them only in its final summary). Under xdist the controller writes it, once
-    (the workers' reports reach it)."""
+    (pytest prints them only in its final summary), each with the place and message of its
+    error. Under xdist the controller writes it, once (the workers' reports reach it)."""
     path = os.environ.get("DQN_OPS_FAILURE_LOG")
     if path and report.failed and not _XDIST_WORKER:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        where = f"{crash.path}:{crash.lineno}: {crash.message}" if crash is not None else str(report.longrepr)
         with open(path, "a") as f:
-            f.write(f"{report.nodeid} ({report.when})\n")
+            f.write(f"{report.nodeid} ({report.when})\n    {where[:4000]}\n")
 
 
 @pytest.fixture(autouse=True)
