@@ -19,7 +19,10 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
-SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU clock: far longer than a warm op's launch on the host
+# ~50 ms of GPU clock: far longer than a warm op's launch on the host, and than the host's stalls
+# while the suite's xdist workers (one a core) share the machine, which a sleep of ~10 ms may not
+# outlast (behind_a_sleep then fails the test rather than let it pass unchecked).
+SLEEP_CYCLES = 100_000_000
 
 
 @contextlib.contextmanager
