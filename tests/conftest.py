@@ -20,8 +20,8 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON)
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 # ~50 ms of GPU clock: far longer than a warm op's launch on the host, and than the host's stalls
-# while the suite's xdist workers (one a core) share the machine, which a sleep of ~10 ms may not
-# outlast (behind_a_sleep then fails the test rather than let it pass unchecked).
+# while the suite's xdist workers (one a core) share the machine (behind_a_sleep fails a test
+# whose launches outlast the sleep rather than let it pass unchecked).
 SLEEP_CYCLES = 100_000_000
 
 
@@ -112,14 +112,16 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_logreport(report):
     """DQN_OPS_FAILURE_LOG=<file>: each failing test's id (and phase) appended to the file as it
     fails, so that a run cut short by the GPU machine's time limit still names its failures
-    (pytest prints them only in its final summary), each with the place and message of its
-    error. Under xdist the controller writes it, once (the workers' reports reach it)."""
+    (pytest prints them only in its final summary), each followed by the place and message of
+    its error, every line of it indented. Under xdist the controller writes it, once (the
+    workers' reports reach it)."""
     path = os.environ.get("DQN_OPS_FAILURE_LOG")
     if path and report.failed and not _XDIST_WORKER:
         crash = getattr(report.longrepr, "reprcrash", None)
         where = f"{crash.path}:{crash.lineno}: {crash.message}" if crash is not None else str(report.longrepr)
+        detail = "\n".join("    " + line for line in where[:4000].splitlines())
         with open(path, "a") as f:
-            f.write(f"{report.nodeid} ({report.when})\n    {where[:4000]}\n")
+            f.write(f"{report.nodeid} ({report.when})\n{detail}\n")
 
 
 @pytest.fixture(autouse=True)

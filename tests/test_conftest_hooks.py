@@ -1,6 +1,7 @@
 """tests/conftest.py's hooks for the GPU machine's short calls: DQN_OPS_FAILURE_LOG (failing tests
-named in a file as they fail: a run cut short prints no final summary), once each, with and without
-xdist; DQN_OPS_TEST_CUDA_ONLY (only the tests that touch CUDA; CI runs the rest)."""
+named in a file as they fail, each with its error's place and message indented below it: a run
+cut short prints no final summary), once each, with and without xdist; DQN_OPS_TEST_CUDA_ONLY
+(only the tests that touch CUDA; CI runs the rest)."""
 import os
 import shutil
 import subprocess
@@ -49,8 +50,19 @@ def test_failures_are_logged_as_they_happen(tmp_path, workers):
         args += ["-n", str(workers), "-p", "xdist"]
     run = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 1, run.stdout + run.stderr
-    assert sorted(log.read_text().splitlines()) == ["test_demo.py::test_fails (call)",
-                                                    "test_demo.py::test_setup_fails (setup)"]
+    entries, name = {}, None  # each failure's line: the indented lines under it
+    for line in log.read_text().splitlines():
+        if line.startswith("    "):
+            assert name is not None, log.read_text()
+            entries[name].append(line.strip())
+        else:
+            name = line
+            assert name not in entries, log.read_text()
+            entries[name] = []
+    assert sorted(entries) == ["test_demo.py::test_fails (call)", "test_demo.py::test_setup_fails (setup)"]
+    fails, setup = entries["test_demo.py::test_fails (call)"], entries["test_demo.py::test_setup_fails (setup)"]
+    assert "test_demo.py:" in fails[0] and "assert False" in fails[0], fails
+    assert "test_demo.py:" in setup[0] and "RuntimeError: setup" in setup[0], setup
 
 
 SELECTION_DEMO = '''
