@@ -217,6 +217,17 @@ class PublicOpsStep(_Step):
     def __init__(self, online, target, *, group: int = 0, **kwargs):
         super().__init__(online, target, **kwargs)
         self.group = online.config.check_group("PublicOpsStep", group)
+        self._midpoint_rows: Optional[Tensor] = None
+
+    def _midpoints_for(self, tau: Tensor) -> Tensor:
+        """The midpoints as a [B, N] tensor like tau, kept from the last call of the same shape:
+        formed anew, they are four elementwise launches on the step's chain (and in its graph,
+        where the warm-up calls have formed them before the capture)."""
+        m = self._midpoint_rows
+        if m is None or m.shape != tau.shape or m.device != tau.device or m.dtype != tau.dtype:
+            m = quantile_midpoints(tau.shape[1], tau).expand_as(tau).contiguous()
+            self._midpoint_rows = m
+        return m
 
     def _network_config(self) -> DQNConfig:
         return self.online.layout.group_configs[self.group]
@@ -229,7 +240,7 @@ class PublicOpsStep(_Step):
         online_fractions = target_fractions = None
         if fractions is not None:  # IQN: s at tau, s' at the midpoints (the next action's), the target at tau'
             tau, target_fractions = fractions
-            online_fractions = torch.cat([tau, quantile_midpoints(tau.shape[1], tau).expand(B, -1)])
+            online_fractions = torch.cat([tau, self._midpoints_for(tau)])
         # The target's pass beside the online one's (dqn_ops.side_stream): neither reads the other.
         branch = side_stream.Branch(state_pairs.device, side_stream.LANE_STEP)
         try:

@@ -13,7 +13,7 @@ import torch
 from conftest import requires_cuda
 from dqn_ops import DQNConfig, Trainer, TrainerConfig, ops
 from dqn_ops.rl.baseline import TorchTrainer
-from dqn_ops.step import quantile_midpoints
+from dqn_ops.step import PublicOpsStep, quantile_midpoints
 from dqn_ops.trainer import expected_q, greedy_actions, greedy_from_logits, resolve_loss_type
 from step_check import check_graphed_trainer_equals_eager, check_trainer_step_is_the_public_ops_step, same_bits
 
@@ -107,6 +107,24 @@ def test_acting_is_the_mean_over_the_midpoints():
     same_bits(greedy_actions(t.online, s, loss_type="iqn", fractions=quantile_midpoints(K, s)), want, "greedy_actions")
     mean = expected_q(q.double(), V_MIN, V_MAX, "iqn").view(40, 2, -1).mean(1)
     torch.testing.assert_close(greedy_q.double(), mean.gather(1, want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_public_step_runs_s_prime_at_the_midpoints_of_each_calls_shape(device):
+    """PublicOpsStep keeps the [B, N] midpoints of its last call: a call of another batch or
+    fraction count forms them anew. Each call's online outputs are the forward's on [s; s'] at
+    [tau; the midpoints formed here apart]."""
+    t = make(device=device)
+    step = PublicOpsStep(t.online, t.target, loss_type="iqn", v_min=V_MIN, v_max=V_MAX, gamma=GAMMA)
+    p, p_lp, layout = t.online.flat_params.detach(), t.online.params_bf16, t.online._layout_ints
+    rng = ops.philox_rng(7, device)
+    for B, N in ((3, 4), (5, 4), (5, 6), (3, 4)):
+        b = batch(TINY_IQN, B, device, seed=B + N)
+        tau, tau_target = ops.iqn_fractions(rng, B, N, N)
+        got = step.forward(b["state_pairs"], (tau, tau_target)).online.q_logits
+        mid = torch.tensor([(2 * k + 1) / (2 * N) for k in range(N)], device=device).expand(B, N).contiguous()
+        want = ops.bf16_dueling_forward(b["state_pairs"], p, p_lp, layout, "bf16", torch.cat([tau, mid])).q_logits
+        same_bits(got, want, f"B={B} N={N}")
 
 
 def test_act_op_errors():
