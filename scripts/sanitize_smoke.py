@@ -1,6 +1,10 @@
 """Runs every CUDA kernel of dqn_ops once or twice on small inputs, checking nothing itself:
 the program scripts/verify_gpu.sh runs under compute-sanitizer (memcheck, racecheck, initcheck,
 synccheck). Small configs keep the sanitizer's slowdown to minutes."""
+import os
+import subprocess
+import sys
+
 import torch
 from bench_common import run_meta, switches_note
 
@@ -20,6 +24,34 @@ CONFIGS = [DQNConfig(state_dim=37, trunk_hidden=(61, 45), value_hidden=(29,), ad
            DQNConfig(state_dim=8, trunk_hidden=(20,), value_hidden=(), adv_hidden=(), atoms=1, branches=(3, 1, 4)),
            # CleanRL's c51 shape: the fused loss's version with 4 atoms a lane, no value head
            DQNConfig(state_dim=4, trunk_hidden=(120, 84), adv_hidden=(), atoms=101, branches=(2,), dueling=False)]
+
+DENSE_ONLY_RAN = "sanitize_smoke: the dense section ran"
+
+
+def dense_kernel_section(dev):
+    """The dense layer kernel (csrc/cuda/dense_layer.cu) on every layer it can run: the hidden
+    layers' bias + ReLU, the output layer's heads (one network, and both in the trainer's step),
+    the backward's masked input gradients, their stores staged through shared memory; rows that
+    take each tile shape on a GPU of 132 SMs (32 x 64, 64 x 64, 128 x 128), with tails in every
+    dimension (tests/test_dense_layer.py's SHAPE)."""
+    c = DQNConfig(state_dim=40, trunk_hidden=(130, 256), value_hidden=(24,), adv_hidden=(16,), atoms=5,
+                  branches=(2, 3))
+    previous = dense_kernel.set_mode("on")
+    try:
+        net = dqn_ops.DuelingBranchQNet(c).to(dev)
+        for B in (33, 300, 3000, 9000):
+            s = torch.randn(B, c.state_dim, device=dev)
+            out = net.forward_full(s)
+            dqn_ops.mixed_backward(torch.randn_like(out.q_logits), None, out, net.flat_params.detach(),
+                                   net.params_bf16, net._layout_ints, "bf16", True)
+        for B in (33, 3000):
+            t = Trainer(c, TrainerConfig(batch_size=B, use_cuda_graph=False), device=dev)
+            s = torch.randn(B, c.state_dim, device=dev)
+            a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in c.branches], 1)
+            t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=torch.randn(B, device=dev),
+                        dones=torch.zeros(B, device=dev)))
+    finally:
+        dense_kernel.set_mode(previous)
 
 
 def main():
@@ -51,29 +83,17 @@ def main():
             for _ in range(3):
                 t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=r, dones=d))
             t.readback()
-    # the dense layer kernel (csrc/cuda/dense_layer.cu) on every layer it can run: the hidden
-    # layers' bias + ReLU, the output layer's heads (one network, and both in the trainer's
-    # step), the backward's masked input gradients, their stores staged through shared memory;
-    # rows that take each tile shape on a GPU of 132 SMs (32 x 64, 64 x 64, 128 x 128), with
-    # tails in every dimension (tests/test_dense_layer.py's SHAPE)
-    c = DQNConfig(state_dim=40, trunk_hidden=(130, 256), value_hidden=(24,), adv_hidden=(16,), atoms=5,
-                  branches=(2, 3))
-    previous = dense_kernel.set_mode("on")
-    try:
-        net = dqn_ops.DuelingBranchQNet(c).to(dev)
-        for B in (33, 300, 3000, 9000):
-            s = torch.randn(B, c.state_dim, device=dev)
-            out = net.forward_full(s)
-            dqn_ops.mixed_backward(torch.randn_like(out.q_logits), None, out, net.flat_params.detach(),
-                                   net.params_bf16, net._layout_ints, "bf16", True)
-        for B in (33, 3000):
-            t = Trainer(c, TrainerConfig(batch_size=B, use_cuda_graph=False), device=dev)
-            s = torch.randn(B, c.state_dim, device=dev)
-            a = torch.stack([torch.randint(0, n, (B,), device=dev) for n in c.branches], 1)
-            t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=torch.randn(B, device=dev),
-                        dones=torch.zeros(B, device=dev)))
-    finally:
-        dense_kernel.set_mode(previous)
+    dense_kernel_section(dev)
+    # the same with the bias gradients' column sums in the input gradients' epilogue (read once a
+    # process: a child, which compute-sanitizer follows and reports in this log). Its exit status
+    # may be the sanitizer's error code (racecheck's reports inside cuBLAS, which verify_gpu.sh
+    # sorts out), so the child's last line, not its status, says whether it ran to the end.
+    child = subprocess.run([sys.executable, __file__, "--dense-only"], capture_output=True, text=True,
+                           env=dict(os.environ, DQN_OPS_EPILOGUE_COLUMN_SUMS="on"))
+    print(child.stdout + child.stderr, end="", flush=True)
+    if DENSE_ONLY_RAN not in child.stdout:
+        raise SystemExit(f"sanitize_smoke: the dense section with the epilogue's column sums exited "
+                         f"{child.returncode} before its end")
     # the backward's weight gradients split over row chunks and reduced (from 32768 rows)
     c = DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=(8,), adv_hidden=(8,), atoms=3, branches=(2,))
     net = dqn_ops.DuelingBranchQNet(c).to(dev)
@@ -222,4 +242,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--dense-only"]:
+        dense_kernel_section("cuda")
+        torch.cuda.synchronize()
+        print(DENSE_ONLY_RAN)
+    else:
+        main()

@@ -9,7 +9,7 @@ import torch
 from conftest import requires_cuda
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from bench_common import graphed  # noqa: E402
+from bench_common import code_path_switches, graphed, switches_note  # noqa: E402
 
 
 def doubling():
@@ -40,3 +40,19 @@ def test_a_graphed_replay_keeps_what_it_reads_alive():
     del replay
     gc.collect()
     assert x_alive() is None, "the replay, once dropped, should let its input go"
+
+
+def test_the_switches_note_names_what_is_not_the_default(monkeypatch):
+    """A result file's note names the dense tile and the epilogue's column sums only where they
+    are not the default; code_path_switches reads them from the environment."""
+    base = dict(side_streams=True, pdl=True, dense_kernel="auto", dense_tile="auto", dense_stores="all",
+                epilogue_column_sums="off")
+    assert switches_note(base) == "side streams on, PDL on, dense kernel auto, dense stores all"
+    assert switches_note(dict(base, dense_tile="64x64", epilogue_column_sums="auto")) == (
+        "side streams on, PDL on, dense kernel auto, dense tile 64x64, dense stores all, epilogue column sums auto")
+    old = dict(side_streams=False, pdl=True)  # a file written before the dense kernel's switches
+    assert switches_note(old) == "side streams off, PDL on"
+    monkeypatch.delenv("DQN_OPS_EPILOGUE_COLUMN_SUMS", raising=False)
+    assert code_path_switches()["epilogue_column_sums"] == "off"
+    monkeypatch.setenv("DQN_OPS_EPILOGUE_COLUMN_SUMS", "auto")
+    assert code_path_switches()["epilogue_column_sums"] == "auto"

@@ -258,7 +258,9 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
   }
   const __nv_bfloat16* const aux = P.aux ? P.aux + out_at : nullptr;
   __nv_bfloat16* const out_bf16 = P.out_bf16 ? P.out_bf16 + out_at : nullptr;
-  void* const out = static_cast<char*>(P.out) + out_at * (kEpilogue == DenseEpilogue::kHidden ? 2 : 4);
+  // Null for a kInputGrad problem that keeps only the column sums of its F32 gradient.
+  void* const out = P.out ? static_cast<char*>(P.out) + out_at * (kEpilogue == DenseEpilogue::kHidden ? 2 : 4)
+                          : nullptr;
   // kInputGrad's mask pairs, all of a thread's copied to shared memory at once before any store:
   // read in the store loop itself, each load waited out a latency of its own (the stores before
   // it may alias it), 2 MI NI latencies of L2 or HBM a thread. Pair j of thread i is word j *
@@ -388,11 +390,36 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
       } else {
         const float4 d = *reinterpret_cast<const float4*>(grad_tile + grad_at(r, col - n0));
         // One 16-byte store; assigned through the float4 pointer, it would leave as four 4-byte ones.
-        __stwb(reinterpret_cast<float4*>(static_cast<float*>(out) + at), d);
+        if (out) __stwb(reinterpret_cast<float4*>(static_cast<float*>(out) + at), d);
         if (out_bf16) {
           const __nv_bfloat162 lo = __floats2bfloat162_rn(d.x, d.y), hi = __floats2bfloat162_rn(d.z, d.w);
           *reinterpret_cast<uint2*>(out_bf16 + at) =
               make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+        }
+      }
+    }
+    // kInputGrad's column sums (dense_layer.h, col_sums) from the staged tile, which the copy-out
+    // above only read: two threads a column, each over one half of the tile's rows that exist,
+    // row r into accumulator r % 4 (each half starts at a multiple of 4). Every (row tile, half,
+    // column) of the problem is written, 0 for a half past the rows.
+    if constexpr (kStagedGrad) {
+      if (P.col_sums) {
+        static_assert(T::kThreads == kColumnSumHalves * BN, "two threads a column");
+        static_assert((BM / kColumnSumHalves) % 4 == 0, "a half's rows start at a multiple of 4");
+        const int c = threadIdx.x % BN, half = threadIdx.x / BN, col = n0 + c;
+        if (col < N) {
+          const int begin = half * (BM / kColumnSumHalves);
+          const int end = min(begin + BM / kColumnSumHalves, rows - m0);
+          float a[4] = {0.f, 0.f, 0.f, 0.f};
+          int r = begin;
+          for (; r + 3 < end; r += 4)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) a[u] += grad_tile[grad_at(r + u, c)];
+#pragma unroll
+          for (int u = 0; u < 3; ++u)
+            if (r + u < end) a[u] += grad_tile[grad_at(r + u, c)];
+          const int64_t sum_row = int64_t(m0 / BM) * kColumnSumHalves + half;
+          P.col_sums[out_at + sum_row * out_ld + col] = (a[0] + a[1]) + (a[2] + a[3]);
         }
       }
     }
@@ -402,6 +429,7 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
 enum class TileShape { k128x128, k64x64, k32x64 };
 constexpr int tile_rows(TileShape t) { return t == TileShape::k128x128 ? 128 : t == TileShape::k64x64 ? 64 : 32; }
 constexpr int tile_cols(TileShape t) { return t == TileShape::k128x128 ? 128 : 64; }
+static_assert(tile_rows(TileShape::k32x64) == kDenseMinTileRows, "dense_layer.h's fewest tile rows");
 
 int64_t tiles_of(const DenseProblem& p, TileShape t) {
   return p.batch * ((p.rows + tile_rows(t) - 1) / tile_rows(t)) * ((p.N + tile_cols(t) - 1) / tile_cols(t));
@@ -454,7 +482,7 @@ TileShape pick_tile(const DenseLaunch& l) {
 }
 
 template <int BM, int BN, int WM, int WN, DenseEpilogue kEpilogue, bool kStagedStores>
-void launch_tile(DenseLaunch& l, cudaStream_t stream) {
+int launch_tile(DenseLaunch& l, cudaStream_t stream) {
   using T = Tile<BM, BN, WM, WN>;
   auto* kernel = dense_layer_kernel<BM, BN, WM, WN, kEpilogue, kStagedStores>;
   if (T::kSmemBytes > 48 * 1024) opt_in_dynamic_smem(kernel);
@@ -463,15 +491,17 @@ void launch_tile(DenseLaunch& l, cudaStream_t stream) {
   for (int i = 0; i < l.count; ++i)
     l.first_tile[i + 1] = l.first_tile[i] + static_cast<int>(tiles_of(l.problem[i], shape));
   launch(kernel, dim3(static_cast<unsigned>(l.first_tile[l.count])), dim3(T::kThreads), T::kSmemBytes, stream, l);
+  return BM;
 }
 
 template <DenseEpilogue kEpilogue, bool kStagedStores>
-void launch_tile_shape(DenseLaunch& l, cudaStream_t stream) {
+int launch_tile_shape(DenseLaunch& l, cudaStream_t stream) {
   switch (pick_tile(l)) {
     case TileShape::k128x128: return launch_tile<128, 128, 64, 32, kEpilogue, kStagedStores>(l, stream);
     case TileShape::k64x64: return launch_tile<64, 64, 32, 32, kEpilogue, kStagedStores>(l, stream);
     case TileShape::k32x64: return launch_tile<32, 64, 16, 32, kEpilogue, kStagedStores>(l, stream);
   }
+  return 0;  // unreachable: every shape is a case
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -487,11 +517,16 @@ bool rows_in_chunks(const DenseLaunch& l) {
   return true;
 }
 
+// Whether `l` stages its stores through shared memory (as dense_layer_kernel's kStagedStores).
+bool stages(const DenseLaunch& l) {
+  return l.epilogue != DenseEpilogue::kLogits && stages_stores(l.epilogue) && rows_in_chunks(l);
+}
+
 template <DenseEpilogue kEpilogue>
-void launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
+int launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
   if constexpr (kEpilogue != DenseEpilogue::kLogits)
-    if (stages_stores(kEpilogue) && rows_in_chunks(l)) return launch_tile_shape<kEpilogue, true>(l, stream);
-  launch_tile_shape<kEpilogue, false>(l, stream);
+    if (stages(l)) return launch_tile_shape<kEpilogue, true>(l, stream);
+  return launch_tile_shape<kEpilogue, false>(l, stream);
 }
 
 // Mode auto's rule (bench/NOTES.md, "The dense layer kernel"). It reads each problem's shape and
@@ -542,12 +577,16 @@ bool problem_fits(const DenseProblem& p, DenseEpilogue e) {
                      p.w_ld >= (trans ? p.N : p.K);
   const bool strides = p.batch == 1 || (p.x_stride % 8 == 0 && p.w_stride % 8 == 0 && p.out_stride % 2 == 0 &&
                                         p.x_stride >= 0 && p.w_stride >= 0 && p.out_stride > 0);
-  const bool operands = p.x && p.w && p.out && aligned(p.x, 16) && aligned(p.w, 16) && p.x_ld % 8 == 0 &&
-                        p.w_ld % 8 == 0 && aligned(p.out, out_bytes);
+  // kInputGrad may keep only the column sums of its F32 gradient (out null); they need its mask
+  // and BF16 copy (what mixed_backward reads on), and the staged stores (dense_applies).
+  const bool sums_only = p.col_sums != nullptr;
+  const bool operands = p.x && p.w && (p.out || sums_only) && aligned(p.x, 16) && aligned(p.w, 16) &&
+                        p.x_ld % 8 == 0 && p.w_ld % 8 == 0 && aligned(p.out, out_bytes);
+  const bool sums = !sums_only || (trans && p.aux && p.out_bf16 && aligned(p.col_sums, 4));
   const bool extras = (e != DenseEpilogue::kHidden || p.bias != nullptr) && (p.aux == nullptr || aligned(p.aux, 4)) &&
                       (p.out_bf16 == nullptr || aligned(p.out_bf16, 4)) &&
                       (e != DenseEpilogue::kHidden || (p.out_bf16 == nullptr) == (p.aux == nullptr));
-  return sizes && strides && operands && extras;
+  return sizes && strides && operands && extras && sums;
 }
 
 }  // namespace
@@ -557,23 +596,26 @@ bool dense_applies(const DenseLaunch& l) {
   if (mode == DenseLayerMode::kOff || (mode == DenseLayerMode::kAuto && !measured_faster(l))) return false;
   if (at::cuda::getCurrentDeviceProperties()->major < 8) return false;  // mma.sync on BF16, cp.async
   if (l.count < 1 || l.count > DenseLaunch::kMaxProblems) return false;
-  bool scaled = false;
+  bool scaled = false, col_sums = false;
   for (int i = 0; i < l.count; ++i) {
     if (!problem_fits(l.problem[i], l.epilogue)) return false;
     scaled = scaled || (l.epilogue == DenseEpilogue::kHidden && l.problem[i].out_bf16 != nullptr);
+    col_sums = col_sums || l.problem[i].col_sums != nullptr;
   }
   if (scaled && (l.count != 1 || l.problem[0].batch != 1 || l.scale_group < 1 || l.scale_group > INT_MAX))
     return false;
+  if (col_sums && !stages(l)) return false;  // the sums read the staged tile
   // The grid's x dimension holds every problem's tiles; the smallest tile makes the most.
   return tiles_of(l, TileShape::k32x64) <= INT_MAX;
 }
 
-void dense_launch(DenseLaunch l, cudaStream_t stream) {
+int dense_launch(DenseLaunch l, cudaStream_t stream) {
   switch (l.epilogue) {
     case DenseEpilogue::kHidden: return launch_epilogue<DenseEpilogue::kHidden>(l, stream);
     case DenseEpilogue::kLogits: return launch_epilogue<DenseEpilogue::kLogits>(l, stream);
     case DenseEpilogue::kInputGrad: return launch_epilogue<DenseEpilogue::kInputGrad>(l, stream);
   }
+  return 0;  // unreachable: every epilogue is a case
 }
 
 }  // namespace cuda

@@ -10,7 +10,9 @@
 //   - kInputGrad, a layer's input gradient in the backward (mixed_backward.cu): out = x W (W read
 //     as stored, [K, N], transposed in the tile loads) masked by the next ReLU, out = h > 0 ? acc :
 //     0, in F32 with its BF16 copy: the relu_backward pass after the GEMM is gone. One problem a
-//     block of the layer (their input columns disjoint).
+//     block of the layer (their input columns disjoint). Optionally the F32 gradient's column
+//     sums by row tiles (the layer's bias gradient, finished by mixed_backward's column sums) in
+//     place of the F32 gradient itself, which then is neither written nor read back.
 //
 // Why: cuBLAS's epilogues take the bias in the output's type and have no ReLU mask from another
 // tensor (docs/design.md), so each hidden layer wrote F32 and a second pass read it back (at
@@ -38,6 +40,12 @@ enum class DenseEpilogue { kHidden, kLogits, kInputGrad };
 //     scale, at row r / scale_group (IQN's h_L), with out_bf16 set;
 //   out_bf16 [rows, N] (out_ld): kInputGrad's BF16 copy of out (null: none); kHidden's scaled
 //     output bf16(scale * out) (null: none).
+//   col_sums (kInputGrad with a mask and out_bf16, the staged stores only; null: none): the
+//     column sums of the F32 out by halves of each tile's rows, [dense_column_sum_rows(rows,
+//     tile rows), N] (out_ld): row 2 i + h holds half h of row tile i (each half's rows added in
+//     order into four accumulators, row r to r % 4, then (a0 + a1) + (a2 + a3)). With col_sums
+//     set, out may be null: the F32 gradient is then not stored, as when only its column sums
+//     (a bias gradient) read it.
 // A problem may be a batch of `batch` same-shape GEMMs (a group of heads, NetLayout's
 // block_groups): member i reads x + i * x_stride and w + i * w_stride and writes out + i *
 // out_stride (aux, out_bf16 and bias move by out_stride too); their outputs must not overlap.
@@ -50,6 +58,7 @@ struct DenseProblem {
   const float* bias = nullptr;
   const __nv_bfloat16* aux = nullptr;
   __nv_bfloat16* out_bf16 = nullptr;
+  float* col_sums = nullptr;
   int64_t rows = 0, N = 0, K = 0;
   int64_t batch = 1;
   int64_t x_stride = 0, w_stride = 0, out_stride = 0;
@@ -78,14 +87,26 @@ struct DenseLaunch {
 // N and K positive and within int; K a multiple of 8 (and N too for kInputGrad) and x, w and their
 // row and batch strides 16-byte aligned (the tiles are copied 16 bytes at a time); N, out_ld and
 // out_stride even and the outputs, aux and out_bf16 aligned for the pairs the epilogue stores;
-// bias set for kHidden; a scaled output only with one problem of batch 1 and scale_group > 0; at
-// most 2^31 - 1 tiles in all.
+// bias set for kHidden; a scaled output only with one problem of batch 1 and scale_group > 0;
+// col_sums only on kInputGrad with aux and out_bf16 set, 4-byte aligned, where the launch stages
+// its stores (DQN_OPS_DENSE_STORES=all and every output row whole 16-byte chunks); at most 2^31 -
+// 1 tiles in all.
 bool dense_applies(const DenseLaunch& l);
 
-// Launches `l` on `stream` (dense_applies(l) must hold). Every output element is the same bits
-// for any rows, any other problems and any tile shape: its K products are summed in one fixed
-// order (tensor-core steps of 16 along K from k = 0), then the epilogue's formula.
-void dense_launch(DenseLaunch l, cudaStream_t stream);
+// Launches `l` on `stream` (dense_applies(l) must hold) and returns the rows of the tile shape
+// it ran. Every output element is the same bits for any rows, any other problems and any tile
+// shape: its K products are summed in one fixed order (tensor-core steps of 16 along K from k =
+// 0), then the epilogue's formula. The column sums (col_sums) depend on the tile's rows.
+int dense_launch(DenseLaunch l, cudaStream_t stream);
+
+// The fewest rows of a tile shape, and the rows of a problem's col_sums for `rows` rows on tiles
+// of `tile_rows` (two halves a row tile): a buffer of dense_column_sum_rows(rows,
+// kDenseMinTileRows) rows holds any shape's.
+constexpr int kDenseMinTileRows = 32;
+constexpr int kColumnSumHalves = 2;
+constexpr int64_t dense_column_sum_rows(int64_t rows, int tile_rows) {
+  return kColumnSumHalves * ((rows + tile_rows - 1) / tile_rows);
+}
 
 }  // namespace cuda
 }  // namespace dqn_ops

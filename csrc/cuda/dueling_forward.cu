@@ -465,8 +465,10 @@ void output_logits_into(const char* op, const std::vector<OutputLayer>& nets, co
   };
   if (nets.size() == 2) {
     DenseLaunch both(DenseEpilogue::kLogits);
-    if (add_heads(both, nets[0]) && add_heads(both, nets[1]) && dense_applies(both))
-      return dense_launch(both, stream);
+    if (add_heads(both, nets[0]) && add_heads(both, nets[1]) && dense_applies(both)) {
+      dense_launch(both, stream);
+      return;
+    }
   }
   std::vector<const OutputLayer*> gemm_nets;  // the networks the kernel does not take
   for (const OutputLayer& net : nets) {

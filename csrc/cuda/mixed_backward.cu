@@ -12,7 +12,8 @@
 // BF16 copy in its epilogue, where the GEMM and a relu_backward pass were (input_grad_kernel).
 // Bias gradients are column sums of the unrounded F32 dZ, every layer's in one launch (up to
 // kMaxColumnSumJobs layers) in a fixed summation order (graph replays and eager calls agree
-// bitwise).
+// bitwise); under DQN_OPS_EPILOGUE_COLUMN_SUMS a masked dZ's sums begin in the dense kernel's
+// epilogue, and its F32 values are not stored (epilogue_column_sums).
 #include <algorithm>
 #include <string>
 #include <utility>
@@ -25,6 +26,7 @@
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
+#include "../switches.h"
 #include "branch_table.cuh"
 #include "dense_layer.h"
 #include "dueling.cuh"
@@ -228,9 +230,11 @@ __global__ void upcast_kernel(UpcastJobs jobs) {
 // (kChunkRows rows): kRowLanes threads per column stride down the rows with 4 independent
 // accumulators, then one fixed-order reduction in shared memory. With one chunk (rows <=
 // kChunkRows) the block writes dst; otherwise it writes its chunk's partial sums and
-// column_sum_chunks_kernel adds the chunks in order. Deterministic: the order depends only
-// on `rows`. Chunking the rows gives large batches enough blocks: one block per column tile
-// over all rows leaves most of the GPU idle (48 blocks for the reference network).
+// column_sum_chunks_kernel adds the chunks: a warp a column, lane l the chunks l, l + 32, ... in
+// order, then the lanes' sums in a fixed shuffle tree (one thread adding every chunk in turn read
+// hundreds a thread at IQN's fraction rows, a few in flight at a time). Deterministic: the order
+// depends only on `rows`. Chunking the rows gives large batches enough blocks: one block per
+// column tile over all rows leaves most of the GPU idle (48 blocks for the reference network).
 constexpr int kColTile = 32, kRowLanes = 16, kRowUnroll = 4;
 constexpr int64_t kChunkRows = 512;
 constexpr int kMaxZeroRanges = 32;
@@ -292,14 +296,23 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) column_sum_kernel(ColumnS
   }
 }
 
+constexpr int kChunkLanes = 32;  // a warp a column in column_sum_chunks_kernel
 __global__ void column_sum_chunks_kernel(ColumnSumJobs jobs, int chunks) {
   pdl_enter();
   const int64_t total = jobs.first_col[jobs.count];
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int j = column_sum_job(jobs.first_col, jobs.count, i);
+  const int lane = threadIdx.x % kChunkLanes;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / kChunkLanes);
+  // i is the warp's column, the same for all its lanes: every lane takes each iteration (the
+  // shuffles' full mask).
+  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kChunkLanes; i < total; i += warps) {
     float t = 0.f;
-    for (int k = 0; k < chunks; ++k) t += jobs.partial[k * total + i];
-    jobs.dst[j][i - jobs.first_col[j]] = t;
+    for (int k = lane; k < chunks; k += kChunkLanes) t += jobs.partial[k * total + i];
+#pragma unroll
+    for (int offset = kChunkLanes / 2; offset > 0; offset /= 2) t += __shfl_down_sync(0xffffffffu, t, offset);
+    if (lane == 0) {
+      const int j = column_sum_job(jobs.first_col, jobs.count, i);
+      jobs.dst[j][i - jobs.first_col[j]] = t;
+    }
   }
 }
 
@@ -351,12 +364,30 @@ std::vector<std::pair<int64_t, int64_t>> unwritten_ranges(const NetLayout& L, bo
   return gaps;
 }
 
-// F32 gradient of a layer's output and, in bf16 mode, its BF16 copy (the GEMM operand).
+// F32 gradient of a layer's output and, in bf16 mode, its BF16 copy (the GEMM operand). Or, for
+// a masked input gradient whose F32 values only the bias gradient's column sums would read
+// (epilogue_column_sums), the BF16 copy and `sums`, the dense kernel's column sums of the F32
+// values by halves of its row tiles (dense_layer.h, col_sums), with f32 undefined.
 struct Grad {
-  Tensor f32, low;
+  Tensor f32, low, sums;
   const void* operand(bool bf16) const { return bf16 ? low.data_ptr() : f32.data_ptr(); }
   __nv_bfloat16* low_ptr() const { return low.defined() ? static_cast<__nv_bfloat16*>(low.data_ptr()) : nullptr; }
+  // The rows whose column sums are the bias gradient.
+  const Tensor& column_sum_rows() const { return sums.defined() ? sums : f32; }
 };
+
+// DQN_OPS_EPILOGUE_COLUMN_SUMS (switches.h): whether a bf16 backward's masked input gradients on
+// the dense kernel (a hidden layer's dZ) keep only their column sums (Grad::sums) in place of the
+// F32 gradient that the column-sum kernel would read back: "off", the default (not yet measured
+// against that kernel: bench/NOTES.md); "auto", from kEpilogueColumnSumMinRows rows, where the F32
+// gradient's write and read are the largest (IQN's fraction rows); "on", at any rows (the tests').
+// The bias gradients then differ from the other paths' in their summation order, so in rounding.
+constexpr int64_t kEpilogueColumnSumMinRows = 32768;
+bool epilogue_column_sums(int64_t rows) {
+  static constexpr SwitchName kNames[] = {{"off", 0}, {"auto", 1}, {"on", 2}};
+  static const int setting = env_switch("DQN_OPS_EPILOGUE_COLUMN_SUMS", kNames, 0);
+  return setting == 2 || (setting == 1 && rows >= kEpilogueColumnSumMinRows);
+}
 
 // The backward from d(head logits) on: d_head.f32 compact [B, head_out], and in bf16 mode
 // d_head.low in the padded layout [B, head_ld] with its padding columns 0. activations: the
@@ -404,6 +435,10 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   auto make_grad = [&](int64_t rows, int64_t cols) {
     return Grad{at::empty({rows, cols}, f32), bf16 ? at::empty({rows, cols}, bf16opt) : Tensor()};
   };
+  // A layer's input gradient: layer_backward makes its F32 part where it writes one.
+  auto make_dx = [&](int64_t rows, int64_t cols) {
+    return Grad{Tensor(), bf16 ? at::empty({rows, cols}, bf16opt) : Tensor()};
+  };
 
   // The few elements no GEMM or column sum writes are zeroed by the column-sum kernel (a fill
   // of the whole buffer would be a launch of its own, which counts at small batches); with
@@ -440,10 +475,14 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   // dX in one launch of the dense kernel (dense_layer.h, kInputGrad: W read as stored, the next
   // ReLU's mask and the BF16 copy in its epilogue) where it applies: bf16 mode, blocks whose input
   // columns are disjoint. `mask`: the input activation where it is a ReLU's output, else null (no
-  // mask, no BF16 copy: nothing reads it). Returns whether it ran.
+  // mask, no BF16 copy: nothing reads it). `sums_only`: dx gets the column sums in place of its
+  // F32 part (Grad::sums; a mask needed), else dx.f32 must be allocated. Returns whether it ran.
   auto input_grad_kernel = [&](const std::vector<HeadGroup>& groups, const void* dy, int64_t dy_ld, int64_t rows,
-                               int64_t x_ld, float* dx, const __nv_bfloat16* mask, __nv_bfloat16* dx_bf16) {
+                               int64_t x_ld, Grad& dx, const __nv_bfloat16* mask, bool sums_only) {
     if (!bf16) return false;
+    TORCH_INTERNAL_ASSERT(sums_only ? mask != nullptr : dx.f32.defined());
+    const Tensor sums =
+        sums_only ? at::empty({dense_column_sum_rows(rows, kDenseMinTileRows), x_ld}, f32) : Tensor();
     DenseLaunch dense(DenseEpilogue::kInputGrad);
     for (const HeadGroup& grp : groups) {
       const HeadSlice& s = grp.first;
@@ -457,11 +496,12 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       p.w = static_cast<const __nv_bfloat16*>(weights) + s.w_off;
       p.w_ld = s.in_width;
       p.w_stride = grp.w_stride;
-      p.out = dx + s.in_col;
+      p.out = sums_only ? nullptr : dx.f32.data_ptr<float>() + s.in_col;
+      p.col_sums = sums_only ? sums.data_ptr<float>() + s.in_col : nullptr;
       p.out_ld = x_ld;
       p.out_stride = grp.in_col_stride;
       p.aux = mask ? mask + s.in_col : nullptr;
-      p.out_bf16 = mask ? dx_bf16 + s.in_col : nullptr;
+      p.out_bf16 = mask ? dx.low_ptr() + s.in_col : nullptr;
       p.rows = rows;
       p.N = s.in_width;
       p.K = s.pad_width;
@@ -475,13 +515,14 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       next += grp.count * grp.first.in_width;
     }
     if (next != x_ld || !dense_applies(dense)) return false;
-    dense_launch(dense, stream);
+    const int tile_rows = dense_launch(dense, stream);
+    if (sums_only) dx.sums = sums.narrow(0, 0, dense_column_sum_rows(rows, tile_rows));
     return true;
   };
   // Returns whether dx holds the masked gradient and its BF16 copy (the dense kernel ran with a
   // mask), so that the next relu_backward pass is not needed.
   auto layer_backward = [&](const std::vector<HeadSlice>& blocks, const void* dy, int64_t dy_ld, int64_t in,
-                            float* dx, __nv_bfloat16* dx_bf16, const std::string& what) {
+                            Grad* dx, const std::string& what) {
     const int64_t x_ld = L.activation_width(in), rows = activations[in].size(0);
     const std::vector<HeadGroup> groups = block_groups(blocks);
     side.fork();
@@ -535,7 +576,11 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     const auto* mask = L.relu_output(static_cast<size_t>(in))
                            ? static_cast<const __nv_bfloat16*>(activations[in].data_ptr())
                            : nullptr;
-    if (input_grad_kernel(groups, dy, dy_ld, rows, x_ld, dx, mask, dx_bf16)) return mask != nullptr;
+    if (mask && epilogue_column_sums(rows) && input_grad_kernel(groups, dy, dy_ld, rows, x_ld, *dx, mask, true))
+      return true;
+    if (!dx->f32.defined()) dx->f32 = at::empty({rows, x_ld}, f32);
+    if (input_grad_kernel(groups, dy, dy_ld, rows, x_ld, *dx, mask, false)) return mask != nullptr;
+    float* const dx_f32 = dx->f32.data_ptr<float>();
     const std::string what_dx = what + " dX";
     int64_t written = 0;  // dx's columns [0, written) hold a product
     for (const HeadGroup& grp : groups) {
@@ -555,7 +600,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         gemm_strided_batched(op, what_dx.c_str(), rows, s.in_width, width,
                              Operand{at_elem(dy, col + i * dy_stride), op_type, dy_ld, false}, dy_stride,
                              Operand{at_elem(weights, s.w_off + i * grp.w_stride), op_type, s.in_width, false},
-                             grp.w_stride, dx + in_col, CUDA_R_32F, x_ld, grp.in_col_stride, batch, compute,
+                             grp.w_stride, dx_f32 + in_col, CUDA_R_32F, x_ld, grp.in_col_stride, batch, compute,
                              adds ? 1.f : 0.f);
         written = std::max(written, end);
       }
@@ -567,10 +612,9 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
 
   // Output heads: dY = d_head, into d(last hidden activation).
   const int64_t last = static_cast<int64_t>(L.num_activations()) - 1;
-  d_out = make_grad(activations[last].size(0), L.head_in_width);
+  d_out = make_dx(activations[last].size(0), L.head_in_width);
   bool d_out_masked = layer_backward(L.heads, bf16 ? d_head.low.data_ptr() : d_head.f32.data_ptr(),
-                                     bf16 ? L.head_ld : L.head_out, last, d_out.f32.data_ptr<float>(), d_out.low_ptr(),
-                                     "output heads");
+                                     bf16 ? L.head_ld : L.head_out, last, &d_out, "output heads");
 
   // Hidden layers, last to first: dZ = mask . dH (in place), dW = dZ^T X, dX = dZ W. The mask
   // and the BF16 copy of a dX are the dense kernel's epilogue's (d_out_masked) or else the next
@@ -579,14 +623,14 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
   for (int64_t i = M - 1; i >= 0; --i) {
     if (L.iqn() && i == L.trunk_layers - 1) {
       // d_out is d(z) on the B * N fraction rows: into d(h_L) [B, T] and phi's dP, dW_phi = dP^T c.
+      TORCH_INTERNAL_ASSERT(d_out.f32.defined());  // z is no ReLU's output: its dX is stored whole
       const int64_t T = L.phi.out_width, rows = activations[L.z_activation()].size(0);
       Grad dP = make_grad(rows, T), dh = make_grad(B, T);
       const auto* h_L = static_cast<const __nv_bfloat16*>(activations[L.hidden_activation(i)].data_ptr());
       const auto* phi = static_cast<const __nv_bfloat16*>(activations[L.phi_activation()].data_ptr());
       launch(iqn_backward_kernel, blocks_for(B * T, kThreads), kThreads, 0, stream, d_out.f32.data_ptr<float>(), h_L,
              phi, dh.f32.data_ptr<float>(), dP.f32.data_ptr<float>(), dP.low_ptr(), B, T, rows / B);
-      layer_backward(L.phi.blocks, dP.operand(bf16), T, static_cast<int64_t>(L.cos_activation()), nullptr, nullptr,
-                     "phi");
+      layer_backward(L.phi.blocks, dP.operand(bf16), T, static_cast<int64_t>(L.cos_activation()), nullptr, "phi");
       d_z.emplace_back(std::move(dP), L.phi.b_off);
       d_out = std::move(dh);
       d_out_masked = false;
@@ -605,19 +649,22 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
         launch(relu_backward_kernel, blocks_for(n, kThreads), kThreads, 0, stream, d, h, d_low, n);
     }
     const bool need_dx = i > 0 || need_grad_states;
-    Grad d_in = need_dx ? make_grad(rows, layer.in_width) : Grad{};
+    Grad d_in = need_dx ? make_dx(rows, layer.in_width) : Grad{};
     d_out_masked = layer_backward(layer.blocks, d_out.operand(bf16), layer.out_width, out - 1,
-                                  need_dx ? d_in.f32.data_ptr<float>() : nullptr, d_in.low_ptr(),
-                                  hidden_layer_name(L, static_cast<size_t>(i)));
+                                  need_dx ? &d_in : nullptr, hidden_layer_name(L, static_cast<size_t>(i)));
     d_z.emplace_back(std::move(d_out), layer.b_off);
     d_out = std::move(d_in);
   }
 
-  // Bias gradients, column sums of b_out's dY and each hidden layer's dZ (last layer first):
-  // kMaxColumnSumJobs of equal row counts per launch (IQN's fraction rows, then the trunk's), plus
-  // one more past kChunkRows rows; the first also zeroes the gaps.
+  // Bias gradients, column sums of b_out's dY and each hidden layer's dZ (last layer first; a
+  // masked dZ's tile sums where the dense kernel formed them): kMaxColumnSumJobs of equal row
+  // counts per launch (IQN's fraction rows, then the trunk's and the tile sums'), plus one more
+  // past kChunkRows rows; the first also zeroes the gaps.
   std::vector<std::pair<const Tensor*, int64_t>> bias_groups = {{&d_head.f32, L.b_out}};
-  for (const auto& dz : d_z) bias_groups.emplace_back(&dz.first.f32, dz.second);
+  for (const auto& dz : d_z) bias_groups.emplace_back(&dz.first.column_sum_rows(), dz.second);
+  // The most rows first, ties in order: equal row counts next to each other share launches.
+  std::stable_sort(bias_groups.begin(), bias_groups.end(),
+                   [](const auto& a, const auto& b) { return a.first->size(0) > b.first->size(0); });
   // `partial` is reused by every launch: they run in stream order
   for (size_t first = 0, count = 0; first < bias_groups.size(); first += count) {
     const int64_t rows = bias_groups[first].first->size(0);
@@ -654,7 +701,7 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
            dim3(static_cast<unsigned>(jobs.first_block[jobs.count]), static_cast<unsigned>(chunks)),
            dim3(kColTile, kRowLanes), 0, stream, jobs);
     if (chunks > 1)
-      launch(column_sum_chunks_kernel, blocks_for(cols, kThreads), kThreads, 0, stream, jobs,
+      launch(column_sum_chunks_kernel, blocks_for(cols * kChunkLanes, kThreads), kThreads, 0, stream, jobs,
              static_cast<int>(chunks));
   }
 
