@@ -25,7 +25,7 @@ CONFIGS = [DQNConfig(state_dim=37, trunk_hidden=(61, 45), value_hidden=(29,), ad
            # CleanRL's c51 shape: the fused loss's version with 4 atoms a lane, no value head
            DQNConfig(state_dim=4, trunk_hidden=(120, 84), adv_hidden=(), atoms=101, branches=(2,), dueling=False)]
 
-DENSE_ONLY_RAN = "sanitize_smoke: the dense section ran"
+COLUMN_SUMS_RAN = "sanitize_smoke: the column sums' sections ran"
 
 
 def dense_kernel_section(dev):
@@ -52,6 +52,17 @@ def dense_kernel_section(dev):
                         dones=torch.zeros(B, device=dev)))
     finally:
         dense_kernel.set_mode(previous)
+
+
+def iqn_backward_section(dev):
+    """IQN's backward on 9 samples x 5 fractions in bf16 (iqn_backward_kernel, its dP's sums by
+    sample under DQN_OPS_EPILOGUE_COLUMN_SUMS=on)."""
+    c = DQNConfig(state_dim=16, trunk_hidden=(32, 32), value_hidden=(16,), adv_hidden=(16,), atoms=1,
+                  branches=(4, 2), iqn_embedding=8)
+    net = dqn_ops.DuelingBranchQNet(c).to(dev)
+    out = net.forward_full(torch.randn(9, c.state_dim, device=dev), torch.rand(9, 5, device=dev))
+    dqn_ops.mixed_backward(torch.randn_like(out.q_logits), None, out, net.flat_params.detach(), net.params_bf16,
+                           net._layout_ints, "bf16", True)
 
 
 def main():
@@ -84,16 +95,17 @@ def main():
                 t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=r, dones=d))
             t.readback()
     dense_kernel_section(dev)
-    # the same with the bias gradients' column sums in the input gradients' epilogue (read once a
-    # process: a child, which compute-sanitizer follows and reports in this log). Its exit status
-    # may be the sanitizer's error code (racecheck's reports inside cuBLAS, which verify_gpu.sh
-    # sorts out), so the child's last line, not its status, says whether it ran to the end.
-    child = subprocess.run([sys.executable, __file__, "--dense-only"], capture_output=True, text=True,
+    # the same and IQN's backward with the bias gradients' column sums begun where the gradients
+    # are formed (the switch is read once a process: a child, which compute-sanitizer follows and
+    # reports in this log). Its exit status may be the sanitizer's error code (racecheck's reports
+    # inside cuBLAS, which verify_gpu.sh sorts out), so the child's last line, not its status,
+    # says whether it ran to the end.
+    child = subprocess.run([sys.executable, __file__, "--column-sums"], capture_output=True, text=True,
                            env=dict(os.environ, DQN_OPS_EPILOGUE_COLUMN_SUMS="on"))
     print(child.stdout + child.stderr, end="", flush=True)
-    if DENSE_ONLY_RAN not in child.stdout:
-        raise SystemExit(f"sanitize_smoke: the dense section with the epilogue's column sums exited "
-                         f"{child.returncode} before its end")
+    if COLUMN_SUMS_RAN not in child.stdout:
+        raise SystemExit(f"sanitize_smoke: the sections with the column sums on exited {child.returncode} before "
+                         f"their end")
     # the backward's weight gradients split over row chunks and reduced (from 32768 rows)
     c = DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=(8,), adv_hidden=(8,), atoms=3, branches=(2,))
     net = dqn_ops.DuelingBranchQNet(c).to(dev)
@@ -242,9 +254,10 @@ def main():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--dense-only"]:
+    if sys.argv[1:] == ["--column-sums"]:
         dense_kernel_section("cuda")
+        iqn_backward_section("cuda")
         torch.cuda.synchronize()
-        print(DENSE_ONLY_RAN)
+        print(COLUMN_SUMS_RAN)
     else:
         main()

@@ -1,13 +1,14 @@
-"""The bias gradients' column sums in the dense layer kernel's input-gradient epilogue
+"""The bias gradients' column sums begun where the gradient is formed
 (DQN_OPS_EPILOGUE_COLUMN_SUMS=off|auto|on, csrc/cuda/mixed_backward.cu epilogue_column_sums;
 dense_layer.h col_sums): a bf16 backward's masked input gradients (each hidden layer's dZ) keep
-their F32 values' column sums by halves of each row tile, which the column-sum kernel finishes,
-and the F32 gradient itself is not stored. Against the path that stores it (off), under every
-tile shape, for networks with row and tile tails and for IQN: every weight gradient and the
-states' gradient the same bits (the BF16 copy they are computed from is the same), every bias
-gradient equal to rounding (another summation order), the same bits run to run, and the
-profiler shows the column-sum kernel's extra launches for the tile sums' row counts. "auto" takes the path
-from 32,768 rows alone. Each setting is read once per process: a subprocess each."""
+their F32 values' column sums by halves of each row tile of the dense kernel, IQN's phi gradient
+dP its sums by sample from iqn_backward_kernel; the column-sum kernel finishes them, and the F32
+gradient itself is not stored. Against the path that stores it (off), under every tile shape,
+for networks with row and tile tails and for IQN: every weight gradient and the states' gradient
+the same bits (the BF16 copy they are computed from is the same), every bias gradient equal to
+rounding (another summation order), the same bits run to run, and the profiler shows the
+column-sum kernel's extra launches for the partial sums' row counts. "auto" takes the path from
+32,768 rows alone. Each setting is read once per process: a subprocess each."""
 import textwrap
 
 import pytest
@@ -90,14 +91,17 @@ def test_the_epilogue_column_sums_give_the_stored_gradients_sums(tmp_path, tile)
     off, on = (saved_with_env(RUN, ENV, setting, str(tmp_path / f"{setting}.pt"), tile, "7")
                for setting in ("off", "on"))
     # The dZs of the 1000-row networks' layers all take the sums, which share a row count: one
-    # launch more; IQN's 7000 fraction rows and its trunk's 1000 give two row counts of sums.
+    # launch more. IQN's heads (7000 fraction rows) and its first trunk layer (1000) give two row
+    # counts of tile sums; its dP's sums by sample have the samples' 1000 rows, as its second
+    # trunk layer's dZ has, so they share that launch: two more.
     compare(off, on, (tile, "on"), dict(shape=1, deep_heads=1, iqn=2))
 
 
 @requires_cuda
 def test_auto_takes_the_epilogue_column_sums_from_32768_rows(tmp_path):
-    """IQN's heads at 1000 x 40 = 40,000 fraction rows take the sums under "auto"; at 1000 x 7 =
-    7,000, and every network's 1000-row layers, do not (every bit off's)."""
+    """IQN's heads and dP at 1000 x 40 = 40,000 fraction rows take the sums under "auto" (the
+    heads' tile sums a launch of their own, dP's by-sample sums in the 1000-row launch); at 1000 x
+    7 = 7,000, and every network's 1000-row layers, do not (every bit off's)."""
     for fractions in ("40", "7"):
         off, auto = (saved_with_env(RUN, ENV, setting, str(tmp_path / f"{setting}-{fractions}.pt"), "auto",
                                     fractions) for setting in ("off", "auto"))

@@ -13,7 +13,8 @@
 // Bias gradients are column sums of the unrounded F32 dZ, every layer's in one launch (up to
 // kMaxColumnSumJobs layers) in a fixed summation order (graph replays and eager calls agree
 // bitwise); under DQN_OPS_EPILOGUE_COLUMN_SUMS a masked dZ's sums begin in the dense kernel's
-// epilogue, and its F32 values are not stored (epilogue_column_sums).
+// epilogue and IQN's dP's in its backward kernel, and their F32 values are not stored
+// (epilogue_column_sums).
 #include <algorithm>
 #include <string>
 #include <utility>
@@ -186,25 +187,29 @@ __global__ void relu_backward_x4_kernel(float4* __restrict__ d, const uint2* __r
 // from dz = d(z) [B * N, T] (z = h_L * phi, no ReLU of its own),
 //   dh[b, t] = sum_i dz[b * N + i, t] phi[b * N + i, t]   (F32, i in order: deterministic)
 //   dP[b * N + i, t] = phi > 0 ? dz h_L[b, t] : 0          (phi's pre-activation gradient)
-// and dP's BF16 copy for the `bf16` GEMMs when dP_bf16 is not null.
+// and dP's BF16 copy for the `bf16` GEMMs when dP_bf16 is not null. With dP_sums set (the bias
+// gradient's column sums begun here: epilogue_column_sums), dP_sums[b, t] = sum_i dP[b * N + i,
+// t], i in order, and dP itself may be null (not stored).
 __global__ void iqn_backward_kernel(const float* __restrict__ dz, const __nv_bfloat16* __restrict__ h,
                                     const __nv_bfloat16* __restrict__ phi, float* __restrict__ dh,
-                                    float* __restrict__ dP, __nv_bfloat16* __restrict__ dP_bf16, int64_t B,
-                                    int64_t T, int64_t N) {
+                                    float* __restrict__ dP, __nv_bfloat16* __restrict__ dP_bf16,
+                                    float* __restrict__ dP_sums, int64_t B, int64_t T, int64_t N) {
   pdl_enter();
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < B * T; j += int64_t(gridDim.x) * blockDim.x) {
     const int64_t b = j / T, t = j % T;
     const float hv = __bfloat162float(h[j]);
-    float acc = 0.f;
+    float acc = 0.f, sum = 0.f;
     for (int64_t i = 0; i < N; ++i) {
       const int64_t k = (b * N + i) * T + t;
       const float g = dz[k], p = __bfloat162float(phi[k]);
       acc += g * p;
       const float d = p > 0.f ? g * hv : 0.f;
-      dP[k] = d;
+      if (dP) dP[k] = d;
       if (dP_bf16) dP_bf16[k] = __float2bfloat16_rn(d);
+      if (dP_sums) sum += d;
     }
     dh[j] = acc;
+    if (dP_sums) dP_sums[j] = sum;
   }
 }
 
@@ -365,9 +370,10 @@ std::vector<std::pair<int64_t, int64_t>> unwritten_ranges(const NetLayout& L, bo
 }
 
 // F32 gradient of a layer's output and, in bf16 mode, its BF16 copy (the GEMM operand). Or, for
-// a masked input gradient whose F32 values only the bias gradient's column sums would read
-// (epilogue_column_sums), the BF16 copy and `sums`, the dense kernel's column sums of the F32
-// values by halves of its row tiles (dense_layer.h, col_sums), with f32 undefined.
+// a gradient whose F32 values only the bias gradient's column sums would read
+// (epilogue_column_sums), the BF16 copy and `sums`, partial column sums of the F32 values, with
+// f32 undefined: the dense kernel's by halves of its row tiles (dense_layer.h, col_sums) for a
+// masked dZ, iqn_backward_kernel's by sample for IQN's dP.
 struct Grad {
   Tensor f32, low, sums;
   const void* operand(bool bf16) const { return bf16 ? low.data_ptr() : f32.data_ptr(); }
@@ -376,12 +382,14 @@ struct Grad {
   const Tensor& column_sum_rows() const { return sums.defined() ? sums : f32; }
 };
 
-// DQN_OPS_EPILOGUE_COLUMN_SUMS (switches.h): whether a bf16 backward's masked input gradients on
-// the dense kernel (a hidden layer's dZ) keep only their column sums (Grad::sums) in place of the
-// F32 gradient that the column-sum kernel would read back: "off", the default (not yet measured
-// against that kernel: bench/NOTES.md); "auto", from kEpilogueColumnSumMinRows rows, where the F32
-// gradient's write and read are the largest (IQN's fraction rows); "on", at any rows (the tests').
-// The bias gradients then differ from the other paths' in their summation order, so in rounding.
+// DQN_OPS_EPILOGUE_COLUMN_SUMS (switches.h): whether a bf16 backward's gradients that only a bias
+// gradient's column sums would read in F32 keep partial column sums (Grad::sums) in place of the
+// F32 values that the column-sum kernel would read back: a hidden layer's masked dZ on the dense
+// kernel (its epilogue's tile sums) and IQN's dP (iqn_backward_kernel's per-sample sums). "off",
+// the default (not yet measured against that kernel: bench/NOTES.md); "auto", from
+// kEpilogueColumnSumMinRows rows, where the F32 gradient's write and read are the largest (IQN's
+// fraction rows); "on", at any rows (the tests'). The bias gradients then differ from the other
+// paths' in their summation order, so in rounding.
 constexpr int64_t kEpilogueColumnSumMinRows = 32768;
 bool epilogue_column_sums(int64_t rows) {
   static constexpr SwitchName kNames[] = {{"off", 0}, {"auto", 1}, {"on", 2}};
@@ -625,11 +633,16 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       // d_out is d(z) on the B * N fraction rows: into d(h_L) [B, T] and phi's dP, dW_phi = dP^T c.
       TORCH_INTERNAL_ASSERT(d_out.f32.defined());  // z is no ReLU's output: its dX is stored whole
       const int64_t T = L.phi.out_width, rows = activations[L.z_activation()].size(0);
-      Grad dP = make_grad(rows, T), dh = make_grad(B, T);
+      // In bf16 dP's F32 values are read by b_phi's column sums alone: under the switch each
+      // sample's sum of its fraction rows takes their place (Grad::sums, [B, T]).
+      const bool dP_sums = bf16 && epilogue_column_sums(rows);
+      Grad dP = dP_sums ? Grad{Tensor(), at::empty({rows, T}, bf16opt), at::empty({B, T}, f32)} : make_grad(rows, T);
+      Grad dh = make_grad(B, T);
       const auto* h_L = static_cast<const __nv_bfloat16*>(activations[L.hidden_activation(i)].data_ptr());
       const auto* phi = static_cast<const __nv_bfloat16*>(activations[L.phi_activation()].data_ptr());
+      auto ptr_or_null = [](const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
       launch(iqn_backward_kernel, blocks_for(B * T, kThreads), kThreads, 0, stream, d_out.f32.data_ptr<float>(), h_L,
-             phi, dh.f32.data_ptr<float>(), dP.f32.data_ptr<float>(), dP.low_ptr(), B, T, rows / B);
+             phi, dh.f32.data_ptr<float>(), ptr_or_null(dP.f32), dP.low_ptr(), ptr_or_null(dP.sums), B, T, rows / B);
       layer_backward(L.phi.blocks, dP.operand(bf16), T, static_cast<int64_t>(L.cos_activation()), nullptr, "phi");
       d_z.emplace_back(std::move(dP), L.phi.b_off);
       d_out = std::move(dh);
@@ -656,8 +669,8 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
     d_out = std::move(d_in);
   }
 
-  // Bias gradients, column sums of b_out's dY and each hidden layer's dZ (last layer first; a
-  // masked dZ's tile sums where the dense kernel formed them): kMaxColumnSumJobs of equal row
+  // Bias gradients, column sums of b_out's dY and each hidden layer's dZ (last layer first; the
+  // partial sums where a dZ or dP has them, Grad::sums): kMaxColumnSumJobs of equal row
   // counts per launch (IQN's fraction rows, then the trunk's and the tile sums'), plus one more
   // past kChunkRows rows; the first also zeroes the gaps.
   std::vector<std::pair<const Tensor*, int64_t>> bias_groups = {{&d_head.f32, L.b_out}};
