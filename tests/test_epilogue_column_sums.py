@@ -90,10 +90,12 @@ def compare(off, other, what, extra_launches):
 def test_the_epilogue_column_sums_give_the_stored_gradients_sums(tmp_path, tile):
     off, on = (saved_with_env(RUN, ENV, setting, str(tmp_path / f"{setting}.pt"), tile, "7")
                for setting in ("off", "on"))
-    # The dZs of the 1000-row networks' layers all take the sums, which share a row count: one
-    # launch more. IQN's heads (7000 fraction rows) and its first trunk layer (1000) give two row
+    # The layouts store every hidden width as a multiple of 8, so each hidden layer's masked dX
+    # runs the dense kernel's staged path. The 1000-row networks' masked dZs all take the sums,
+    # which share a row count: one launch more. IQN's heads (7000 fraction rows) and its first trunk layer (1000) give two row
     # counts of tile sums; its dP's sums by sample have the samples' 1000 rows, as its second
-    # trunk layer's dZ has, so they share that launch: two more.
+    # trunk layer's dZ (stored whole: iqn_backward_kernel's dh, then relu_backward) has, so they
+    # share that launch: two more.
     compare(off, on, (tile, "on"), dict(shape=1, deep_heads=1, iqn=2))
 
 

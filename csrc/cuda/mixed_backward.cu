@@ -635,8 +635,8 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       const int64_t T = L.phi.out_width, rows = activations[L.z_activation()].size(0);
       // In bf16 dP's F32 values are read by b_phi's column sums alone: under the switch each
       // sample's sum of its fraction rows takes their place (Grad::sums, [B, T]).
-      const bool dP_sums = bf16 && epilogue_column_sums(rows);
-      Grad dP = dP_sums ? Grad{Tensor(), at::empty({rows, T}, bf16opt), at::empty({B, T}, f32)} : make_grad(rows, T);
+      const bool sum_dP_by_sample = bf16 && epilogue_column_sums(rows);
+      Grad dP = sum_dP_by_sample ? Grad{Tensor(), at::empty({rows, T}, bf16opt), at::empty({B, T}, f32)} : make_grad(rows, T);
       Grad dh = make_grad(B, T);
       const auto* h_L = static_cast<const __nv_bfloat16*>(activations[L.hidden_activation(i)].data_ptr());
       const auto* phi = static_cast<const __nv_bfloat16*>(activations[L.phi_activation()].data_ptr());
@@ -671,8 +671,9 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
 
   // Bias gradients, column sums of b_out's dY and each hidden layer's dZ (last layer first; the
   // partial sums where a dZ or dP has them, Grad::sums): kMaxColumnSumJobs of equal row
-  // counts per launch (IQN's fraction rows, then the trunk's and the tile sums'), plus one more
-  // past kChunkRows rows; the first also zeroes the gaps.
+  // counts per launch, the most rows first (IQN's fraction rows, then the samples' and the
+  // partial sums', in the order of their row counts), plus one more past kChunkRows rows; the
+  // first also zeroes the gaps.
   std::vector<std::pair<const Tensor*, int64_t>> bias_groups = {{&d_head.f32, L.b_out}};
   for (const auto& dz : d_z) bias_groups.emplace_back(&dz.first.column_sum_rows(), dz.second);
   // The most rows first, ties in order: equal row counts next to each other share launches.
