@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import python_with_env, requires_cuda, saved_with_env
+from conftest import assert_same_bits, python_with_env, requires_cuda, saved_with_env
 
 ENV = "DQN_OPS_EPILOGUE_COLUMN_SUMS"
 TILES = ("128x128", "64x64", "32x64")
@@ -55,32 +55,28 @@ RUN = textwrap.dedent("""
 """)
 
 
-def same_bits(a, b, what):
-    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), what
-
-
 def compare(off, other, what, extra_launches):
     """`other`'s gradients against `off`'s, network by network: weights and the states' gradient
-    the same bits; where the network's backward took the epilogue's sums, the biases to rounding
-    and the column-sum kernel's extra launches for the tile sums' row counts (`extra_launches`),
-    else every bit and the same launches."""
+    the same bits, every gradient finite and the same bits run to run; where the network's
+    backward took the epilogue's sums, the biases to rounding and the column-sum kernel's extra
+    launches for the partial sums' row counts (`extra_launches`), else every bit and the same
+    launches."""
     assert off["out"].keys() == other["out"].keys() == extra_launches.keys() == {"shape", "deep_heads", "iqn"}
     if not any(off["launches"].values()):
         pytest.skip("the profiler recorded no kernels here")
     for name, o in other["out"].items():
         ref = off["out"][name]
-        same_bits(o["runs"][0][0], o["runs"][1][0], (what, name, "run to run"))
-        same_bits(o["runs"][0][1], ref["runs"][0][1], (what, name, "the states' gradient"))
-        for k, w in o["weights"].items():
-            same_bits(w, ref["weights"][k], (what, name, k))
-        assert torch.isfinite(o["runs"][0][0]).all(), (what, name)
-        for k, b in o["biases"].items():
-            want = ref["biases"][k]
-            if extra_launches[name]:
+        assert_same_bits({name: o["runs"][0]}, {name: o["runs"][1]}, (what, "run to run"))
+        assert_same_bits({name: o["runs"][0][1:]}, {name: ref["runs"][0][1:]}, (what, "the states' gradient"))
+        by_layer = lambda views: {k: [v] for k, v in views.items()}  # noqa: E731
+        assert_same_bits(by_layer(o["weights"]), by_layer(ref["weights"]), (what, name))
+        if extra_launches[name]:
+            for k, b in o["biases"].items():
+                want = ref["biases"][k]
                 torch.testing.assert_close(b, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()),
                                            msg=lambda m: f"{what} {name} {k}: {m}")
-            else:
-                same_bits(b, want, (what, name, k))
+        else:
+            assert_same_bits(by_layer(o["biases"]), by_layer(ref["biases"]), (what, name))
         extra = other["launches"][name] - off["launches"][name]
         assert extra == extra_launches[name], (what, name, other["launches"], off["launches"])
 
@@ -92,10 +88,10 @@ def test_the_epilogue_column_sums_give_the_stored_gradients_sums(tmp_path, tile)
                for setting in ("off", "on"))
     # The layouts store every hidden width as a multiple of 8, so each hidden layer's masked dX
     # runs the dense kernel's staged path. The 1000-row networks' masked dZs all take the sums,
-    # which share a row count: one launch more. IQN's heads (7000 fraction rows) and its first trunk layer (1000) give two row
-    # counts of tile sums; its dP's sums by sample have the samples' 1000 rows, as its second
-    # trunk layer's dZ (stored whole: iqn_backward_kernel's dh, then relu_backward) has, so they
-    # share that launch: two more.
+    # which share a row count: one launch more. IQN's heads (7000 fraction rows) and its first
+    # trunk layer (1000) give two row counts of tile sums; its dP's sums by sample have the
+    # samples' 1000 rows, as its second trunk layer's dZ (stored whole: iqn_backward_kernel's dh,
+    # then relu_backward) has, so they share that launch: two more.
     compare(off, on, (tile, "on"), dict(shape=1, deep_heads=1, iqn=2))
 
 

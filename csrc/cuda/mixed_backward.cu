@@ -636,7 +636,8 @@ std::tuple<Tensor, Tensor> backward_from_head(const Grad& d_head, at::TensorList
       // In bf16 dP's F32 values are read by b_phi's column sums alone: under the switch each
       // sample's sum of its fraction rows takes their place (Grad::sums, [B, T]).
       const bool sum_dP_by_sample = bf16 && epilogue_column_sums(rows);
-      Grad dP = sum_dP_by_sample ? Grad{Tensor(), at::empty({rows, T}, bf16opt), at::empty({B, T}, f32)} : make_grad(rows, T);
+      Grad dP = sum_dP_by_sample ? Grad{Tensor(), at::empty({rows, T}, bf16opt), at::empty({B, T}, f32)}
+                                 : make_grad(rows, T);
       Grad dh = make_grad(B, T);
       const auto* h_L = static_cast<const __nv_bfloat16*>(activations[L.hidden_activation(i)].data_ptr());
       const auto* phi = static_cast<const __nv_bfloat16*>(activations[L.phi_activation()].data_ptr());
