@@ -43,16 +43,18 @@ def test_a_graphed_replay_keeps_what_it_reads_alive():
 
 
 def test_the_switches_note_names_what_is_not_the_default(monkeypatch):
-    """A result file's note names the dense tile and the epilogue's column sums only where they
-    are not the default; code_path_switches reads them from the environment."""
+    """A result file's note names the dense tile only where it is forced, the dense stores and
+    the epilogue's column sums where the file records them; code_path_switches reads them from the
+    environment, "auto" where the column sums' variable is unset."""
     base = dict(side_streams=True, pdl=True, dense_kernel="auto", dense_tile="auto", dense_stores="all",
-                epilogue_column_sums="off")
-    assert switches_note(base) == "side streams on, PDL on, dense kernel auto, dense stores all"
-    assert switches_note(dict(base, dense_tile="64x64", epilogue_column_sums="auto")) == (
-        "side streams on, PDL on, dense kernel auto, dense tile 64x64, dense stores all, epilogue column sums auto")
+                epilogue_column_sums="auto")
+    assert switches_note(base) == (
+        "side streams on, PDL on, dense kernel auto, dense stores all, epilogue column sums auto")
+    assert switches_note(dict(base, dense_tile="64x64", epilogue_column_sums="off")) == (
+        "side streams on, PDL on, dense kernel auto, dense tile 64x64, dense stores all, epilogue column sums off")
     old = dict(side_streams=False, pdl=True)  # a file written before the dense kernel's switches
     assert switches_note(old) == "side streams off, PDL on"
     monkeypatch.delenv("DQN_OPS_EPILOGUE_COLUMN_SUMS", raising=False)
-    assert code_path_switches()["epilogue_column_sums"] == "off"
-    monkeypatch.setenv("DQN_OPS_EPILOGUE_COLUMN_SUMS", "auto")
     assert code_path_switches()["epilogue_column_sums"] == "auto"
+    monkeypatch.setenv("DQN_OPS_EPILOGUE_COLUMN_SUMS", "off")
+    assert code_path_switches()["epilogue_column_sums"] == "off"

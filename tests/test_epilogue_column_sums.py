@@ -99,11 +99,14 @@ def test_the_epilogue_column_sums_give_the_stored_gradients_sums(tmp_path, tile)
 def test_auto_takes_the_epilogue_column_sums_from_32768_rows(tmp_path):
     """IQN's heads and dP at 1000 x 40 = 40,000 fraction rows take the sums under "auto" (the
     heads' tile sums a launch of their own, dP's by-sample sums in the 1000-row launch); at 1000 x
-    7 = 7,000, and every network's 1000-row layers, do not (every bit off's)."""
+    7 = 7,000, and every network's 1000-row layers, do not (every bit off's). The variable unset
+    is "auto": the same bits."""
     for fractions in ("40", "7"):
-        off, auto = (saved_with_env(RUN, ENV, setting, str(tmp_path / f"{setting}-{fractions}.pt"), "auto",
-                                    fractions) for setting in ("off", "auto"))
+        off, auto, unset = (saved_with_env(RUN, ENV, setting, str(tmp_path / f"{setting}-{fractions}.pt"), "auto",
+                                           fractions) for setting in ("off", "auto", None))
         compare(off, auto, ("auto", fractions), dict(shape=0, deep_heads=0, iqn=1 if fractions == "40" else 0))
+        assert_same_bits({k: v["runs"][0] for k, v in unset["out"].items()},
+                         {k: v["runs"][0] for k, v in auto["out"].items()}, ("unset", fractions))
 
 
 @requires_cuda

@@ -385,15 +385,15 @@ struct Grad {
 // DQN_OPS_EPILOGUE_COLUMN_SUMS (switches.h): whether a bf16 backward's gradients that only a bias
 // gradient's column sums would read in F32 keep partial column sums (Grad::sums) in place of the
 // F32 values that the column-sum kernel would read back: a hidden layer's masked dZ on the dense
-// kernel (its epilogue's tile sums) and IQN's dP (iqn_backward_kernel's per-sample sums). "off",
-// the default (not yet measured against that kernel: bench/NOTES.md); "auto", from
-// kEpilogueColumnSumMinRows rows, where the F32 gradient's write and read are the largest (IQN's
-// fraction rows); "on", at any rows (the tests'). The bias gradients then differ from the other
-// paths' in their summation order, so in rounding.
+// kernel (its epilogue's tile sums) and IQN's dP (iqn_backward_kernel's per-sample sums). "auto",
+// the default, from kEpilogueColumnSumMinRows rows, where the F32 gradient's write and read are
+// the largest (IQN's fraction rows; below them the stored gradient's column sums measured no
+// slower: bench/NOTES.md); "off", never; "on", at any rows (the tests'). The bias gradients then
+// differ from the other paths' in their summation order, so in rounding.
 constexpr int64_t kEpilogueColumnSumMinRows = 32768;
 bool epilogue_column_sums(int64_t rows) {
   static constexpr SwitchName kNames[] = {{"off", 0}, {"auto", 1}, {"on", 2}};
-  static const int setting = env_switch("DQN_OPS_EPILOGUE_COLUMN_SUMS", kNames, 0);
+  static const int setting = env_switch("DQN_OPS_EPILOGUE_COLUMN_SUMS", kNames, 1);
   return setting == 2 || (setting == 1 && rows >= kEpilogueColumnSumMinRows);
 }
 
