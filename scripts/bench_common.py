@@ -67,7 +67,9 @@ def code_path_switches() -> dict:
     "auto" unless forced) and which of its epilogues stage their stores (env DQN_OPS_DENSE_STORES,
     "all" unless "hidden" or "direct"), which keep every bit, and where its input gradients sum
     the bias gradients' columns (env DQN_OPS_EPILOGUE_COLUMN_SUMS: "auto", the default, "off" or
-    "on"), whose sums round differently."""
+    "on"), whose sums round differently, and whether narrow output layers take its narrow tile
+    (env DQN_OPS_NARROW_LOGITS: "0", the default, or "1"), whose sums round differently from
+    cuBLAS's."""
     import os
 
     from dqn_ops import dense_kernel, side_stream
@@ -75,21 +77,23 @@ def code_path_switches() -> dict:
     return dict(side_streams=side_stream.enabled(), pdl=os.environ.get("DQN_OPS_PDL", "1") != "0",
                 dense_kernel=dense_kernel.mode(), dense_tile=os.environ.get("DQN_OPS_DENSE_TILE") or "auto",
                 dense_stores=os.environ.get("DQN_OPS_DENSE_STORES") or "all",
-                epilogue_column_sums=os.environ.get("DQN_OPS_EPILOGUE_COLUMN_SUMS") or "auto")
+                epilogue_column_sums=os.environ.get("DQN_OPS_EPILOGUE_COLUMN_SUMS") or "auto",
+                narrow_logits=(os.environ.get("DQN_OPS_NARROW_LOGITS") or "0") == "1")
 
 
 def switches_note(switches: dict) -> str:
     """The switches as a result file's markdown says them: "side streams on, PDL on, dense
     kernel auto" (files written before the dense kernel do not name it), a forced dense tile and
-    the dense stores and the epilogue's column sums where a file names them (it does since each
-    switch came)."""
+    the dense stores, the epilogue's column sums and the narrow logits where a file names them
+    (it does since each switch came)."""
     on = lambda key: "on" if switches[key] else "off"  # noqa: E731
     note = f"side streams {on('side_streams')}, PDL {on('pdl')}"
     note += f", dense kernel {switches['dense_kernel']}" if "dense_kernel" in switches else ""
     note += f", dense tile {switches['dense_tile']}" if switches.get("dense_tile", "auto") != "auto" else ""
     note += f", dense stores {switches['dense_stores']}" if "dense_stores" in switches else ""
     sums = switches.get("epilogue_column_sums")
-    return note + (f", epilogue column sums {sums}" if sums else "")
+    note += f", epilogue column sums {sums}" if sums else ""
+    return note + (f", narrow logits {on('narrow_logits')}" if "narrow_logits" in switches else "")
 
 
 def run_meta(device="cuda", **extra):

@@ -47,14 +47,22 @@ def test_the_switches_note_names_what_is_not_the_default(monkeypatch):
     the epilogue's column sums where the file records them; code_path_switches reads them from the
     environment, "auto" where the column sums' variable is unset."""
     base = dict(side_streams=True, pdl=True, dense_kernel="auto", dense_tile="auto", dense_stores="all",
-                epilogue_column_sums="auto")
-    assert switches_note(base) == (
+                epilogue_column_sums="auto", narrow_logits=False)
+    assert switches_note(base) == ("side streams on, PDL on, dense kernel auto, dense stores all, epilogue column "
+                                   "sums auto, narrow logits off")
+    assert switches_note(dict(base, dense_tile="64x64", epilogue_column_sums="off", narrow_logits=True)) == (
+        "side streams on, PDL on, dense kernel auto, dense tile 64x64, dense stores all, epilogue column sums off, "
+        "narrow logits on")
+    no_narrow = {k: v for k, v in base.items() if k != "narrow_logits"}  # a file written before that switch
+    assert switches_note(no_narrow) == (
         "side streams on, PDL on, dense kernel auto, dense stores all, epilogue column sums auto")
-    assert switches_note(dict(base, dense_tile="64x64", epilogue_column_sums="off")) == (
-        "side streams on, PDL on, dense kernel auto, dense tile 64x64, dense stores all, epilogue column sums off")
     old = dict(side_streams=False, pdl=True)  # a file written before the dense kernel's switches
     assert switches_note(old) == "side streams off, PDL on"
     monkeypatch.delenv("DQN_OPS_EPILOGUE_COLUMN_SUMS", raising=False)
     assert code_path_switches()["epilogue_column_sums"] == "auto"
     monkeypatch.setenv("DQN_OPS_EPILOGUE_COLUMN_SUMS", "off")
     assert code_path_switches()["epilogue_column_sums"] == "off"
+    monkeypatch.delenv("DQN_OPS_NARROW_LOGITS", raising=False)
+    assert code_path_switches()["narrow_logits"] is False
+    monkeypatch.setenv("DQN_OPS_NARROW_LOGITS", "1")
+    assert code_path_switches()["narrow_logits"] is True

@@ -12,8 +12,11 @@
 // with the same swizzle on the low three chunk bits and ldmatrix.trans.
 //
 // Tile shapes (pick_tile): 128 x 128 with 8 warps for large launches, 64 x 64 and 32 x 64 with 4
-// warps where the larger tile would leave SMs idle. Every shape accumulates an element's
-// products in the same order (k16 steps from 0), so the choice does not change any bit.
+// warps where the larger tile would leave SMs idle, and 128 x 16 with 4 warps for an output
+// layer whose heads are all at most 16 columns wide (atoms = 1: IQN's, MSE's), where a wider
+// tile would compute and load weights for columns that do not exist and the launch is bound by
+// reading the heads' input once. Every shape accumulates an element's products in the same
+// order (k16 steps from 0), so the choice does not change any bit.
 #include "dense_layer.h"
 
 #include <climits>
@@ -89,8 +92,8 @@ struct Tile {
   // The large tile's blocks two an SM where the shared memory holds two (sm_90: 2 x 96 KB of
   // 227; the cap of 128 registers a thread keeps the compiler there), so that one block's loads
   // and epilogue overlap the other's tensor-core work; the small tiles' registers leave them at
-  // their shared memory's three (0: no minimum asked).
-  static constexpr int kMinBlocks = BM == 128 ? 2 : 0;
+  // their shared memory's three (0: no minimum asked), the narrow tile's at its four.
+  static constexpr int kMinBlocks = BM == 128 && BN == 128 ? 2 : 0;
   static constexpr int MI = WM / 16;  // m16 fragments a warp
   static constexpr int NI = WN / 8;   // n8 fragments a warp
   static constexpr size_t kSmemBytes = size_t(kStages) * (BM + BN) * kBK * sizeof(__nv_bfloat16);
@@ -426,9 +429,20 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
   }
 }
 
-enum class TileShape { k128x128, k64x64, k32x64 };
-constexpr int tile_rows(TileShape t) { return t == TileShape::k128x128 ? 128 : t == TileShape::k64x64 ? 64 : 32; }
-constexpr int tile_cols(TileShape t) { return t == TileShape::k128x128 ? 128 : 64; }
+enum class TileShape { k128x128, k64x64, k32x64, k128x16 };
+constexpr int tile_rows(TileShape t) {
+  return t == TileShape::k128x128 || t == TileShape::k128x16 ? 128 : t == TileShape::k64x64 ? 64 : 32;
+}
+constexpr int tile_cols(TileShape t) {
+  return t == TileShape::k128x128 ? 128 : t == TileShape::k128x16 ? 16 : 64;
+}
+template <int BM, int BN>
+constexpr TileShape shape_of() {
+  return BN == 16 ? TileShape::k128x16 : BM == 128 ? TileShape::k128x128 : BM == 64 ? TileShape::k64x64 : TileShape::k32x64;
+}
+// The narrow tile's widest output: kLogits launches whose every problem is at most this wide take it.
+constexpr int64_t kNarrowMaxN = 16;
+static_assert(tile_cols(TileShape::k128x16) == kNarrowMaxN, "the narrow tile covers a narrow problem's columns");
 static_assert(tile_rows(TileShape::k32x64) == kDenseMinTileRows, "dense_layer.h's fewest tile rows");
 
 int64_t tiles_of(const DenseProblem& p, TileShape t) {
@@ -441,8 +455,8 @@ int64_t tiles_of(const DenseLaunch& l, TileShape t) {
 }
 
 // DQN_OPS_DENSE_TILE (switches.h): unset or "auto" pick_tile's rule; "128x128", "64x64" or
-// "32x64" that shape for every launch (the A/B switch for the rule; any shape gives the same
-// bits). -1: auto.
+// "32x64" that shape for every launch, the narrow output layers' too (the A/B switch for the
+// rule; any shape gives the same bits). -1: auto.
 int forced_tile() {
   static constexpr SwitchName kNames[] = {{"auto", -1},
                                           {"128x128", static_cast<int>(TileShape::k128x128)},
@@ -472,10 +486,29 @@ bool stages_stores(DenseEpilogue e) {
                                      : e == DenseEpilogue::kInputGrad && staged_stores() == StagedStores::kAll;
 }
 
-// The largest tile whose grid still covers every SM; the smallest where none does.
+// DQN_OPS_NARROW_LOGITS (switches.h): "1" the narrow tile and its rows in mode auto's rule
+// (measured_faster), "0" neither (output layers of narrow heads then run as any other: cuBLAS's
+// GEMMs past kLogitsMaxRows). Unset: "0", until an A/B on a GPU has timed it (bench/NOTES.md).
+bool narrow_tile_enabled() {
+  static const bool enabled = env_switch("DQN_OPS_NARROW_LOGITS", kOffOnNames, 0) == 1;
+  return enabled;
+}
+
+// Whether every problem of a kLogits launch is at most kNarrowMaxN columns wide (and the narrow
+// tile is enabled).
+bool narrow_logits(const DenseLaunch& l) {
+  if (l.epilogue != DenseEpilogue::kLogits || !narrow_tile_enabled()) return false;
+  for (int i = 0; i < l.count; ++i)
+    if (l.problem[i].N > kNarrowMaxN) return false;
+  return true;
+}
+
+// The narrow tile for a narrow output layer whose grid covers every SM; else the largest tile
+// whose grid still covers every SM, the smallest where none does.
 TileShape pick_tile(const DenseLaunch& l) {
   if (forced_tile() >= 0) return static_cast<TileShape>(forced_tile());
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if (narrow_logits(l) && tiles_of(l, TileShape::k128x16) >= sms) return TileShape::k128x16;
   for (TileShape t : {TileShape::k128x128, TileShape::k64x64})
     if (tiles_of(l, t) >= sms) return t;
   return TileShape::k32x64;
@@ -486,7 +519,7 @@ int launch_tile(DenseLaunch& l, cudaStream_t stream) {
   using T = Tile<BM, BN, WM, WN>;
   auto* kernel = dense_layer_kernel<BM, BN, WM, WN, kEpilogue, kStagedStores>;
   if (T::kSmemBytes > 48 * 1024) opt_in_dynamic_smem(kernel);
-  constexpr TileShape shape = BM == 128 ? TileShape::k128x128 : BM == 64 ? TileShape::k64x64 : TileShape::k32x64;
+  constexpr TileShape shape = shape_of<BM, BN>();
   l.first_tile[0] = 0;
   for (int i = 0; i < l.count; ++i)
     l.first_tile[i + 1] = l.first_tile[i] + static_cast<int>(tiles_of(l.problem[i], shape));
@@ -500,8 +533,12 @@ int launch_tile_shape(DenseLaunch& l, cudaStream_t stream) {
     case TileShape::k128x128: return launch_tile<128, 128, 64, 32, kEpilogue, kStagedStores>(l, stream);
     case TileShape::k64x64: return launch_tile<64, 64, 32, 32, kEpilogue, kStagedStores>(l, stream);
     case TileShape::k32x64: return launch_tile<32, 64, 16, 32, kEpilogue, kStagedStores>(l, stream);
+    case TileShape::k128x16:  // pick_tile's for kLogits alone
+      if constexpr (kEpilogue == DenseEpilogue::kLogits) return launch_tile<128, 16, 32, 16, kEpilogue, kStagedStores>(l, stream);
+      break;
   }
-  return 0;  // unreachable: every shape is a case
+  TORCH_INTERNAL_ASSERT(false, "dense_layer_kernel: no tile for this launch");
+  return 0;
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -537,10 +574,14 @@ int launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
 //     GEMM and the bias + ReLU pass in every network step timed whose layers are that wide (the
 //     reference network, the 3 x 512 trunk, IQN; at B = 256 and 4096), and a wash on the one with
 //     a narrower layer (CleanRL's 88 units: slower at B = 256, faster at 4096).
-//   - kLogits: at most kLogitsMaxRows rows a problem. It saves launches (a GEMM per head group and
-//     network, the target's fork and join), which counts at small batches; at large ones cuBLAS's
-//     GEMMs are faster than this kernel. Measured with every kind on: faster at B = 256 and 1024
-//     (the online network's 2048 rows), slower at 2048 and 4096.
+//   - kLogits: at most kLogitsMaxRows rows a problem, or at most kNarrowMaxN columns. It saves
+//     launches (a GEMM per head group and network, the target's fork and join), which counts at
+//     small batches; at large ones cuBLAS's GEMMs are faster than this kernel's square tiles.
+//     Measured with every kind on: faster at B = 256 and 1024 (the online network's 2048 rows),
+//     slower at 2048 and 4096. Heads of at most kNarrowMaxN columns (atoms = 1) take the narrow
+//     tile where its grid covers the SMs: one launch for every head, reading their input once at
+//     the memory's rate, where cuBLAS ran a GEMM per head group (IQN's 131,072 and 262,144 rows x
+//     8 columns: bench/NOTES.md, the dense kernel's bullet "The narrow output tile").
 //   - kInputGrad: at most kInputGradMaxMacs products a problem (rows x N x K, x batch), or K within
 //     one tile at any size. It saves the relu_backward pass after each GEMM; on larger GEMMs
 //     cuBLAS's faster one wins more than the pass costs. Measured with every kind on, by each
@@ -560,7 +601,8 @@ bool measured_faster(const DenseLaunch& l) {
   for (int i = 0; i < l.count; ++i) {
     const DenseProblem& p = l.problem[i];
     const bool faster = l.epilogue == DenseEpilogue::kHidden   ? p.N >= 128
-                        : l.epilogue == DenseEpilogue::kLogits ? p.rows <= kLogitsMaxRows
+                        : l.epilogue == DenseEpilogue::kLogits
+                            ? p.rows <= kLogitsMaxRows || (p.N <= kNarrowMaxN && narrow_tile_enabled())
                                                                : p.K <= kBK || macs_at_most(p, kInputGradMaxMacs);
     if (!faster) return false;
   }
