@@ -155,12 +155,20 @@ __global__ void narrow_input_layer_kernel(const __nv_bfloat16* __restrict__ x, i
 // branch, not one per action) and read again, from L1, for the dueling q instead of from
 // `head`; a member's value logit is read at its first entry in the column (and written to
 // `head` at its first entry).
+// kStaged (one atom, whole rows a block: launch_head_bias_dueling): a thread a row walks every
+// entry of its row in turn, so its loads would be a latency each (one per branch, the rows'
+// strided columns); instead the block first copies its rows' logits to shared memory in 16-byte
+// loads of consecutive rows (rows are head_ld apart: the block's rows are one span of memory),
+// row r at r * (head_ld + 1) (odd: a warp's reads of one column of 32 rows on distinct banks),
+// and each thread reads its row there. The same arithmetic either way.
+template <bool kStaged>
 __global__ void __launch_bounds__(kThreads) head_bias_dueling_kernel(const float* __restrict__ logits,
                                                                      int64_t head_ld, const float* __restrict__ b_out,
                                                                      float* __restrict__ head, float* __restrict__ q,
                                                                      int64_t rows, int atoms, int64_t head_out,
                                                                      int total_actions, BranchTable branches,
                                                                      int64_t slots, int entries) {
+  extern __shared__ float staged_rows[];
   pdl_enter();
   const RowGroup g = row_group(atoms);
   if (g.idle) return;
@@ -168,8 +176,8 @@ __global__ void __launch_bounds__(kThreads) head_bias_dueling_kernel(const float
   const int64_t value_ld = round_up_to_align(atoms);  // a value head's padded logit columns
   const int64_t q_step = int64_t(atoms) * slots;      // between two actions' entries in q
   const int d0 = blockIdx.y * entries, d1 = min(branches.count, d0 + entries);
-  for (int64_t b = g.first_row; b < rows; b += g.row_stride) {
-    const float* in = logits + b * head_ld;
+  // Row b's head, q and dueling aggregate from its padded logits `in`.
+  auto bias_dueling_row = [&](int64_t b, const float* in) {
     float* row = head ? head + b * head_out : nullptr;
     // Row b is fraction b % slots of sample b / slots (slots = 1: sample b).
     float* q_row = q + (b / slots) * total_actions * q_step + b % slots;
@@ -210,6 +218,28 @@ __global__ void __launch_bounds__(kThreads) head_bias_dueling_kernel(const float
               dueling_q(v, biased_logit(adv[int64_t(k) * atoms], bias[int64_t(k) * atoms]), mean);
       }
     }
+  };
+  if constexpr (!kStaged) {
+    for (int64_t b = g.first_row; b < rows; b += g.row_stride) bias_dueling_row(b, logits + b * head_ld);
+    return;
+  }
+  // Staged: a thread a row (g.width == 1), the block's loop uniform so that every thread reaches
+  // the barriers.
+  const int64_t staged_ld = head_ld + 1, chunks = head_ld / 4;  // head_ld % 4 == 0, logits 16-byte aligned
+  for (int64_t first = int64_t(blockIdx.x) * blockDim.x; first < rows; first += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t block_rows = min(int64_t(blockDim.x), rows - first);
+    const float4* src = reinterpret_cast<const float4*>(logits + first * head_ld);
+    for (int64_t c = threadIdx.x; c < block_rows * chunks; c += blockDim.x) {
+      const float4 v = src[c];
+      float* dst = staged_rows + (c / chunks) * staged_ld + (c % chunks) * 4;
+      dst[0] = v.x;
+      dst[1] = v.y;
+      dst[2] = v.z;
+      dst[3] = v.w;
+    }
+    __syncthreads();
+    if (threadIdx.x < block_rows) bias_dueling_row(first + threadIdx.x, staged_rows + threadIdx.x * staged_ld);
+    __syncthreads();  // every row read before the next rows are copied over them
   }
 }
 
@@ -651,14 +681,35 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> online_and_target_logits_cuda(
 
 }  // namespace
 
+namespace {
+
+// The most shared memory the staged rows take: the default limit, no opt-in (IQN's head_ld of 32
+// takes 33 KB).
+constexpr size_t kMaxStagedBytes = 48 * 1024;
+
+// DQN_OPS_STAGE_HEAD_ROWS (switches.h): "1" stages the rows of one-atom heads in shared memory
+// (head_bias_dueling_kernel), "0" each thread reads its row's logits from global memory. The
+// same bits. Unset: "0", until an A/B on a GPU has timed it (bench/NOTES.md).
+bool staged_dueling_rows() {
+  static const bool staged = env_switch("DQN_OPS_STAGE_HEAD_ROWS", kOffOnNames, 0) == 1;
+  return staged;
+}
+
+}  // namespace
+
 void launch_head_bias_dueling(const float* logits, const float* b_out, float* head, float* q, int64_t rows,
                               const NetLayout& L, const BranchTable& branches, cudaStream_t stream, int64_t slots) {
   const unsigned row_blocks = row_group_blocks(rows, L.atoms, kThreads);
   const bool split = split_heads(row_blocks);
   const dim3 grid(row_blocks, split ? static_cast<unsigned>(branches.count) : 1);
-  launch(head_bias_dueling_kernel, grid, kThreads, 0, stream, logits, L.head_ld, b_out, head, q, rows,
-         static_cast<int>(L.atoms), L.head_out, static_cast<int>(L.q_rows()), branches, slots,
-         split ? 1 : static_cast<int>(branches.count));
+  // The rows staged in shared memory (the kernel's comment) where a thread takes a row and walks
+  // all its entries (one atom, heads not split) and the block's rows fit kMaxStagedBytes.
+  const size_t staged_bytes = size_t(kThreads) * (L.head_ld + 1) * sizeof(float);
+  const bool staged = staged_dueling_rows() && L.atoms == 1 && !split && L.head_ld % 4 == 0 && aligned16(logits) &&
+                      staged_bytes <= kMaxStagedBytes;
+  launch(staged ? head_bias_dueling_kernel<true> : head_bias_dueling_kernel<false>, grid, kThreads,
+         staged ? staged_bytes : 0, stream, logits, L.head_ld, b_out, head, q, rows, static_cast<int>(L.atoms),
+         L.head_out, static_cast<int>(L.q_rows()), branches, slots, split ? 1 : static_cast<int>(branches.count));
 }
 
 bool split_heads(unsigned row_blocks) {
