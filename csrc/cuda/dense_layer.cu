@@ -438,7 +438,10 @@ constexpr int tile_cols(TileShape t) {
 }
 template <int BM, int BN>
 constexpr TileShape shape_of() {
-  return BN == 16 ? TileShape::k128x16 : BM == 128 ? TileShape::k128x128 : BM == 64 ? TileShape::k64x64 : TileShape::k32x64;
+  return BN == 16    ? TileShape::k128x16
+         : BM == 128 ? TileShape::k128x128
+         : BM == 64  ? TileShape::k64x64
+                     : TileShape::k32x64;
 }
 // The narrow tile's widest output: kLogits launches whose every problem is at most this wide take it.
 constexpr int64_t kNarrowMaxN = 16;
@@ -534,7 +537,8 @@ int launch_tile_shape(DenseLaunch& l, cudaStream_t stream) {
     case TileShape::k64x64: return launch_tile<64, 64, 32, 32, kEpilogue, kStagedStores>(l, stream);
     case TileShape::k32x64: return launch_tile<32, 64, 16, 32, kEpilogue, kStagedStores>(l, stream);
     case TileShape::k128x16:  // pick_tile's for kLogits alone
-      if constexpr (kEpilogue == DenseEpilogue::kLogits) return launch_tile<128, 16, 32, 16, kEpilogue, kStagedStores>(l, stream);
+      if constexpr (kEpilogue == DenseEpilogue::kLogits)
+        return launch_tile<128, 16, 32, 16, kEpilogue, kStagedStores>(l, stream);
       break;
   }
   TORCH_INTERNAL_ASSERT(false, "dense_layer_kernel: no tile for this launch");
@@ -603,7 +607,7 @@ bool measured_faster(const DenseLaunch& l) {
     const bool faster = l.epilogue == DenseEpilogue::kHidden   ? p.N >= 128
                         : l.epilogue == DenseEpilogue::kLogits
                             ? p.rows <= kLogitsMaxRows || (p.N <= kNarrowMaxN && narrow_tile_enabled())
-                                                               : p.K <= kBK || macs_at_most(p, kInputGradMaxMacs);
+                            : p.K <= kBK || macs_at_most(p, kInputGradMaxMacs);
     if (!faster) return false;
   }
   return true;
