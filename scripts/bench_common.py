@@ -69,8 +69,9 @@ def code_path_switches() -> dict:
     the bias gradients' columns (env DQN_OPS_EPILOGUE_COLUMN_SUMS: "auto", the default, "off" or
     "on"), whose sums round differently, and whether narrow output layers take its narrow tile
     (env DQN_OPS_NARROW_LOGITS: "0", the default, or "1"), whose sums round differently from
-    cuBLAS's, and whether the output bias + dueling kernel stages one-atom heads' rows (env
-    DQN_OPS_STAGE_HEAD_ROWS: "0", the default, or "1"), the same bits."""
+    cuBLAS's, whether the output bias + dueling kernel stages one-atom heads' rows (env
+    DQN_OPS_STAGE_HEAD_ROWS: "0", the default, or "1") and whether the dense kernel forms IQN's
+    cosines itself (env DQN_OPS_DENSE_COSINES: "0", the default, or "1"), both the same bits."""
     import os
 
     from dqn_ops import dense_kernel, side_stream
@@ -80,14 +81,15 @@ def code_path_switches() -> dict:
                 dense_stores=os.environ.get("DQN_OPS_DENSE_STORES") or "all",
                 epilogue_column_sums=os.environ.get("DQN_OPS_EPILOGUE_COLUMN_SUMS") or "auto",
                 narrow_logits=(os.environ.get("DQN_OPS_NARROW_LOGITS") or "0") == "1",
-                staged_head_rows=(os.environ.get("DQN_OPS_STAGE_HEAD_ROWS") or "0") == "1")
+                staged_head_rows=(os.environ.get("DQN_OPS_STAGE_HEAD_ROWS") or "0") == "1",
+                dense_cosines=(os.environ.get("DQN_OPS_DENSE_COSINES") or "0") == "1")
 
 
 def switches_note(switches: dict) -> str:
     """The switches as a result file's markdown says them: "side streams on, PDL on, dense
     kernel auto" (files written before the dense kernel do not name it), a forced dense tile and
-    the dense stores, the epilogue's column sums, the narrow logits and the staged head rows where
-    a file names them (it does since each switch came)."""
+    the dense stores, the epilogue's column sums, the narrow logits, the staged head rows and the
+    dense cosines where a file names them (it does since each switch came)."""
     on = lambda key: "on" if switches[key] else "off"  # noqa: E731
     note = f"side streams {on('side_streams')}, PDL {on('pdl')}"
     note += f", dense kernel {switches['dense_kernel']}" if "dense_kernel" in switches else ""
@@ -95,8 +97,9 @@ def switches_note(switches: dict) -> str:
     note += f", dense stores {switches['dense_stores']}" if "dense_stores" in switches else ""
     sums = switches.get("epilogue_column_sums")
     note += f", epilogue column sums {sums}" if sums else ""
-    note += f", narrow logits {on('narrow_logits')}" if "narrow_logits" in switches else ""
-    return note + (f", staged head rows {on('staged_head_rows')}" if "staged_head_rows" in switches else "")
+    for key in ("narrow_logits", "staged_head_rows", "dense_cosines"):
+        note += f", {key.replace('_', ' ')} {on(key)}" if key in switches else ""
+    return note
 
 
 def run_meta(device="cuda", **extra):

@@ -47,15 +47,15 @@ def test_the_switches_note_names_what_is_not_the_default(monkeypatch):
     the epilogue's column sums where the file records them; code_path_switches reads them from the
     environment, "auto" where the column sums' variable is unset."""
     base = dict(side_streams=True, pdl=True, dense_kernel="auto", dense_tile="auto", dense_stores="all",
-                epilogue_column_sums="auto", narrow_logits=False, staged_head_rows=False)
+                epilogue_column_sums="auto", narrow_logits=False, staged_head_rows=False, dense_cosines=False)
     assert switches_note(base) == ("side streams on, PDL on, dense kernel auto, dense stores all, epilogue column "
-                                   "sums auto, narrow logits off, staged head rows off")
+                                   "sums auto, narrow logits off, staged head rows off, dense cosines off")
     assert switches_note(dict(base, dense_tile="64x64", epilogue_column_sums="off", narrow_logits=True,
-                              staged_head_rows=True)) == (
+                              staged_head_rows=True, dense_cosines=True)) == (
         "side streams on, PDL on, dense kernel auto, dense tile 64x64, dense stores all, epilogue column sums off, "
-        "narrow logits on, staged head rows on")
-    # a file written before those two switches
-    no_narrow = {k: v for k, v in base.items() if k not in ("narrow_logits", "staged_head_rows")}
+        "narrow logits on, staged head rows on, dense cosines on")
+    # a file written before those three switches
+    no_narrow = {k: v for k, v in base.items() if k not in ("narrow_logits", "staged_head_rows", "dense_cosines")}
     assert switches_note(no_narrow) == (
         "side streams on, PDL on, dense kernel auto, dense stores all, epilogue column sums auto")
     old = dict(side_streams=False, pdl=True)  # a file written before the dense kernel's switches
@@ -72,3 +72,7 @@ def test_the_switches_note_names_what_is_not_the_default(monkeypatch):
     assert code_path_switches()["staged_head_rows"] is False
     monkeypatch.setenv("DQN_OPS_STAGE_HEAD_ROWS", "1")
     assert code_path_switches()["staged_head_rows"] is True
+    monkeypatch.delenv("DQN_OPS_DENSE_COSINES", raising=False)
+    assert code_path_switches()["dense_cosines"] is False
+    monkeypatch.setenv("DQN_OPS_DENSE_COSINES", "1")
+    assert code_path_switches()["dense_cosines"] is True

@@ -36,6 +36,7 @@ namespace {
 
 constexpr int kBK = 64;           // K elements of a tile: 128 bytes a row
 constexpr int kChunks = kBK / 8;  // 16-byte chunks a row
+static_assert(kDenseFormedXMaxK == kBK, "a formed x (IQN's cosines) is one K tile");
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -169,12 +170,16 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
       b_src[j] = n0 + r < N ? w + int64_t(n0 + r) * w_ld + b_chunk * 8 : nullptr;
     b_dst[j] = b_smem + r * kBRowBytes + ((b_chunk ^ (r & 7)) << 4);
   }
+  // x formed in the kernel (dense_layer.h, fractions): IQN's cosines, its one K tile written to
+  // stage 0 below instead of copied.
+  const bool form_x = kEpilogue == DenseEpilogue::kHidden && P.fractions != nullptr;
   // K tile kt into stage `stage`; rows past the end and columns past K (or N) are zeros.
   auto load_tile = [&](int kt, int stage) {
     const int k0 = kt * kBK;
     const bool k_ok = k0 + chunk * 8 < K;
 #pragma unroll
     for (int j = 0; j < kACopies; ++j) {
+      if (form_x) break;
       const bool ok = k_ok && a_src[j] != nullptr;
       cp_async16(a_dst[j] + stage * kATileBytes, ok ? a_src[j] + k0 : x, ok);
     }
@@ -208,6 +213,19 @@ __global__ void __launch_bounds__(Tile<BM, BN, WM, WN>::kThreads, Tile<BM, BN, W
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < tiles) load_tile(s, s);
     cp_async_commit();
+  }
+  if (form_x) {  // while W's tile is in flight; the K loop's first barrier publishes it
+    const bool store_x = n0 == 0;  // one column tile's blocks write x for the backward
+#pragma unroll
+    for (int j = 0; j < kACopies; ++j) {
+      const int r = row0 + j * kRowStep, row = m0 + r;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (row < rows && chunk * 8 < K) {
+        v = iqn_cosines8(P.fractions[row], chunk * 8);
+        if (store_x) *reinterpret_cast<uint4*>(P.x_out + int64_t(row) * x_ld + chunk * 8) = v;
+      }
+      *reinterpret_cast<uint4*>(smem_raw + tile_offset(r, chunk)) = v;
+    }
   }
   for (int kt = 0; kt < tiles; ++kt) {
     cp_async_wait<kStages - 2>();  // tile kt has landed (this thread's copies) ...
@@ -629,10 +647,13 @@ bool problem_fits(const DenseProblem& p, DenseEpilogue e) {
   const bool operands = p.x && p.w && (p.out || sums_only) && aligned(p.x, 16) && aligned(p.w, 16) &&
                         p.x_ld % 8 == 0 && p.w_ld % 8 == 0 && aligned(p.out, out_bytes);
   const bool sums = !sums_only || (trans && p.aux && p.out_bf16 && aligned(p.col_sums, 4));
+  // A formed x: kHidden's, one K tile, written 16 bytes at a time (x_ld % 8 == 0 above).
+  const bool formed = p.fractions == nullptr || (e == DenseEpilogue::kHidden && p.K <= kBK && p.batch == 1 &&
+                                                 p.x_out && aligned(p.x_out, 16) && aligned(p.fractions, 4));
   const bool extras = (e != DenseEpilogue::kHidden || p.bias != nullptr) && (p.aux == nullptr || aligned(p.aux, 4)) &&
                       (p.out_bf16 == nullptr || aligned(p.out_bf16, 4)) &&
                       (e != DenseEpilogue::kHidden || (p.out_bf16 == nullptr) == (p.aux == nullptr));
-  return sizes && strides && operands && extras && sums;
+  return sizes && strides && operands && extras && sums && formed;
 }
 
 }  // namespace

@@ -46,6 +46,10 @@ enum class DenseEpilogue { kHidden, kLogits, kInputGrad };
 //     order into four accumulators, row r to r % 4, then (a0 + a1) + (a2 + a3)). With col_sums
 //     set, out may be null: the F32 gradient is then not stored, as when only its column sums
 //     (a bias gradient) read it.
+//   fractions (kHidden, K <= kDenseFormedXMaxK, batch 1; null: none): x is not read but formed in
+//     the kernel as IQN's cosines of fractions[r] (elementwise.cuh, iqn_cosines8: the cosine
+//     kernel's bits), and stored to x_out [rows, K] (x_ld) by the blocks of the first column tile,
+//     for the backward: IQN's phi layer without the cosine launch before it.
 // A problem may be a batch of `batch` same-shape GEMMs (a group of heads, NetLayout's
 // block_groups): member i reads x + i * x_stride and w + i * w_stride and writes out + i *
 // out_stride (aux, out_bf16 and bias move by out_stride too); their outputs must not overlap.
@@ -59,6 +63,8 @@ struct DenseProblem {
   const __nv_bfloat16* aux = nullptr;
   __nv_bfloat16* out_bf16 = nullptr;
   float* col_sums = nullptr;
+  const float* fractions = nullptr;
+  __nv_bfloat16* x_out = nullptr;
   int64_t rows = 0, N = 0, K = 0;
   int64_t batch = 1;
   int64_t x_stride = 0, w_stride = 0, out_stride = 0;
@@ -98,6 +104,9 @@ bool dense_applies(const DenseLaunch& l);
 // shape: its K products are summed in one fixed order (tensor-core steps of 16 along K from k =
 // 0), then the epilogue's formula. The column sums (col_sums) depend on the tile's rows.
 int dense_launch(DenseLaunch l, cudaStream_t stream);
+
+// The widest x the kernel forms from fractions: one K tile.
+constexpr int64_t kDenseFormedXMaxK = 64;
 
 // The fewest rows of a tile shape, and the rows of a problem's col_sums for `rows` rows on tiles
 // of `tile_rows` (two halves a row tile): a buffer of dense_column_sum_rows(rows,

@@ -243,8 +243,7 @@ __global__ void __launch_bounds__(kThreads) head_bias_dueling_kernel(const float
   }
 }
 
-// IQN's embedding input c[r, k] = bf16(cos(pi * k * tau[r])), r over the rows * N fractions:
-// the argument k * tau in F32, cospif (accurate to an ulp of F32) before the rounding to BF16. A
+// IQN's embedding input c[r, k] (elementwise.cuh, iqn_cosine), r over the rows * N fractions. A
 // row group (elementwise.cuh) of n / 8 threads a row where n is a multiple of 8, each thread 8
 // columns and one 16-byte store; else n threads, a column each. Not a thread a column for every
 // n: that makes a block of a few rows, each waiting out a load of tau for one cosine a thread,
@@ -259,15 +258,9 @@ __global__ void iqn_cosines_kernel(const float* __restrict__ tau, __nv_bfloat16*
     const float t = tau[r];
     __nv_bfloat16* const row = c + r * n;
     if (by8) {
-      for (int k = 8 * g.col; k < n; k += 8 * g.width) {
-        const uint2 lo = pack_bf16x4(cospif(float(k) * t), cospif(float(k + 1) * t), cospif(float(k + 2) * t),
-                                     cospif(float(k + 3) * t));
-        const uint2 hi = pack_bf16x4(cospif(float(k + 4) * t), cospif(float(k + 5) * t), cospif(float(k + 6) * t),
-                                     cospif(float(k + 7) * t));
-        *reinterpret_cast<uint4*>(row + k) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-      }
+      for (int k = 8 * g.col; k < n; k += 8 * g.width) *reinterpret_cast<uint4*>(row + k) = iqn_cosines8(t, k);
     } else {
-      for (int k = g.col; k < n; k += g.width) row[k] = __float2bfloat16_rn(cospif(float(k) * t));
+      for (int k = g.col; k < n; k += g.width) row[k] = __float2bfloat16_rn(iqn_cosine(t, k));
     }
   }
 }
@@ -539,18 +532,30 @@ NetParams net_params(const Tensor& params, const Tensor& params_bf16) {
   return {params.data_ptr<float>(), static_cast<const __nv_bfloat16*>(params_bf16.data_ptr())};
 }
 
+// DQN_OPS_DENSE_COSINES (switches.h): "1" has the dense layer kernel form IQN's cosines itself
+// where it runs phi's layer (dense_layer.h, fractions), "0" a cosine launch writes them first.
+// The same bits. Unset: "0", until an A/B on a GPU has timed it (bench/NOTES.md).
+bool cosines_in_dense_kernel() {
+  static const bool in_kernel = env_switch("DQN_OPS_DENSE_COSINES", kOffOnNames, 0) == 1;
+  return in_kernel;
+}
+
 // IQN's layer after the trunk (docs/iqn-design.md): from the last trunk layer h [rows, T] and the
 // fractions [rows, N], the cosines c [rows * N, n], phi and z = h * phi [rows * N, T], BF16:
 // 1 cosine launch, then phi's GEMM with the bias + ReLU + product in its epilogue (the dense
-// layer kernel), or where that kernel does not apply the GEMM and 1 bias + ReLU + product launch.
+// layer kernel; under DQN_OPS_DENSE_COSINES that launch forms and stores c itself, for n <=
+// kDenseFormedXMaxK), or where that kernel does not apply the GEMM and 1 bias + ReLU + product
+// launch.
 std::vector<Tensor> iqn_embedding(const char* op, const Tensor& h, const Tensor& fractions, const NetParams& net,
                                   const NetLayout& L, const at::TensorOptions& f32, cudaStream_t stream) {
   const int64_t rows = fractions.numel(), n = L.iqn_embedding, T = L.phi.out_width;
   Tensor c = at::empty({rows, n}, h.options());
   auto* c_ptr = static_cast<__nv_bfloat16*>(c.data_ptr());
-  // c is a fresh tensor, 16-byte aligned: so are its rows where n % 8 == 0 (the kernel's 8-wide stores).
-  launch(iqn_cosines_kernel, row_group_blocks(rows, n % 8 == 0 ? n / 8 : n, kThreads), kThreads, 0, stream,
-         fractions.data_ptr<float>(), c_ptr, rows, static_cast<int>(n));
+  auto cosines = [&] {
+    // c is a fresh tensor, 16-byte aligned: so are its rows where n % 8 == 0 (the kernel's 8-wide stores).
+    launch(iqn_cosines_kernel, row_group_blocks(rows, n % 8 == 0 ? n / 8 : n, kThreads), kThreads, 0, stream,
+           fractions.data_ptr<float>(), c_ptr, rows, static_cast<int>(n));
+  };
   const HeadSlice& w = L.phi.blocks[0];
   Tensor phi = at::empty({rows, T}, h.options()), z = at::empty({rows, T}, h.options());
   const float* b_ptr = net.p + L.phi.b_off;
@@ -572,12 +577,18 @@ std::vector<Tensor> iqn_embedding(const char* op, const Tensor& h, const Tensor&
   p.rows = rows;
   p.N = T;
   p.K = n;
+  if (cosines_in_dense_kernel() && n <= kDenseFormedXMaxK) {
+    p.fractions = fractions.data_ptr<float>();
+    p.x_out = c_ptr;
+  }
   dense.add(p);
   dense.scale_group = N;
   if (dense_applies(dense)) {
+    if (!p.fractions) cosines();
     dense_launch(dense, stream);
     return {c, phi, z};
   }
+  cosines();
   Tensor pre = at::empty({rows, T}, f32);
   gemm(op, "phi", rows, T, n, Operand{c_ptr, CUDA_R_16BF, n, false}, Operand{net.w + w.w_off, CUDA_R_16BF, n, true},
        pre.data_ptr<float>(), CUDA_R_32F, T, CUBLAS_COMPUTE_32F);

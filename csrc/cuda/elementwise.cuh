@@ -63,6 +63,18 @@ __device__ __forceinline__ float4 unpack_bf16x4(uint2 v) {
   return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
+// IQN's embedding input c[r, k] = bf16(cos(pi * k * tau[r])) (docs/iqn-design.md): the argument
+// k * tau in F32, cospif (accurate to an ulp of F32) before the rounding to BF16. iqn_cosine is
+// one column's F32 cosine; iqn_cosines8 columns k0 .. k0 + 7 of fraction t, rounded and packed for
+// one 16-byte store (iqn_cosines_kernel, and the dense layer kernel where it forms phi's input).
+__device__ __forceinline__ float iqn_cosine(float t, int k) { return cospif(float(k) * t); }
+__device__ __forceinline__ uint4 iqn_cosines8(float t, int k0) {
+  const uint2 lo = pack_bf16x4(iqn_cosine(t, k0), iqn_cosine(t, k0 + 1), iqn_cosine(t, k0 + 2), iqn_cosine(t, k0 + 3));
+  const uint2 hi =
+      pack_bf16x4(iqn_cosine(t, k0 + 4), iqn_cosine(t, k0 + 5), iqn_cosine(t, k0 + 6), iqn_cosine(t, k0 + 7));
+  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+
 // IQN's z = bf16(h * phi) of two columns, each pair packed in a 32-bit word (z[r] = h_L[r / N] *
 // phi[r]): the product of two BF16 values is exact in F32, so z is rounded once.
 __device__ __forceinline__ unsigned bf16_product2(unsigned h, unsigned phi) {
