@@ -25,7 +25,11 @@ CONFIGS = [DQNConfig(state_dim=37, trunk_hidden=(61, 45), value_hidden=(29,), ad
            # CleanRL's c51 shape: the fused loss's version with 4 atoms a lane, no value head
            DQNConfig(state_dim=4, trunk_hidden=(120, 84), adv_hidden=(), atoms=101, branches=(2,), dueling=False)]
 
-COLUMN_SUMS_RAN = "sanitize_smoke: the column sums' sections ran"
+# The switches of code paths not on by default, each set in a child process that runs the sections
+# they change (each switch is read once a process).
+SWITCHED_PATHS = dict(DQN_OPS_EPILOGUE_COLUMN_SUMS="on", DQN_OPS_NARROW_LOGITS="1", DQN_OPS_STAGE_HEAD_ROWS="1",
+                      DQN_OPS_DENSE_COSINES="1")
+SWITCHED_RAN = "sanitize_smoke: the switched paths' sections ran"
 
 
 def dense_kernel_section(dev):
@@ -65,6 +69,31 @@ def iqn_backward_section(dev):
                            net._layout_ints, "bf16", True)
 
 
+def one_atom_rows_section(dev):
+    """Output layers of one-atom heads at rows past 2048 that fill the SMs (the narrow 128 x 16
+    tile under DQN_OPS_NARROW_LOGITS=1, the output bias + dueling kernel's staged rows under
+    DQN_OPS_STAGE_HEAD_ROWS=1) and IQN's phi layer with its cosines formed in the dense kernel
+    (DQN_OPS_DENSE_COSINES=1): an MSE network at 40,000 rows, IQN at 1000 x 37 fraction rows (64
+    cosines) and 37 x 5 (16: a partial K tile), each with its backward, the dense kernel on every
+    layer it can run."""
+    previous = dense_kernel.set_mode("on")
+    try:
+        mse = DQNConfig(state_dim=16, trunk_hidden=(32,), value_hidden=(16,), adv_hidden=(16,), atoms=1,
+                        branches=(2, 3, 5))
+        iqn = DQNConfig(state_dim=16, trunk_hidden=(64, 48), value_hidden=(16,), adv_hidden=(16,), atoms=1,
+                        branches=(3, 2), iqn_embedding=64)
+        iqn_16 = DQNConfig(state_dim=12, trunk_hidden=(40,), value_hidden=(16,), adv_hidden=(8,), atoms=1,
+                           branches=(3,), iqn_embedding=16)
+        for c, B, fractions in ((mse, 40_000, 0), (iqn, 1000, 37), (iqn_16, 37, 5)):
+            net = dqn_ops.DuelingBranchQNet(c).to(dev)
+            tau = torch.rand(B, fractions, device=dev) if fractions else None
+            out = net.forward_full(torch.randn(B, c.state_dim, device=dev), tau)
+            dqn_ops.mixed_backward(torch.randn_like(out.q_logits), None, out, net.flat_params.detach(),
+                                   net.params_bf16, net._layout_ints, "bf16", True)
+    finally:
+        dense_kernel.set_mode(previous)
+
+
 def main():
     # The log says what it checked: the device, the versions and the code-path switches.
     meta = run_meta()
@@ -95,16 +124,17 @@ def main():
                 t.step(dict(states=s, next_states=torch.randn_like(s), actions=a, rewards=r, dones=d))
             t.readback()
     dense_kernel_section(dev)
-    # the same and IQN's backward with the bias gradients' column sums begun where the gradients
-    # are formed (the switch is read once a process: a child, which compute-sanitizer follows and
-    # reports in this log). Its exit status may be the sanitizer's error code (racecheck's reports
-    # inside cuBLAS, which verify_gpu.sh sorts out), so the child's last line, not its status,
-    # says whether it ran to the end.
-    child = subprocess.run([sys.executable, __file__, "--column-sums"], capture_output=True, text=True,
-                           env=dict(os.environ, DQN_OPS_EPILOGUE_COLUMN_SUMS="on"))
+    # the same, IQN's backward and one-atom heads at many rows with the paths SWITCHED_PATHS
+    # names (the bias gradients' column sums begun where the gradients are formed at any rows, the
+    # narrow output tile, the staged head rows, the cosines formed in phi's launch) in a child,
+    # which compute-sanitizer follows and reports in this log. Its exit status may be the
+    # sanitizer's error code (racecheck's reports inside cuBLAS, which verify_gpu.sh sorts out), so
+    # the child's last line, not its status, says whether it ran to the end.
+    child = subprocess.run([sys.executable, __file__, "--switched-paths"], capture_output=True, text=True,
+                           env=dict(os.environ, **SWITCHED_PATHS))
     print(child.stdout + child.stderr, end="", flush=True)
-    if COLUMN_SUMS_RAN not in child.stdout:
-        raise SystemExit(f"sanitize_smoke: the sections with the column sums on exited {child.returncode} before "
+    if SWITCHED_RAN not in child.stdout:
+        raise SystemExit(f"sanitize_smoke: the sections with the switched paths exited {child.returncode} before "
                          f"their end")
     # the backward's weight gradients split over row chunks and reduced (from 32768 rows)
     c = DQNConfig(state_dim=8, trunk_hidden=(16, 16), value_hidden=(8,), adv_hidden=(8,), atoms=3, branches=(2,))
@@ -254,10 +284,11 @@ def main():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--column-sums"]:
+    if sys.argv[1:] == ["--switched-paths"]:
         dense_kernel_section("cuda")
         iqn_backward_section("cuda")
+        one_atom_rows_section("cuda")
         torch.cuda.synchronize()
-        print(COLUMN_SUMS_RAN)
+        print(SWITCHED_RAN)
     else:
         main()
