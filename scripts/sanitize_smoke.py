@@ -73,18 +73,19 @@ def one_atom_rows_section(dev):
     """Output layers of one-atom heads at rows past 2048 that fill the SMs (the narrow 128 x 16
     tile under DQN_OPS_NARROW_LOGITS=1, the output bias + dueling kernel's staged rows under
     DQN_OPS_STAGE_HEAD_ROWS=1) and IQN's phi layer with its cosines formed in the dense kernel
-    (DQN_OPS_DENSE_COSINES=1): an MSE network at 40,000 rows, IQN at 1000 x 37 fraction rows (64
-    cosines) and 37 x 5 (16: a partial K tile), each with its backward, the dense kernel on every
-    layer it can run."""
+    (DQN_OPS_DENSE_COSINES=1): an MSE network at 40,000 rows, IQN at 1000 x 37 fraction rows and
+    at 100 x 40 (64 cosines; phi 160 wide: blocks past the first column tile, on the 128 x 128
+    and 64 x 64 tiles) and at 37 x 5 (16 cosines: a partial K tile), each with its backward, the
+    dense kernel on every layer it can run."""
     previous = dense_kernel.set_mode("on")
     try:
         mse = DQNConfig(state_dim=16, trunk_hidden=(32,), value_hidden=(16,), adv_hidden=(16,), atoms=1,
                         branches=(2, 3, 5))
-        iqn = DQNConfig(state_dim=16, trunk_hidden=(64, 48), value_hidden=(16,), adv_hidden=(16,), atoms=1,
+        iqn = DQNConfig(state_dim=16, trunk_hidden=(64, 160), value_hidden=(16,), adv_hidden=(16,), atoms=1,
                         branches=(3, 2), iqn_embedding=64)
         iqn_16 = DQNConfig(state_dim=12, trunk_hidden=(40,), value_hidden=(16,), adv_hidden=(8,), atoms=1,
                            branches=(3,), iqn_embedding=16)
-        for c, B, fractions in ((mse, 40_000, 0), (iqn, 1000, 37), (iqn_16, 37, 5)):
+        for c, B, fractions in ((mse, 40_000, 0), (iqn, 1000, 37), (iqn, 100, 40), (iqn_16, 37, 5)):
             net = dqn_ops.DuelingBranchQNet(c).to(dev)
             tau = torch.rand(B, fractions, device=dev) if fractions else None
             out = net.forward_full(torch.randn(B, c.state_dim, device=dev), tau)

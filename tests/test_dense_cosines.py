@@ -3,7 +3,9 @@ csrc/cuda/dense_layer.h fractions; csrc/cuda/dueling_forward.cu iqn_embedding): 
 before phi's layer is gone, and the cosines (stored for the backward), phi, z, the head logits
 and q are the same bits as under =0, where iqn_cosines_kernel writes the cosines first. Under each
 forced tile shape, for an embedding of one whole K tile (64 cosines) and of a partial one (16),
-at fraction rows with tails in every tile shape. Read once per process: a subprocess each."""
+at fraction rows with tails in every tile shape; and where the dense kernel does not run phi's
+layer (mode off) the cosine launch still runs under =1, with =0's bits. Read once per process: a
+subprocess each."""
 import textwrap
 
 import pytest
@@ -17,7 +19,7 @@ RUN = textwrap.dedent("""
     import os, sys, torch
     os.environ["DQN_OPS_DENSE_TILE"] = sys.argv[2]  # read at the kernel's first launch
     from dqn_ops import DQNConfig, DuelingBranchQNet, dense_kernel
-    dense_kernel.set_mode("on")
+    dense_kernel.set_mode(sys.argv[3])
     nets = {
         "cosines_64": (DQNConfig(state_dim=40, trunk_hidden=(130, 96), value_hidden=24, adv_hidden=16, atoms=1,
                                  branches=(2, 3), iqn_embedding=64), 1000, 7),
@@ -43,7 +45,7 @@ RUN = textwrap.dedent("""
 @requires_cuda
 @pytest.mark.parametrize("tile", TILES)
 def test_cosines_formed_in_the_dense_kernel_are_the_cosine_kernels_bits(tmp_path, tile):
-    on, off = (saved_with_env(RUN, ENV, v, str(tmp_path / f"{v}.pt"), tile) for v in ("1", "0"))
+    on, off = (saved_with_env(RUN, ENV, v, str(tmp_path / f"{v}.pt"), tile, "on") for v in ("1", "0"))
     if not any(dense for _, dense in off["launches"].values()):
         pytest.skip("the profiler recorded no kernels here")
     for name in on["launches"]:
@@ -52,6 +54,16 @@ def test_cosines_formed_in_the_dense_kernel_are_the_cosine_kernels_bits(tmp_path
         assert on["launches"][name][0] == 0 and off["launches"][name][0] == 1, (name, on["launches"], off["launches"])
         assert on["launches"][name][1] == off["launches"][name][1], (name, on["launches"], off["launches"])
     assert_same_bits(on["out"], off["out"], (tile, "cosines in the dense kernel vs the cosine kernel's"))
+
+
+@requires_cuda
+def test_the_cosine_launch_runs_where_the_dense_kernel_does_not(tmp_path):
+    on, off = (saved_with_env(RUN, ENV, v, str(tmp_path / f"{v}.pt"), "auto", "off") for v in ("1", "0"))
+    if not any(cos for cos, _ in off["launches"].values()):
+        pytest.skip("the profiler recorded no kernels here")
+    for name in on["launches"]:
+        assert on["launches"][name] == off["launches"][name] == (1, 0), (name, on["launches"], off["launches"])
+    assert_same_bits(on["out"], off["out"], "mode off: the cosine launch under either setting")
 
 
 @requires_cuda

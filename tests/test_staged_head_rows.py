@@ -3,7 +3,9 @@ csrc/cuda/dueling_forward.cu head_bias_dueling_kernel<true>): for heads of one a
 thread takes a row and walks its heads (rows enough to fill the SMs), the block copies its rows'
 logits to shared memory first. The same bits as each thread reading its row from global memory
 (=0), for dueling and plain heads, an ensemble and IQN, at rows with a partial last block; the
-staged kernel runs only under =1. Read once per process: a subprocess each."""
+staged kernel runs only under =1 (and only where a block's rows fit 48 KB: head_ld <= 44). The
+row counts make more blocks than an H100's or H200's 132 SMs (a GPU of more than 145 would split
+IQN's heads by column instead). Read once per process: a subprocess each."""
 import textwrap
 
 import pytest
@@ -21,8 +23,9 @@ RUN = textwrap.dedent("""
                               branches=(2, 3, 5)), 40_000, 0),
         "no_dueling": (DQNConfig(state_dim=8, trunk_hidden=(32,), adv_hidden=(16,), atoms=1, branches=(4, 2),
                                  dueling=False), 40_000, 0),
-        "ensemble_3": (DQNConfig(state_dim=8, trunk_hidden=(32,), value_hidden=(16,), adv_hidden=(16,), atoms=1,
-                                 branches=(3, 2), ensemble=3), 40_000, 0),
+        # two members of one branch: head_ld 32, within the staged rows' shared memory
+        "ensemble_2": (DQNConfig(state_dim=8, trunk_hidden=(32,), value_hidden=(16,), adv_hidden=(16,), atoms=1,
+                                 branches=(3,), ensemble=2), 40_000, 0),
         "iqn": (DQNConfig(state_dim=8, trunk_hidden=(32,), value_hidden=(16,), adv_hidden=(16,), atoms=1,
                           branches=(3, 2), iqn_embedding=16), 1_000, 37),
     }

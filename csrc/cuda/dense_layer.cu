@@ -13,7 +13,8 @@
 //
 // Tile shapes (pick_tile): 128 x 128 with 8 warps for large launches, 64 x 64 and 32 x 64 with 4
 // warps where the larger tile would leave SMs idle, and 128 x 16 with 4 warps for an output
-// layer whose heads are all at most 16 columns wide (atoms = 1: IQN's, MSE's), where a wider
+// layer whose heads are all at most 16 columns wide once padded (one-atom heads: IQN's, MSE's;
+// or a branch of few actions and atoms), where a wider
 // tile would compute and load weights for columns that do not exist and the launch is bound by
 // reading the heads' input once. Every shape accumulates an element's products in the same
 // order (k16 steps from 0), so the choice does not change any bit.
@@ -463,6 +464,8 @@ constexpr TileShape shape_of() {
 }
 // The narrow tile's widest output: kLogits launches whose every problem is at most this wide take it.
 constexpr int64_t kNarrowMaxN = 16;
+// Mode auto's most rows a kLogits problem on the square tiles (measured_faster).
+constexpr int64_t kLogitsMaxRows = 2048;
 static_assert(tile_cols(TileShape::k128x16) == kNarrowMaxN, "the narrow tile covers a narrow problem's columns");
 static_assert(tile_rows(TileShape::k32x64) == kDenseMinTileRows, "dense_layer.h's fewest tile rows");
 
@@ -524,12 +527,21 @@ bool narrow_logits(const DenseLaunch& l) {
   return true;
 }
 
-// The narrow tile for a narrow output layer whose grid covers every SM; else the largest tile
-// whose grid still covers every SM, the smallest where none does.
+// Whether a problem of `l` has more rows than mode auto takes on the square tiles.
+bool past_square_rows(const DenseLaunch& l) {
+  for (int i = 0; i < l.count; ++i)
+    if (l.problem[i].rows > kLogitsMaxRows) return true;
+  return false;
+}
+
+// The narrow tile for a narrow output layer whose grid covers every SM, or that mode auto takes
+// for its narrowness alone (rows past kLogitsMaxRows: the shape it was timed on); else the
+// largest tile whose grid still covers every SM, the smallest where none does.
 TileShape pick_tile(const DenseLaunch& l) {
   if (forced_tile() >= 0) return static_cast<TileShape>(forced_tile());
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (narrow_logits(l) && tiles_of(l, TileShape::k128x16) >= sms) return TileShape::k128x16;
+  if (narrow_logits(l) && (tiles_of(l, TileShape::k128x16) >= sms || past_square_rows(l)))
+    return TileShape::k128x16;
   for (TileShape t : {TileShape::k128x128, TileShape::k64x64})
     if (tiles_of(l, t) >= sms) return t;
   return TileShape::k32x64;
@@ -613,7 +625,6 @@ int launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
 //     output layer of few columns, IQN's atoms = 1 heads) the GEMM is no work beside writing dX,
 //     and the kernel writes it once with its mask and copy where cuBLAS's path writes and rereads
 //     it: measured faster at IQN's B = 4096 (131,072 rows x 512 x 8), the same at 256.
-constexpr int64_t kLogitsMaxRows = 2048;
 constexpr int64_t kInputGradMaxMacs = int64_t(1) << 27;
 // rows x N x K x batch <= bound, without the product's overflow (floor divisions compose).
 bool macs_at_most(const DenseProblem& p, int64_t bound) {

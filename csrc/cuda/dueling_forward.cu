@@ -225,11 +225,12 @@ __global__ void __launch_bounds__(kThreads) head_bias_dueling_kernel(const float
   }
   // Staged: a thread a row (g.width == 1), the block's loop uniform so that every thread reaches
   // the barriers.
-  const int64_t staged_ld = head_ld + 1, chunks = head_ld / 4;  // head_ld % 4 == 0, logits 16-byte aligned
+  // head_ld % 4 == 0, logits 16-byte aligned; a block's chunks fit an int (its rows in 48 KB)
+  const int staged_ld = static_cast<int>(head_ld) + 1, chunks = static_cast<int>(head_ld) / 4;
   for (int64_t first = int64_t(blockIdx.x) * blockDim.x; first < rows; first += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t block_rows = min(int64_t(blockDim.x), rows - first);
+    const int block_rows = static_cast<int>(min(int64_t(blockDim.x), rows - first));
     const float4* src = reinterpret_cast<const float4*>(logits + first * head_ld);
-    for (int64_t c = threadIdx.x; c < block_rows * chunks; c += blockDim.x) {
+    for (int c = threadIdx.x; c < block_rows * chunks; c += blockDim.x) {
       const float4 v = src[c];
       float* dst = staged_rows + (c / chunks) * staged_ld + (c % chunks) * 4;
       dst[0] = v.x;
@@ -238,7 +239,8 @@ __global__ void __launch_bounds__(kThreads) head_bias_dueling_kernel(const float
       dst[3] = v.w;
     }
     __syncthreads();
-    if (threadIdx.x < block_rows) bias_dueling_row(first + threadIdx.x, staged_rows + threadIdx.x * staged_ld);
+    if (static_cast<int>(threadIdx.x) < block_rows)
+      bias_dueling_row(first + threadIdx.x, staged_rows + threadIdx.x * staged_ld);
     __syncthreads();  // every row read before the next rows are copied over them
   }
 }
