@@ -14,10 +14,10 @@
 // Tile shapes (pick_tile): 128 x 128 with 8 warps for large launches, 64 x 64 and 32 x 64 with 4
 // warps where the larger tile would leave SMs idle, and 128 x 16 with 4 warps for an output
 // layer whose heads are all at most 16 columns wide once padded (one-atom heads: IQN's, MSE's;
-// or a branch of few actions and atoms), where a wider
-// tile would compute and load weights for columns that do not exist and the launch is bound by
-// reading the heads' input once. Every shape accumulates an element's products in the same
-// order (k16 steps from 0), so the choice does not change any bit.
+// or a branch of few actions and atoms), where a wider tile would compute and load weights for
+// columns that do not exist and the launch is bound by reading the heads' input once. Every
+// shape accumulates an element's products in the same order (k16 steps from 0), so the choice
+// does not change any bit.
 #include "dense_layer.h"
 
 #include <climits>
@@ -612,10 +612,11 @@ int launch_epilogue(DenseLaunch& l, cudaStream_t stream) {
 //     launches (a GEMM per head group and network, the target's fork and join), which counts at
 //     small batches; at large ones cuBLAS's GEMMs are faster than this kernel's square tiles.
 //     Measured with every kind on: faster at B = 256 and 1024 (the online network's 2048 rows),
-//     slower at 2048 and 4096. Heads of at most kNarrowMaxN columns (atoms = 1) take the narrow
-//     tile where its grid covers the SMs: one launch for every head, reading their input once at
-//     the memory's rate, where cuBLAS ran a GEMM per head group (IQN's 131,072 and 262,144 rows x
-//     8 columns: bench/NOTES.md, the dense kernel's bullet "The narrow output tile").
+//     slower at 2048 and 4096. Under DQN_OPS_NARROW_LOGITS, heads of at most kNarrowMaxN columns
+//     (one atom) take the kernel at any rows, past kLogitsMaxRows on the narrow tile (pick_tile):
+//     one launch for every head, reading their input once at the memory's rate, where cuBLAS ran
+//     a GEMM per head group (IQN's 131,072 and 262,144 rows x 8 columns: bench/NOTES.md, the dense
+//     kernel's bullet "The narrow output tile").
 //   - kInputGrad: at most kInputGradMaxMacs products a problem (rows x N x K, x batch), or K within
 //     one tile at any size. It saves the relu_backward pass after each GEMM; on larger GEMMs
 //     cuBLAS's faster one wins more than the pass costs. Measured with every kind on, by each
