@@ -9,7 +9,7 @@ namespace dqn_ops {
 namespace {
 // The setting, initialised from the environment at its first use (switches.h; on unless it is 0).
 std::atomic<bool>& side_streams_setting() {
-  static std::atomic<bool> setting{env_switch("DQN_OPS_SIDE_STREAM", kOffOnNames, 1) == 1};
+  static std::atomic<bool> setting{env_flag("DQN_OPS_SIDE_STREAM", true)};
   return setting;
 }
 }  // namespace

@@ -39,4 +39,6 @@ int env_switch(const char* var, SwitchNames names, int unset) {
   return value;
 }
 
+bool env_flag(const char* var, bool unset) { return env_switch(var, kOffOnNames, unset ? 1 : 0) == 1; }
+
 }  // namespace dqn_ops

@@ -31,5 +31,7 @@ const char* switch_name(SwitchNames names, int value);
 std::string switch_choices(SwitchNames names);
 // The value environment variable `var` names: `unset` where it is unset or empty.
 int env_switch(const char* var, SwitchNames names, int unset);
+// An on / off switch's setting (kOffOnNames): `unset` where its variable is unset or empty.
+bool env_flag(const char* var, bool unset);
 
 }  // namespace dqn_ops

@@ -76,13 +76,15 @@ def code_path_switches() -> dict:
 
     from dqn_ops import dense_kernel, side_stream
 
-    return dict(side_streams=side_stream.enabled(), pdl=os.environ.get("DQN_OPS_PDL", "1") != "0",
+    def flag(var: str, unset: str) -> bool:  # an on / off switch: "0" or "1", `unset` where unset or empty
+        return (os.environ.get(var) or unset) == "1"
+
+    return dict(side_streams=side_stream.enabled(), pdl=flag("DQN_OPS_PDL", "1"),
                 dense_kernel=dense_kernel.mode(), dense_tile=os.environ.get("DQN_OPS_DENSE_TILE") or "auto",
                 dense_stores=os.environ.get("DQN_OPS_DENSE_STORES") or "all",
                 epilogue_column_sums=os.environ.get("DQN_OPS_EPILOGUE_COLUMN_SUMS") or "auto",
-                narrow_logits=(os.environ.get("DQN_OPS_NARROW_LOGITS") or "0") == "1",
-                staged_head_rows=(os.environ.get("DQN_OPS_STAGE_HEAD_ROWS") or "0") == "1",
-                dense_cosines=(os.environ.get("DQN_OPS_DENSE_COSINES") or "0") == "1")
+                narrow_logits=flag("DQN_OPS_NARROW_LOGITS", "0"), staged_head_rows=flag("DQN_OPS_STAGE_HEAD_ROWS", "0"),
+                dense_cosines=flag("DQN_OPS_DENSE_COSINES", "0"))
 
 
 def switches_note(switches: dict) -> str:

@@ -514,7 +514,7 @@ bool stages_stores(DenseEpilogue e) {
 // (measured_faster), "0" neither (output layers of narrow heads then run as any other: cuBLAS's
 // GEMMs past kLogitsMaxRows). Unset: "0", until an A/B on a GPU has timed it (bench/NOTES.md).
 bool narrow_tile_enabled() {
-  static const bool enabled = env_switch("DQN_OPS_NARROW_LOGITS", kOffOnNames, 0) == 1;
+  static const bool enabled = env_flag("DQN_OPS_NARROW_LOGITS", false);
   return enabled;
 }
 

@@ -538,7 +538,7 @@ NetParams net_params(const Tensor& params, const Tensor& params_bf16) {
 // where it runs phi's layer (dense_layer.h, fractions), "0" a cosine launch writes them first.
 // The same bits. Unset: "0", until an A/B on a GPU has timed it (bench/NOTES.md).
 bool cosines_in_dense_kernel() {
-  static const bool in_kernel = env_switch("DQN_OPS_DENSE_COSINES", kOffOnNames, 0) == 1;
+  static const bool in_kernel = env_flag("DQN_OPS_DENSE_COSINES", false);
   return in_kernel;
 }
 
@@ -704,7 +704,7 @@ constexpr size_t kMaxStagedBytes = 48 * 1024;
 // (head_bias_dueling_kernel), "0" each thread reads its row's logits from global memory. The
 // same bits. Unset: "0", until an A/B on a GPU has timed it (bench/NOTES.md).
 bool staged_dueling_rows() {
-  static const bool staged = env_switch("DQN_OPS_STAGE_HEAD_ROWS", kOffOnNames, 0) == 1;
+  static const bool staged = env_flag("DQN_OPS_STAGE_HEAD_ROWS", false);
   return staged;
 }
 

@@ -78,7 +78,7 @@ namespace pdl {
 
 // False under DQN_OPS_PDL=0 (switches.h: 0 or 1, unset 1). Read once per process.
 inline bool enabled() {
-  static const bool on = env_switch("DQN_OPS_PDL", kOffOnNames, 1) == 1;
+  static const bool on = env_flag("DQN_OPS_PDL", true);
   return on;
 }
 
