@@ -387,8 +387,8 @@ struct Grad {
 // F32 values that the column-sum kernel would read back: a hidden layer's masked dZ on the dense
 // kernel (its epilogue's tile sums) and IQN's dP (iqn_backward_kernel's per-sample sums). "auto",
 // the default, from kEpilogueColumnSumMinRows rows, where the F32 gradient's write and read are
-// the largest (IQN's fraction rows; below them the stored gradient's column sums measured no
-// slower: bench/NOTES.md); "off", never; "on", at any rows (the tests'). The bias gradients then
+// the largest (IQN's fraction rows, where it measured faster: bench/NOTES.md; fewer rows were not
+// timed); "off", never; "on", at any rows (the tests'). The bias gradients then
 // differ from the other paths' in their summation order, so in rounding.
 constexpr int64_t kEpilogueColumnSumMinRows = 32768;
 bool epilogue_column_sums(int64_t rows) {
